@@ -1,0 +1,88 @@
+"""The async facade: the SDK protocol, each call run in a worker thread by anyio.
+
+There is no async storage logic: every method hands the synchronous
+implementation (:class:`fsstore._store.SyncStore`, also reachable as
+``store.sync``) to ``anyio.to_thread.run_sync``, so no file I/O ever runs on the
+event loop, and the same code serves asyncio and trio. A cancelled caller does
+not abandon the worker: an append either commits or not, never halfway.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Mapping
+from typing import Any
+
+from anyio import to_thread
+
+from ._store import SyncStore
+
+
+class FsSessionStore:
+    """A ``SessionStore`` on a directory, typically on a shared mount.
+
+    Args:
+        root: the store directory; created on first write.
+        fsync: fsync each part before it becomes visible and the directory after
+            (default False: the SDK's local transcript is the durable copy; see
+            docs/operations.md).
+        stale_lock_seconds: a lock file older than this is reclaimed, whoever holds it.
+        lock_timeout_seconds: how long a writer waits for the lock before LOCK_TIMEOUT.
+        dir_mode, file_mode: permissions of what the store creates (0700 / 0600).
+        summaries: maintain the Claude summary sidecar (None: when claude-agent-sdk
+            is importable).
+    """
+
+    def __init__(
+        self,
+        root: str | os.PathLike[str],
+        *,
+        fsync: bool = False,
+        stale_lock_seconds: float = 30.0,
+        lock_timeout_seconds: float = 60.0,
+        dir_mode: int = 0o700,
+        file_mode: int = 0o600,
+        summaries: bool | None = None,
+    ) -> None:
+        self.sync = SyncStore(
+            root,
+            fsync=fsync,
+            stale_lock_seconds=stale_lock_seconds,
+            lock_timeout_seconds=lock_timeout_seconds,
+            dir_mode=dir_mode,
+            file_mode=file_mode,
+            summaries=summaries,
+        )
+
+    @property
+    def root(self) -> str:
+        return self.sync.root
+
+    def __repr__(self) -> str:
+        return f"FsSessionStore(root={self.root!r})"
+
+    async def append(self, key: Mapping[str, Any], entries: list[dict[str, Any]]) -> None:
+        await to_thread.run_sync(self.sync.append, key, entries)
+
+    async def load(self, key: Mapping[str, Any]) -> list[dict[str, Any]] | None:
+        return await to_thread.run_sync(self.sync.load, key)
+
+    async def list_sessions(self, project_key: str) -> list[dict[str, Any]]:
+        return await to_thread.run_sync(self.sync.list_sessions, project_key)
+
+    async def list_session_summaries(self, project_key: str) -> list[dict[str, Any]]:
+        return await to_thread.run_sync(self.sync.list_session_summaries, project_key)
+
+    async def delete(self, key: Mapping[str, Any]) -> None:
+        await to_thread.run_sync(self.sync.delete, key)
+
+    async def list_subkeys(self, key: Mapping[str, Any]) -> list[str]:
+        return await to_thread.run_sync(self.sync.list_subkeys, key)
+
+    def locked(self, key: Mapping[str, Any]) -> contextlib.AbstractContextManager[None]:
+        """Hold the transcript's commit lock (sync context manager, for maintenance)."""
+        return self.sync.locked(key)
+
+
+__all__ = ["FsSessionStore"]

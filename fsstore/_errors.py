@@ -1,0 +1,106 @@
+"""The one error type fsstore raises, and the table of its codes.
+
+Every failure of a public operation is an :class:`FsStoreError`. Operators alert on
+``code``; the SDKs only report ``str(err)`` in their mirror-error message, so the
+string carries code, operation and path too.
+
+Codes are either the POSIX name of the underlying ``errno`` (``ENOSPC``, ``EIO``,
+``EACCES``, ``ESTALE``, ...) or one of the store's own codes in :data:`STORE_CODES`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno as _errno
+import logging
+from collections.abc import Iterator
+
+log = logging.getLogger("fsstore")
+
+#: The store's own codes (POSIX names are used for everything the OS reports).
+STORE_CODES: dict[str, str] = {
+    "INVALID_KEY": "a key part is empty, not a string, contains NUL, or a subpath is not relative",
+    "INVALID_ENTRY": "entries is not a list of JSON objects that json.dumps accepts",
+    "CORRUPT": "a committed part or segment cannot be parsed (file and line in the message)",
+    "LOCK_TIMEOUT": "the transcript lock was not acquired within lock_timeout_seconds",
+    "UNSAFE_PATH": "something inside root is a symlink or not a directory where the store expects one",
+}
+
+
+class FsStoreError(Exception):
+    """A failed fsstore operation.
+
+    Attributes: ``code`` (stable string), ``errno`` (int or None), ``operation``
+    (``append``, ``load``, ``list_sessions``, ``delete``, ``lock``, ...), ``path``
+    (the file or directory involved, or None). The original exception, if any, is
+    ``__cause__``.
+    """
+
+    def __init__(
+        self,
+        code: str,
+        message: str,
+        *,
+        operation: str,
+        path: str | None = None,
+        errno: int | None = None,
+    ) -> None:
+        self.code = code
+        self.message = message
+        self.operation = operation
+        self.path = path
+        self.errno = errno
+        super().__init__(str(self))
+
+    def __str__(self) -> str:
+        where = f" at {self.path}" if self.path else ""
+        return f"fsstore {self.code} during {self.operation}{where}: {self.message}"
+
+    def __reduce__(self) -> tuple[object, ...]:
+        # Keeps the error picklable across process pools with all its attributes.
+        return (
+            _rebuild,
+            (self.code, self.message, self.operation, self.path, self.errno),
+        )
+
+
+def _rebuild(
+    code: str, message: str, operation: str, path: str | None, err: int | None
+) -> FsStoreError:
+    return FsStoreError(code, message, operation=operation, path=path, errno=err)
+
+
+def from_oserror(exc: OSError, operation: str, path: str | None) -> FsStoreError:
+    """Wrap an OSError, keeping its POSIX name as the code."""
+    num = exc.errno
+    code = _errno.errorcode.get(num, "EIO") if num is not None else "EIO"
+    where = exc.filename if isinstance(exc.filename, str) and exc.filename.startswith("/") else path
+    err = FsStoreError(code, exc.strerror or str(exc), operation=operation, path=where, errno=num)
+    err.__cause__ = exc
+    return err
+
+
+@contextlib.contextmanager
+def translating(operation: str, path: str | None) -> Iterator[None]:
+    """Turn any OSError raised inside into an FsStoreError and log it once.
+
+    FsStoreErrors raised inside pass through unchanged (they already carry their
+    operation and path); they are logged here because this is the public boundary.
+    """
+    try:
+        yield
+    except FsStoreError as err:
+        _log(err)
+        raise
+    except OSError as exc:
+        err = from_oserror(exc, operation, path)
+        _log(err)
+        raise err from exc
+
+
+def _log(err: FsStoreError) -> None:
+    log.warning(
+        "%s",
+        err,
+        extra={"code": err.code, "operation": err.operation, "path": err.path, "errno": err.errno},
+    )

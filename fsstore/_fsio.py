@@ -1,0 +1,301 @@
+"""File-system primitives, all relative to directory descriptors.
+
+Nothing here follows a symlink inside the store root: directories are opened one
+component at a time with ``O_NOFOLLOW | O_DIRECTORY`` and files with ``O_NOFOLLOW``,
+so a directory swapped for a symlink between two operations is refused
+(``UNSAFE_PATH``) instead of being written through.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import errno
+import logging
+import os
+import secrets
+import stat
+from collections.abc import Sequence
+
+from ._errors import FsStoreError
+
+log = logging.getLogger("fsstore")
+
+_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
+DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | _CLOEXEC
+READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | _CLOEXEC
+CREATE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | _CLOEXEC
+KEY_FILE = ".key"
+TEMP_PREFIX = ".tmp-"
+
+# A symlink where a directory should be: O_NOFOLLOW gives ELOOP (or ENOTDIR with
+# O_DIRECTORY on some kernels/filesystems).
+_UNSAFE = (errno.ELOOP, errno.ENOTDIR)
+# What a filesystem answers when it cannot fsync a directory.
+_NO_DIR_FSYNC = {errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EBADF, errno.ENOSYS}
+
+
+def _read_umask() -> int:
+    # os.umask() is the only portable read, but it briefly changes the process-wide
+    # umask; /proc avoids that race on Linux.
+    try:
+        with open("/proc/self/status", encoding="ascii") as fh:
+            for line in fh:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError):  # not Linux, or an old kernel without the field
+        pass
+    old = os.umask(0o077)
+    os.umask(old)
+    return old
+
+
+UMASK = _read_umask()
+
+
+def temp_name(tag: str = "") -> str:
+    """A fresh temp-file name: never a part, never a key (it starts with '.')."""
+    return f"{TEMP_PREFIX}{os.getpid()}-{secrets.token_hex(8)}{tag}"
+
+
+class Fs:
+    """Per-store settings and the one-way fallbacks it has learned about its mount."""
+
+    def __init__(self, *, fsync: bool, dir_mode: int, file_mode: int) -> None:
+        self.fsync = fsync
+        self.dir_mode = dir_mode
+        self.file_mode = file_mode
+        self.dir_fsync_ok = True
+        self._fchmod_files = (file_mode & ~UMASK) != file_mode
+        self._fchmod_dirs = (dir_mode & ~UMASK) != dir_mode
+
+    # -- directories -------------------------------------------------------------
+
+    def open_dir(
+        self,
+        base_fd: int,
+        components: Sequence[tuple[str, str | None]],
+        *,
+        create: bool,
+        base_path: str,
+        operation: str,
+    ) -> int | None:
+        """Open ``base/c1/c2/...`` one component at a time; None if missing and not create.
+
+        Each component is ``(name, original)``; ``original`` is the key part for
+        hashed names, written to ``.key`` when the directory is created.
+        """
+        fd = os.dup(base_fd)
+        path = base_path
+        try:
+            for name, original in components:
+                path = f"{path}/{name}"
+                try:
+                    nfd = os.open(name, DIR_FLAGS, dir_fd=fd)
+                except FileNotFoundError:
+                    if not create:
+                        return None
+                    self.make_dir(fd, name, original)
+                    nfd = os.open(name, DIR_FLAGS, dir_fd=fd)
+                except OSError as exc:
+                    if exc.errno in _UNSAFE:
+                        raise unsafe(path, operation) from exc
+                    raise
+                os.close(fd)
+                fd = nfd
+            out, fd = fd, -1
+            return out
+        finally:
+            if fd >= 0:
+                os.close(fd)
+
+    def make_dir(self, parent_fd: int, name: str, original: str | None) -> None:
+        """Create a directory; hashed names appear atomically with their ``.key`` file."""
+        if original is None:
+            try:
+                os.mkdir(name, self.dir_mode, dir_fd=parent_fd)
+            except FileExistsError:
+                return
+            self._fix_dir_mode(parent_fd, name)
+        else:
+            tmp = temp_name("-dir")
+            os.mkdir(tmp, self.dir_mode, dir_fd=parent_fd)
+            try:
+                self._fix_dir_mode(parent_fd, tmp)
+                tfd = os.open(tmp, DIR_FLAGS, dir_fd=parent_fd)
+                try:
+                    self.write_new(tfd, KEY_FILE, original.encode("utf-8"))
+                finally:
+                    os.close(tfd)
+                # rename() would replace an *empty* directory, but every directory
+                # with a hashed name holds its .key, so a racing creator gets
+                # EEXIST/ENOTEMPTY here and simply uses the winner's directory.
+                os.rename(tmp, name, src_dir_fd=parent_fd, dst_dir_fd=parent_fd)
+                tmp = ""
+            except OSError as exc:
+                if exc.errno not in (errno.EEXIST, errno.ENOTEMPTY):
+                    raise
+            finally:
+                if tmp:
+                    remove_tree(parent_fd, tmp)
+        self.sync_dir(parent_fd)
+
+    def _fix_dir_mode(self, parent_fd: int, name: str) -> None:
+        if self._fchmod_dirs:
+            fd = os.open(name, DIR_FLAGS, dir_fd=parent_fd)
+            try:
+                os.fchmod(fd, self.dir_mode)
+            finally:
+                os.close(fd)
+
+    def sync_dir(self, fd: int) -> None:
+        """fsync a directory if fsync is on; degrade once, loudly, where the mount refuses."""
+        if not (self.fsync and self.dir_fsync_ok):
+            return
+        try:
+            os.fsync(fd)
+        except OSError as exc:
+            if exc.errno not in _NO_DIR_FSYNC:
+                raise
+            self.dir_fsync_ok = False
+            log.warning(
+                "directory fsync is not supported on this mount (%s); continuing with file "
+                "fsync only",
+                errno.errorcode.get(exc.errno or 0, exc.errno),
+                extra={"code": "DIR_FSYNC_UNSUPPORTED", "operation": "fsync", "path": None},
+            )
+
+    # -- files -------------------------------------------------------------------
+
+    def write_new(self, dir_fd: int, name: str, data: bytes, *, sync: bool | None = None) -> None:
+        """Create ``name`` (must not exist), write ``data``, fsync if on; no file on failure."""
+        fd = os.open(name, CREATE_FLAGS, self.file_mode, dir_fd=dir_fd)
+        try:
+            if self._fchmod_files:
+                os.fchmod(fd, self.file_mode)
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view) :]
+            if self.fsync if sync is None else sync:
+                os.fsync(fd)
+        except BaseException:
+            os.close(fd)
+            unlink_quiet(dir_fd, name)
+            raise
+        os.close(fd)
+
+
+def read_file(dir_fd: int, name: str) -> bytes:
+    fd = os.open(name, READ_FLAGS, dir_fd=dir_fd)
+    try:
+        chunks = []
+        size = os.fstat(fd).st_size
+        while True:
+            chunk = os.read(fd, max(size, 1 << 16))
+            if not chunk:
+                break
+            chunks.append(chunk)
+        return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+    finally:
+        os.close(fd)
+
+
+def unlink_quiet(dir_fd: int, name: str) -> None:
+    """Remove a file we own; a file already gone is fine (a cleanup, not a commit)."""
+    try:
+        os.unlink(name, dir_fd=dir_fd)
+    except FileNotFoundError:
+        pass
+
+
+# -- the no-replace move -------------------------------------------------------
+
+_RENAME_NOREPLACE = 1
+_renameat2 = None
+try:
+    _libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
+    _renameat2 = _libc.renameat2
+    _renameat2.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    _renameat2.restype = ctypes.c_int
+except (OSError, AttributeError):  # no glibc >= 2.28 (musl, macOS): link()+unlink() only
+    _renameat2 = None
+
+# Devices whose filesystem refused RENAME_NOREPLACE (NFS, many FUSE mounts).
+_NO_RENAMEAT2: set[int] = set()
+
+
+def move_noreplace(dir_fd: int, src: str, dst: str, dev: int) -> bool:
+    """Move ``src`` to ``dst`` in one directory unless ``dst`` exists.
+
+    True when moved; False when ``dst`` already exists (``src`` is then untouched).
+    Uses renameat2(RENAME_NOREPLACE) where the filesystem has it, else
+    link()+unlink(); both refuse to replace, which is what keeps committed parts safe
+    even when two writers both believe they hold the lock.
+    """
+    if _renameat2 is not None and dev not in _NO_RENAMEAT2:
+        if _renameat2(dir_fd, os.fsencode(src), dir_fd, os.fsencode(dst), _RENAME_NOREPLACE) == 0:
+            return True
+        err = ctypes.get_errno()
+        if err == errno.EEXIST:
+            return False
+        if err not in (errno.EINVAL, errno.ENOSYS, errno.ENOTSUP, errno.EOPNOTSUPP):
+            raise OSError(err, os.strerror(err), dst)
+        _NO_RENAMEAT2.add(dev)
+    try:
+        os.link(src, dst, src_dir_fd=dir_fd, dst_dir_fd=dir_fd, follow_symlinks=False)
+    except FileExistsError:
+        return False
+    unlink_quiet(dir_fd, src)
+    return True
+
+
+def remove_tree(parent_fd: int, name: str) -> None:
+    """Remove ``parent/name`` and everything below, never following symlinks."""
+    try:
+        fd = os.open(name, DIR_FLAGS, dir_fd=parent_fd)
+    except FileNotFoundError:
+        return
+    except OSError as exc:
+        if exc.errno in _UNSAFE:  # a file or a symlink: remove the link itself
+            unlink_quiet(parent_fd, name)
+            return
+        raise
+    try:
+        for entry in os.scandir(fd):
+            if entry.is_dir(follow_symlinks=False):
+                remove_tree(fd, entry.name)
+            else:
+                unlink_quiet(fd, entry.name)
+    finally:
+        os.close(fd)
+    try:
+        os.rmdir(name, dir_fd=parent_fd)
+    except FileNotFoundError:
+        pass
+
+
+def is_dir_entry(entry: os.DirEntry[str]) -> bool:
+    try:
+        return entry.is_dir(follow_symlinks=False)
+    except OSError:  # vanished between readdir and stat: not there any more
+        return False
+
+
+def same_dir(fd: int, parent_fd: int, components: Sequence[str]) -> bool:
+    """Whether ``parent/components...`` still names the directory open as ``fd``."""
+    try:
+        st = os.stat("/".join(components), dir_fd=parent_fd, follow_symlinks=False)
+    except (FileNotFoundError, NotADirectoryError):
+        return False
+    own = os.fstat(fd)
+    return stat.S_ISDIR(st.st_mode) and (st.st_ino, st.st_dev) == (own.st_ino, own.st_dev)
+
+
+def unsafe(path: str, operation: str) -> FsStoreError:
+    return FsStoreError(
+        "UNSAFE_PATH",
+        "expected a directory, found a symlink or another kind of file; refusing to follow it",
+        operation=operation,
+        path=path,
+        errno=errno.ELOOP,
+    )

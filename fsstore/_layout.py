@@ -1,0 +1,78 @@
+"""Where everything lives under the store root (see docs/format.md).
+
+    <root>/projects/<P>/sessions/<S>/main/            the main transcript
+    <root>/projects/<P>/sessions/<S>/subkeys/<SP>/    one subagent transcript
+    <root>/.trash/                                    deletes in progress
+
+``P``, ``S`` and ``SP`` are encoded key parts (:mod:`fsstore._keys`). Inside a
+transcript directory:
+
+    00000000000000000001.jsonl                        a part: one committed batch
+    00000000000000000001-00000000000000000300.jsonl   a segment: parts 1..300 merged
+    state.json                                        last sequence, summary (a hint)
+    lock                                              the commit lock, while held
+    .tmp-*                                            temp files (garbage once old)
+"""
+
+from __future__ import annotations
+
+import re
+
+from . import _keys
+from ._keys import TranscriptKey
+
+PROJECTS = "projects"
+SESSIONS = "sessions"
+MAIN = "main"
+SUBKEYS = "subkeys"
+TRASH = ".trash"
+STATE = "state.json"
+LOCK = "lock"
+
+Component = tuple[str, "str | None"]
+
+_SEQ_DIGITS = 20
+_ITEM = re.compile(r"([0-9]{20})(?:-([0-9]{20}))?\.jsonl")
+
+
+def _named(part: str) -> Component:
+    name = _keys.encode(part)
+    return (name, part if _keys.is_hashed(name) else None)
+
+
+def project_dirs(project_key: str) -> list[Component]:
+    """Components of ``<root>/projects/<P>/sessions``."""
+    return [(PROJECTS, None), _named(project_key), (SESSIONS, None)]
+
+
+def session_dirs(project_key: str, session_id: str) -> list[Component]:
+    return [*project_dirs(project_key), _named(session_id)]
+
+
+def transcript_dirs(key: TranscriptKey) -> list[Component]:
+    base = session_dirs(key.project_key, key.session_id)
+    if key.subpath is None:
+        return [*base, (MAIN, None)]
+    return [*base, (SUBKEYS, None), _named(key.subpath)]
+
+
+def rel(components: list[Component]) -> str:
+    return "/".join(name for name, _ in components)
+
+
+def part_name(seq: int) -> str:
+    return f"{seq:0{_SEQ_DIGITS}d}.jsonl"
+
+
+def segment_name(first: int, last: int) -> str:
+    return f"{first:0{_SEQ_DIGITS}d}-{last:0{_SEQ_DIGITS}d}.jsonl"
+
+
+def parse_item(name: str) -> tuple[int, int] | None:
+    """``(first, last)`` for a part or segment name; None for anything else."""
+    m = _ITEM.fullmatch(name)
+    if m is None:
+        return None
+    first = int(m.group(1))
+    last = int(m.group(2)) if m.group(2) else first
+    return (first, last) if first >= 1 and last >= first else None

@@ -1,0 +1,97 @@
+"""The per-transcript commit lock: an in-process lock, then filelock's SoftFileLock.
+
+The lock file is ``<transcript dir>/lock``, created by filelock with ``O_CREAT |
+O_EXCL | O_NOFOLLOW`` and holding ``pid\\nhost\\nstart-token\\n``. filelock reclaims
+it when the recorded holder is on this host and dead, or when the marker is older
+than ``stale_lock_seconds`` (``lifetime``) whoever holds it: a holder on another host
+is reclaimed by age only, never by a local pid check.
+
+Age-based expiry can admit a second holder while a stalled first one still runs
+(filelock warns about exactly this). fsstore is built so that this costs ordering
+at worst, never data: commits use a no-replace move, and the state file is a
+self-healing hint (see :mod:`fsstore._transcript`). That is why the warning is
+silenced below, for fsstore's own locks only.
+
+Threads and tasks of one process first queue on a ``threading.Lock`` per lock path,
+so they do not poll the lock file against each other.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+import warnings
+from collections.abc import Iterator
+
+import filelock
+
+from ._errors import FsStoreError
+
+# See the module docstring: fsstore's correctness does not depend on the lock.
+warnings.filterwarnings(
+    "ignore", category=filelock.SoftFileLockLifetimeWarning, module=r"fsstore\._lock"
+)
+
+
+class _Local:
+    """The in-process lock of one lock path, dropped when nobody uses it."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.users = 0
+
+
+class Locks:
+    def __init__(self, *, stale_lock_seconds: float, lock_timeout_seconds: float, mode: int) -> None:
+        self.stale = stale_lock_seconds
+        self.timeout = lock_timeout_seconds
+        self.mode = mode
+        self._guard = threading.Lock()
+        self._local: dict[str, _Local] = {}
+
+    @contextlib.contextmanager
+    def hold(self, lock_path: str, operation: str) -> Iterator[None]:
+        """Hold the transcript lock at ``lock_path``; LOCK_TIMEOUT if not had in time."""
+        deadline = time.monotonic() + self.timeout
+        with self._guard:
+            entry = self._local.setdefault(lock_path, _Local())
+            entry.users += 1
+        local = entry.lock
+        try:
+            if not local.acquire(timeout=max(self.timeout, 0)):
+                raise self._timeout(lock_path, operation, None)
+            try:
+                soft = filelock.SoftFileLock(
+                    lock_path,
+                    timeout=max(deadline - time.monotonic(), 0),
+                    mode=self.mode,
+                    thread_local=False,
+                    lifetime=self.stale,
+                )
+                try:
+                    soft.acquire()
+                except filelock.Timeout as exc:
+                    raise self._timeout(lock_path, operation, exc) from exc
+                try:
+                    yield
+                finally:
+                    soft.release()
+            finally:
+                local.release()
+        finally:
+            with self._guard:
+                entry.users -= 1
+                if entry.users == 0:
+                    del self._local[lock_path]
+
+    def _timeout(self, path: str, operation: str, exc: filelock.Timeout | None) -> FsStoreError:
+        # Deliberately not a TimeoutError: the SDK does not retry those, and a lock
+        # timeout is safe to retry (nothing was committed).
+        holder = f" (held by {exc})" if exc is not None and str(exc) else ""
+        return FsStoreError(
+            "LOCK_TIMEOUT",
+            f"transcript lock not acquired within {self.timeout:g}s{holder}",
+            operation=operation,
+            path=path,
+        )

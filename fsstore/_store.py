@@ -1,0 +1,460 @@
+"""The synchronous store: the one implementation of every operation.
+
+:class:`fsstore.FsSessionStore` runs these methods in worker threads; scripts, the
+CLI and operators call them directly through ``store.sync``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+from . import _fsio, _keys, _layout, _summaries
+from ._errors import FsStoreError, log, translating
+from ._fsio import Fs
+from ._keys import TranscriptKey
+from ._layout import Component
+from ._lock import Locks
+from ._transcript import (
+    State,
+    Vanished,
+    commit,
+    dedupe,
+    encode_batch,
+    log_state_failure,
+    parse,
+    probe_latest,
+    read_batches,
+    read_state,
+    rebuild_state,
+    scan_items,
+    write_state,
+)
+
+# A reader that keeps losing races with compactions and deletes gives up after this.
+_LOAD_ATTEMPTS = 50
+# An append whose transcript directory is deleted under it starts over this often.
+_APPEND_ATTEMPTS = 5
+
+
+class SyncStore:
+    """Blocking twin of :class:`fsstore.FsSessionStore` (same methods, same errors)."""
+
+    def __init__(
+        self,
+        root: str | os.PathLike[str],
+        *,
+        fsync: bool = False,
+        stale_lock_seconds: float = 30.0,
+        lock_timeout_seconds: float = 60.0,
+        dir_mode: int = 0o700,
+        file_mode: int = 0o600,
+        summaries: bool | None = None,
+    ) -> None:
+        self.root = os.path.abspath(os.fspath(root))
+        self._fs = Fs(fsync=fsync, dir_mode=dir_mode, file_mode=file_mode)
+        self._locks = Locks(
+            stale_lock_seconds=stale_lock_seconds,
+            lock_timeout_seconds=lock_timeout_seconds,
+            mode=file_mode,
+        )
+        self._fold = _summaries.fold_function() if summaries is not False else None
+        if summaries is True and self._fold is None:
+            raise ValueError("summaries=True needs claude-agent-sdk (pip install fsstore[claude])")
+
+    # -- plumbing ------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def _open_root(self, *, create: bool) -> Iterator[int | None]:
+        # The root path itself may be a symlink (the operator's choice); nothing
+        # below it is followed.
+        flags = os.O_RDONLY | os.O_DIRECTORY | getattr(os, "O_CLOEXEC", 0)
+        try:
+            fd = os.open(self.root, flags)
+        except FileNotFoundError:
+            if not create:
+                yield None
+                return
+            os.makedirs(self.root, mode=self._fs.dir_mode, exist_ok=True)
+            fd = os.open(self.root, flags)
+        try:
+            yield fd
+        finally:
+            os.close(fd)
+
+    def _open(
+        self, rfd: int, comps: list[Component], operation: str, *, create: bool = False
+    ) -> int | None:
+        return self._fs.open_dir(
+            rfd, comps, create=create, base_path=self.root, operation=operation
+        )
+
+    def _path(self, comps: list[Component]) -> str:
+        return f"{self.root}/{_layout.rel(comps)}"
+
+    # -- append --------------------------------------------------------------------
+
+    def append(self, key: Mapping[str, Any], entries: list[dict[str, Any]]) -> None:
+        op = "append"
+        tk = _keys.parse_key(key, op)
+        if isinstance(entries, list) and not entries:
+            return
+        payload = encode_batch(entries, op)
+        comps = _layout.transcript_dirs(tk)
+        path = self._path(comps)
+        with translating(op, path):
+            for _attempt in range(_APPEND_ATTEMPTS):
+                try:
+                    self._append_once(tk, entries, payload, comps, path)
+                    return
+                except FileNotFoundError:
+                    # The transcript directory was moved away (a concurrent delete)
+                    # before our commit: nothing of ours is visible; start over.
+                    continue
+            raise FsStoreError(
+                "ENOENT",
+                "transcript directory kept disappearing (concurrent deletes)",
+                operation=op,
+                path=path,
+                errno=errno.ENOENT,
+            )
+
+    def _append_once(
+        self,
+        tk: TranscriptKey,
+        entries: list[dict[str, Any]],
+        payload: bytes,
+        comps: list[Component],
+        path: str,
+    ) -> None:
+        op = "append"
+        with self._open_root(create=True) as rfd:
+            assert rfd is not None
+            dfd = self._open(rfd, comps, op, create=True)
+            assert dfd is not None
+            try:
+                tmp = _fsio.temp_name()
+                self._fs.write_new(dfd, tmp, payload)
+                committed = False
+                try:
+                    with self._locks.hold(f"{path}/{_layout.LOCK}", op):
+                        state, _mtime = read_state(dfd)
+                        if state is None:
+                            state = rebuild_state(dfd)
+                        seq = commit(dfd, os.fstat(dfd).st_dev, tmp, state.seq)
+                        committed = True
+                        self._fs.sync_dir(dfd)
+                        new = self._after_commit(tk, dfd, path, state, seq, entries)
+                        try:
+                            write_state(self._fs, dfd, new)
+                        except OSError as exc:
+                            log_state_failure(exc, path)
+                finally:
+                    if not committed:
+                        _fsio.unlink_quiet(dfd, tmp)
+            finally:
+                os.close(dfd)
+
+    def _after_commit(
+        self,
+        tk: TranscriptKey,
+        dfd: int,
+        path: str,
+        state: State,
+        seq: int,
+        entries: list[dict[str, Any]],
+    ) -> State:
+        """The next state: new sequence, and for a main transcript the folded summary."""
+        new = State(max(seq, state.seq), state.folded, state.summary, state.compacted)
+        if tk.subpath is not None or self._fold is None:
+            return new
+        key = tk.as_dict()
+        try:
+            summary, folded = self._catch_up(dfd, path, key, state.summary, state.folded, seq - 1)
+            if folded < seq:
+                summary, folded = self._fold(summary, key, entries), seq
+        except (OSError, FsStoreError, Vanished) as exc:
+            # The batch is committed; the summary stays behind and readers heal it.
+            log.warning(
+                "summary not updated after commit: %s", exc,
+                extra={"code": "SUMMARY_BEHIND", "operation": "append", "path": path},
+            )
+            return new
+        new.summary, new.folded = summary, folded
+        return new
+
+    def _catch_up(
+        self,
+        dfd: int,
+        path: str,
+        key: dict[str, str],
+        summary: dict[str, Any] | None,
+        folded: int,
+        upto: int,
+    ) -> tuple[dict[str, Any] | None, int]:
+        """Fold committed parts ``folded+1..upto`` into ``summary``.
+
+        Reads them by name; if one was merged into a segment, refolds the whole
+        transcript instead (then the result may cover more than ``upto``).
+        """
+        assert self._fold is not None
+        if folded >= upto:
+            return summary, folded
+        if summary is not None or folded == 0:
+            try:
+                batches = [
+                    parse(
+                        _fsio.read_file(dfd, _layout.part_name(seq)),
+                        f"{path}/{_layout.part_name(seq)}",
+                        "summary",
+                    )
+                    for seq in range(folded + 1, upto + 1)
+                ]
+                return _summaries.fold(self._fold, summary, key, batches), upto
+            except FileNotFoundError:
+                pass  # merged into a segment: refold from the start below
+        everything = read_batches(dfd, path, "summary")
+        if not everything:
+            return None, 0
+        return (
+            _summaries.fold(self._fold, None, key, [b for _, b in everything]),
+            everything[-1][0],
+        )
+
+    # -- load ----------------------------------------------------------------------
+
+    def load(self, key: Mapping[str, Any]) -> list[dict[str, Any]] | None:
+        op = "load"
+        tk = _keys.parse_key(key, op)
+        comps = _layout.transcript_dirs(tk)
+        path = self._path(comps)
+        with translating(op, path):
+            for _attempt in range(_LOAD_ATTEMPTS):
+                with self._open_root(create=False) as rfd:
+                    if rfd is None:
+                        return None
+                    dfd = self._open(rfd, comps, op)
+                    if dfd is None:
+                        return None
+                    try:
+                        try:
+                            batches = read_batches(dfd, path, op)
+                        except Vanished:
+                            continue
+                        if not _fsio.same_dir(dfd, rfd, [n for n, _ in comps]):
+                            continue  # deleted (renamed away) while we read: look again
+                    finally:
+                        os.close(dfd)
+                return dedupe(batches) if batches else None
+            raise FsStoreError(
+                "EAGAIN",
+                f"transcript changed under the reader {_LOAD_ATTEMPTS} times in a row",
+                operation=op,
+                path=path,
+                errno=errno.EAGAIN,
+            )
+
+    # -- listing -------------------------------------------------------------------
+
+    def _decode_child(self, parent_fd: int, entry: os.DirEntry[str]) -> str | None:
+        """The key part a directory entry stands for; None for anything not ours."""
+        name = entry.name
+        if name.startswith(".") or not _fsio.is_dir_entry(entry):
+            return None
+        if not _keys.is_hashed(name):
+            return _keys.decode(name)
+        try:
+            fd = os.open(name, _fsio.DIR_FLAGS, dir_fd=parent_fd)
+            try:
+                original = _fsio.read_file(fd, _fsio.KEY_FILE).decode("utf-8")
+            finally:
+                os.close(fd)
+        except (OSError, UnicodeDecodeError):  # vanished, or not a directory we made
+            return None
+        return original if _keys.matches(name, original) else None
+
+    def _has_transcript(self, parent_fd: int, name: str) -> int | None:
+        """mtime (epoch ms) of the transcript ``parent/name``, or None if it has no part.
+
+        The state file is rewritten at every commit, so its mtime is the time of the
+        last commit by the storage's own clock; the summary uses the same stat.
+        """
+        try:
+            st = os.stat(f"{name}/{_layout.STATE}", dir_fd=parent_fd, follow_symlinks=False)
+            return st.st_mtime_ns // 1_000_000
+        except (FileNotFoundError, NotADirectoryError):
+            pass
+        # No state file: a first commit whose writer died before writing it.
+        try:
+            fd = os.open(name, _fsio.DIR_FLAGS, dir_fd=parent_fd)
+        except (FileNotFoundError, NotADirectoryError):
+            return None
+        try:
+            if not scan_items(fd):
+                return None
+            return os.fstat(fd).st_mtime_ns // 1_000_000
+        finally:
+            os.close(fd)
+
+    def _children(
+        self, comps: list[Component], op: str
+    ) -> Iterator[tuple[int, os.DirEntry[str], str]]:
+        """``(dir fd, entry, decoded key part)`` for each directory under ``comps``."""
+        with self._open_root(create=False) as rfd:
+            if rfd is None:
+                return
+            pfd = self._open(rfd, comps, op)
+            if pfd is None:
+                return
+            try:
+                with os.scandir(pfd) as it:
+                    entries = list(it)
+                for entry in entries:
+                    part = self._decode_child(pfd, entry)
+                    if part is not None:
+                        yield pfd, entry, part
+            finally:
+                os.close(pfd)
+
+    def list_sessions(self, project_key: str) -> list[dict[str, Any]]:
+        op = "list_sessions"
+        _keys.check_part(project_key, "project_key", op)
+        comps = _layout.project_dirs(project_key)
+        out: list[dict[str, Any]] = []
+        with translating(op, self._path(comps)):
+            for pfd, entry, session_id in self._children(comps, op):
+                mtime = self._has_transcript(pfd, f"{entry.name}/{_layout.MAIN}")
+                if mtime is not None:
+                    out.append({"session_id": session_id, "mtime": mtime})
+        return out
+
+    def list_subkeys(self, key: Mapping[str, Any]) -> list[str]:
+        op = "list_subkeys"
+        tk = _keys.parse_key(key, op, allow_subpath=False)
+        comps = [*_layout.session_dirs(tk.project_key, tk.session_id), (_layout.SUBKEYS, None)]
+        out: list[str] = []
+        with translating(op, self._path(comps)):
+            for pfd, entry, subpath in self._children(comps, op):
+                try:
+                    _keys.parse_key({**tk.as_dict(), "subpath": subpath}, op)
+                except FsStoreError:
+                    continue  # a name no valid key encodes to: not ours to report
+                if self._has_transcript(pfd, entry.name) is not None:
+                    out.append(subpath)
+        return out
+
+    def list_session_summaries(self, project_key: str) -> list[dict[str, Any]]:
+        op = "list_session_summaries"
+        _keys.check_part(project_key, "project_key", op)
+        comps = _layout.project_dirs(project_key)
+        out: list[dict[str, Any]] = []
+        with translating(op, self._path(comps)):
+            for pfd, entry, session_id in self._children(comps, op):
+                mfd = self._fs.open_dir(
+                    pfd, [(entry.name, None), (_layout.MAIN, None)],
+                    create=False, base_path=self._path(comps), operation=op,
+                )
+                if mfd is None:
+                    continue
+                try:
+                    path = f"{self._path(comps)}/{entry.name}/{_layout.MAIN}"
+                    key = {"project_key": project_key, "session_id": session_id}
+                    summary, mtime_ns = self._fresh_summary(mfd, path, key)
+                finally:
+                    os.close(mfd)
+                if summary is not None:
+                    out.append({**summary, "session_id": session_id, "mtime": mtime_ns // 1_000_000})
+        return out
+
+    def _fresh_summary(
+        self, mfd: int, path: str, key: dict[str, str]
+    ) -> tuple[dict[str, Any] | None, int]:
+        """The summary, folded up to the newest committed part; None if not provable."""
+        state, mtime_ns = read_state(mfd)
+        if state is None:
+            return None, 0
+        latest = probe_latest(mfd, state.seq)
+        if state.summary is not None and state.folded >= latest:
+            return state.summary, mtime_ns
+        if self._fold is None:
+            return None, 0
+        try:
+            summary, _folded = self._catch_up(
+                mfd, path, key, state.summary, state.folded, latest
+            )
+        except (FsStoreError, Vanished) as exc:
+            # Leave it out: the SDK then rebuilds this session's info through load(),
+            # which reports the problem properly.
+            log.warning("summary left out: %s", exc, extra={"code": "SUMMARY_BEHIND",
+                        "operation": "list_session_summaries", "path": path})
+            return None, 0
+        return summary, mtime_ns
+
+    # -- delete --------------------------------------------------------------------
+
+    def delete(self, key: Mapping[str, Any]) -> None:
+        op = "delete"
+        tk = _keys.parse_key(key, op)
+        if tk.subpath is None:
+            comps = _layout.session_dirs(tk.project_key, tk.session_id)
+        else:
+            comps = _layout.transcript_dirs(tk)
+        path = self._path(comps)
+        with translating(op, path):
+            with self._open_root(create=False) as rfd:
+                if rfd is None:
+                    return
+                parent = self._open(rfd, comps[:-1], op)
+                if parent is None:
+                    return
+                try:
+                    self._move_to_trash(rfd, parent, comps[-1][0], path)
+                finally:
+                    os.close(parent)
+
+    def _move_to_trash(self, rfd: int, parent: int, name: str, path: str) -> None:
+        """Rename ``parent/name`` into ``.trash`` (atomic: readers see all or None), then remove it."""
+        trash = self._open(rfd, [(_layout.TRASH, None)], "delete", create=True)
+        assert trash is not None
+        try:
+            aside = _fsio.temp_name("-deleted")
+            try:
+                os.rename(name, aside, src_dir_fd=parent, dst_dir_fd=trash)
+            except FileNotFoundError:
+                return  # never written, or deleted already: not an error
+            self._fs.sync_dir(parent)
+            try:
+                _fsio.remove_tree(trash, aside)
+            except OSError as exc:
+                # The transcript is already gone from every reader's view; what is left
+                # in .trash (e.g. a racing writer's file) is removed by `fsstore gc`.
+                log.warning("leftovers in .trash: %s", exc, extra={
+                    "code": "TRASH_LEFT", "operation": "delete", "path": path})
+        finally:
+            os.close(trash)
+
+    # -- maintenance ---------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def locked(self, key: Mapping[str, Any]) -> Iterator[None]:
+        """Hold the transcript's commit lock (creating its directory if needed)."""
+        op = "lock"
+        tk = _keys.parse_key(key, op)
+        comps = _layout.transcript_dirs(tk)
+        path = self._path(comps)
+        with translating(op, path):
+            with self._open_root(create=True) as rfd:
+                assert rfd is not None
+                dfd = self._open(rfd, comps, op, create=True)
+                assert dfd is not None
+                os.close(dfd)
+            hold = self._locks.hold(f"{path}/{_layout.LOCK}", op)
+            hold.__enter__()
+        # The caller's own errors pass through untranslated.
+        try:
+            yield
+        finally:
+            hold.__exit__(None, None, None)

@@ -1,0 +1,40 @@
+"""The Claude SDK's session-summary sidecar, kept in the main transcript's state file.
+
+``claude_agent_sdk.fold_session_summary`` is pure and incremental; fsstore calls it
+under the transcript lock after each main-transcript commit and stores the result
+with ``folded`` = the last sequence it covers. A reader that finds ``folded`` behind
+the newest committed part folds the missing parts itself, so a writer killed between
+commit and state write, or two overlapping lock holders, cannot leave a summary
+that disagrees with the transcript.
+
+The SDK is imported lazily: without it (a Qoder-only install) summaries are simply
+not maintained and :meth:`list_session_summaries` returns what it can prove fresh.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+Fold = Callable[[Any, Any, list[Any]], dict[str, Any]]
+
+
+@functools.cache
+def fold_function() -> Fold | None:
+    try:
+        from claude_agent_sdk import fold_session_summary
+    except ImportError:  # the Claude SDK is optional: no summaries without it
+        return None
+    return fold_session_summary  # type: ignore[no-any-return]
+
+
+def fold(
+    fn: Fold, prev: dict[str, Any] | None, key: dict[str, str], batches: list[list[Any]]
+) -> dict[str, Any]:
+    """Fold batches in commit order, one call per committed batch (as appends did)."""
+    summary = prev
+    for batch in batches:
+        summary = fn(summary, key, batch)
+    assert summary is not None
+    return summary

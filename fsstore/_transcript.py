@@ -1,0 +1,274 @@
+"""One transcript on disk: the commit protocol, the state file, and reading it back.
+
+A transcript is a directory (``main/`` or ``subkeys/<SP>/``) of immutable JSONL
+files. Each file is a *part* (one committed ``append()`` batch, named by its
+20-digit sequence number) or a *segment* (parts ``first..last`` merged by
+compaction, named ``first-last``). The transcript is the entries of those files in
+sequence order.
+
+Commit (``append``), step by step, and what a crash at each step leaves:
+
+1. Encode the batch (``json.dumps`` per entry, one line each). Bad input raises
+   ``INVALID_ENTRY`` here, before anything touches disk.
+2. Write it to ``.tmp-<pid>-<random>`` in the transcript directory (``O_EXCL``,
+   mode 0600); with ``fsync=True``, fsync it. Readers ignore temp files. A crash
+   leaves a temp file: garbage, removed by ``fsstore gc`` once old.
+3. Take the transcript lock (:mod:`fsstore._lock`). A crash leaves a lock file that
+   filelock reclaims: at once if the holder was on this host and is dead, after
+   ``stale_lock_seconds`` otherwise.
+4. Read ``state.json`` for the last sequence ``N`` (if it is missing or torn,
+   rebuild it from a directory listing, the only listing this path ever does).
+5. Move the temp file to ``N+1`` with a *no-replace* move (renameat2
+   ``RENAME_NOREPLACE``, or link()+unlink()). If the name exists, some writer
+   committed there without the state file knowing (a crash after step 5, or a
+   second holder after a stale-lock reclaim): take ``N+2`` and so on. This move is
+   the commit point: before it, readers see nothing of the batch; after it, all of
+   it. A committed part is never overwritten, whatever the lock did.
+6. With ``fsync=True``, fsync the directory (skipped, with one warning, on mounts
+   that refuse directory fsync).
+7. Main transcript: fold the batch into the Claude summary, first folding any
+   parts committed since ``state.folded`` (the self-healing step).
+8. Write ``state.json`` (temp file + rename over the old one; not fsynced: it is a
+   hint). A failure here is logged, not raised: the batch is committed and the next
+   writer or reader heals the state. A crash here leaves the state behind, which
+   step 5 (for the sequence) and step 7 or the reader (for the summary) repair.
+9. Release the lock.
+
+A failed append leaves no part and no temp file (step 2 removes its file on error;
+a failure between 2 and 5 unlinks the temp file). Errors come out as
+:class:`~fsstore.FsStoreError` with the POSIX code of the failing call.
+
+Reading (``load``): list the directory, take the largest segment and the parts
+after it (parts inside a segment's range are leftovers of a compaction in flight),
+read each file whole. A file that vanished between listing and opening means a
+compaction or a delete ran: start over. Finally check that the directory still
+sits at its path (a delete renames it away first): if not, start over, which
+returns None for a deleted transcript. So a reader sees every committed batch
+exactly once, never a partial one, and never a prefix of a deleted transcript.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from . import _fsio, _layout
+from ._errors import FsStoreError, log
+
+_ENCODER = json.JSONEncoder(ensure_ascii=True, separators=(",", ":"), allow_nan=True)
+_encode = _ENCODER.encode
+
+
+def encode_batch(entries: object, operation: str) -> bytes:
+    """The part-file bytes for a batch: one JSON object per line, ASCII only."""
+    if not isinstance(entries, list):
+        raise FsStoreError(
+            "INVALID_ENTRY",
+            f"entries must be a list, not {type(entries).__name__}",
+            operation=operation,
+        )
+    lines = []
+    for i, entry in enumerate(entries):
+        if not isinstance(entry, dict):
+            raise FsStoreError(
+                "INVALID_ENTRY",
+                f"entry {i} must be a JSON object (dict), not {type(entry).__name__}",
+                operation=operation,
+            )
+        try:
+            lines.append(_encode(entry))
+        except (TypeError, ValueError, RecursionError) as exc:
+            raise FsStoreError(
+                "INVALID_ENTRY", f"entry {i} is not JSON-serializable: {exc}", operation=operation
+            ) from exc
+    lines.append("")
+    return "\n".join(lines).encode("ascii")
+
+
+# -- the state file --------------------------------------------------------------
+
+
+@dataclass
+class State:
+    """``state.json``: a hint, never the truth; every field can be rebuilt from the parts."""
+
+    seq: int = 0  # last committed sequence this writer knew of
+    folded: int = 0  # last sequence folded into ``summary``
+    summary: dict[str, Any] | None = None
+    compacted: int = 0  # last sequence merged into a segment
+
+    def to_bytes(self) -> bytes:
+        return json.dumps(
+            {"format": 1, "seq": self.seq, "folded": self.folded,
+             "compacted": self.compacted, "summary": self.summary},
+            separators=(",", ":"),
+        ).encode("ascii")
+
+
+def read_state(dir_fd: int) -> tuple[State | None, int]:
+    """The state and its mtime in ns; (None, 0) if it is missing or unreadable as JSON."""
+    try:
+        fd = os.open(_layout.STATE, _fsio.READ_FLAGS, dir_fd=dir_fd)
+    except FileNotFoundError:
+        return None, 0
+    try:
+        mtime = os.fstat(fd).st_mtime_ns
+        raw = os.read(fd, 1 << 24)
+    finally:
+        os.close(fd)
+    try:
+        doc = json.loads(raw)
+        state = State(int(doc["seq"]), int(doc["folded"]), doc["summary"], int(doc["compacted"]))
+    except (ValueError, KeyError, TypeError):  # torn or foreign: rebuilt from the parts
+        return None, mtime
+    return state, mtime
+
+
+def write_state(fs: _fsio.Fs, dir_fd: int, state: State) -> None:
+    tmp = _fsio.temp_name("-state")
+    fs.write_new(dir_fd, tmp, state.to_bytes(), sync=False)  # a hint: not worth an fsync
+    try:
+        os.rename(tmp, _layout.STATE, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+    except OSError:
+        _fsio.unlink_quiet(dir_fd, tmp)
+        raise
+
+
+def scan_items(dir_fd: int) -> list[tuple[int, int, str]]:
+    """Every part and segment as ``(first, last, name)``, sorted by first, widest first."""
+    items = []
+    for name in os.listdir(dir_fd):
+        rng = _layout.parse_item(name)
+        if rng is not None:
+            items.append((rng[0], rng[1], name))
+    items.sort(key=lambda it: (it[0], -it[1]))
+    return items
+
+
+def rebuild_state(dir_fd: int) -> State:
+    """A state from a listing: the sequence is right, the summary must be refolded."""
+    items = scan_items(dir_fd)
+    last = max((it[1] for it in items), default=0)
+    compacted = max((it[1] for it in items if it[0] != it[1]), default=0)
+    return State(seq=last, compacted=compacted)
+
+
+# -- commit ----------------------------------------------------------------------
+
+
+def commit(dir_fd: int, dev: int, tmp: str, after: int) -> int:
+    """Move ``tmp`` to the first free sequence above ``after``; return that sequence."""
+    seq = after + 1
+    while not _fsio.move_noreplace(dir_fd, tmp, _layout.part_name(seq), dev):
+        seq += 1
+    return seq
+
+
+def probe_latest(dir_fd: int, seq: int) -> int:
+    """The last sequence of the run of parts that continues after ``seq``."""
+    while True:
+        try:
+            os.stat(_layout.part_name(seq + 1), dir_fd=dir_fd, follow_symlinks=False)
+        except FileNotFoundError:
+            return seq
+        seq += 1
+
+
+# -- reading ---------------------------------------------------------------------
+
+
+class Vanished(Exception):
+    """A listed file disappeared before it was read: a compaction or delete ran."""
+
+
+def plan(items: list[tuple[int, int, str]]) -> list[tuple[int, int, str]]:
+    """The files that make up the transcript, in order, each sequence once."""
+    chosen = []
+    covered = 0
+    for first, last, name in items:
+        if last <= covered:
+            continue  # merged into a segment already chosen
+        if first <= covered:
+            # Compaction only ever merges whole files, so ranges nest or are disjoint.
+            raise ValueError(f"{name} overlaps a segment")
+        chosen.append((first, last, name))
+        covered = last
+    return chosen
+
+
+def parse(data: bytes, path: str, operation: str) -> list[dict[str, Any]]:
+    """Entries of one part or segment; CORRUPT (with the line) if it does not parse."""
+    if not data.endswith(b"\n"):
+        raise FsStoreError(
+            "CORRUPT",
+            "file is empty or its last line is torn (no final newline)",
+            operation=operation,
+            path=path,
+        )
+    lines = data.count(b"\n")
+    # A JSON string never holds a raw newline, so the lines joined by commas form
+    # one JSON array: one json.loads call instead of one per line.
+    try:
+        entries = json.loads(b"[" + data[:-1].replace(b"\n", b",") + b"]")
+    except ValueError:
+        entries = None
+    if (
+        isinstance(entries, list)
+        and len(entries) == lines
+        and all(type(e) is dict for e in entries)
+    ):
+        return entries
+    for lineno, line in enumerate(data.split(b"\n")[:-1], start=1):
+        try:
+            entry = json.loads(line)
+        except ValueError as exc:
+            raise FsStoreError(
+                "CORRUPT", f"line {lineno} is not valid JSON: {exc}", operation=operation, path=path
+            ) from exc
+        if not isinstance(entry, dict):
+            raise FsStoreError(
+                "CORRUPT", f"line {lineno} is not a JSON object", operation=operation, path=path
+            )
+    raise FsStoreError("CORRUPT", "line structure is damaged", operation=operation, path=path)
+
+
+def read_batches(dir_fd: int, path: str, operation: str) -> list[tuple[int, list[dict[str, Any]]]]:
+    """``(last sequence, raw entries)`` of every committed file in order; Vanished on a race."""
+    try:
+        chosen = plan(scan_items(dir_fd))
+    except ValueError as exc:
+        raise FsStoreError("CORRUPT", str(exc), operation=operation, path=path) from exc
+    batches = []
+    for _first, last, name in chosen:
+        try:
+            data = _fsio.read_file(dir_fd, name)
+        except FileNotFoundError as exc:
+            raise Vanished(name) from exc
+        batches.append((last, parse(data, f"{path}/{name}", operation)))
+    return batches
+
+
+def dedupe(batches: list[tuple[int, list[dict[str, Any]]]]) -> list[dict[str, Any]]:
+    """Concatenate; an entry whose string ``uuid`` was seen before is dropped."""
+    seen: set[str] = set()
+    out: list[dict[str, Any]] = []
+    add = seen.add
+    for _last, batch in batches:
+        for entry in batch:
+            uuid = entry.get("uuid")
+            if type(uuid) is str:
+                if uuid in seen:
+                    continue
+                add(uuid)
+            out.append(entry)
+    return out
+
+
+def log_state_failure(exc: OSError, path: str) -> None:
+    log.warning(
+        "state file not updated after a successful commit (%s); the next writer heals it",
+        exc,
+        extra={"code": "STATE_WRITE_FAILED", "operation": "append", "path": path},
+    )
