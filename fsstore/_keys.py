@@ -5,8 +5,9 @@ subpath) like this:
 
 * characters in ``[a-z0-9._-]`` stand for themselves, except a ``.`` at the start
   or the end of the part;
+* an upper-case ASCII letter is ``^`` and its lower-case form (``User`` -> ``^user``);
 * every other character is written as ``%XX`` for each byte of its UTF-8 form,
-  with upper-case hex digits (``A`` -> ``%41``, ``/`` -> ``%2F``, ``é`` -> ``%C3%A9``);
+  with upper-case hex digits (``/`` -> ``%2F``, ``é`` -> ``%C3%A9``, ``^`` -> ``%5E``);
 * if the result is longer than :data:`MAX_PLAIN` characters it is cut to
   :data:`KEEP_PREFIX` characters (never inside an escape) and ``~`` plus the first
   32 hex digits of the part's SHA-256 are appended; the original part is then kept
@@ -19,8 +20,9 @@ Why this is safe:
 * Traversal-proof: ``/`` and NUL never appear, and a name never starts with ``.``,
   so ``.``, ``..`` and every store-internal name (all begin with ``.``) are out of
   reach of any key.
-* Case-insensitive filesystems: literal letters are always lower case and escape
-  digits always upper case, so two different names never differ only in case.
+* Case-insensitive filesystems: literal letters are always lower case (an upper-case
+  letter is marked by ``^``, not by its case) and escape digits always upper case,
+  so two different names never differ only in case.
 * Unicode-normalizing filesystems: names are plain ASCII.
 * NAME_MAX: a name is at most ``KEEP_PREFIX + 33`` = 113 bytes.
 """
@@ -35,6 +37,8 @@ from ._errors import FsStoreError
 
 _PLAIN = frozenset("abcdefghijklmnopqrstuvwxyz0123456789-_.")
 _HEX = frozenset("0123456789ABCDEF")
+_UPPER = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZ")
+_LOWER = frozenset("abcdefghijklmnopqrstuvwxyz")
 MAX_PLAIN = 120
 KEEP_PREFIX = 80
 HASH_MARK = "~"
@@ -104,6 +108,8 @@ def encode(part: str) -> str:
     for i, ch in enumerate(part):
         if ch in _PLAIN and not (ch == "." and (i == 0 or i == last)):
             out.append(ch)
+        elif ch in _UPPER:
+            out.append("^" + ch.lower())
         else:
             out.extend(f"%{b:02X}" for b in ch.encode("utf-8"))
     name = "".join(out)
@@ -114,6 +120,8 @@ def encode(part: str) -> str:
     pct = name.rfind("%", cut - 2, cut)
     if pct != -1:
         cut = pct
+    elif name[cut - 1] == "^":
+        cut -= 1
     digest = hashlib.sha256(part.encode("utf-8")).hexdigest()[:32]
     return f"{name[:cut]}{HASH_MARK}{digest}"
 
@@ -136,6 +144,12 @@ def decode(name: str) -> str | None:
                 return None
             raw.append(int(hexpair, 16))
             i += 3
+        elif ch == "^":
+            letter = name[i + 1 : i + 2]
+            if letter not in _LOWER or not letter:
+                return None
+            raw.append(ord(letter.upper()))
+            i += 2
         elif ch in _PLAIN:
             raw.append(ord(ch))
             i += 1

@@ -1,0 +1,47 @@
+"""Shared fixtures: a store in a fresh temp directory, and both async backends."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from fsstore import FsSessionStore
+
+# FSSTORE_TEST_ROOT lets the whole suite run with the store on another mount (the
+# FUSE job in tests/reliability points it at a bindfs mount).
+_BASE = os.environ.get("FSSTORE_TEST_ROOT")
+
+
+@pytest.fixture
+def root(tmp_path: Path) -> Path:
+    if _BASE:
+        d = Path(_BASE) / tmp_path.name
+        d.mkdir(parents=True, exist_ok=True)
+        return d / "store"
+    return tmp_path / "store"
+
+
+@pytest.fixture
+def astore(root: Path) -> FsSessionStore:
+    return FsSessionStore(root)
+
+
+@pytest.fixture
+def store(astore: FsSessionStore):  # type: ignore[no-untyped-def]
+    return astore.sync
+
+
+@pytest.fixture(params=["asyncio", "trio"])
+def anyio_backend(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
+KEY = {"project_key": "-home-user-repo", "session_id": "6f1c2a34-5b6d-4e7f-8a9b-0c1d2e3f4a5b"}
+
+
+def entry(n: int, **extra: object) -> dict[str, object]:
+    """A realistic-looking transcript entry with a unique uuid."""
+    return {"type": "user", "uuid": f"u-{n}", "timestamp": "2024-01-01T00:00:00.000Z",
+            "message": {"role": "user", "content": f"message {n}"}, **extra}
