@@ -1,0 +1,595 @@
+"""The core store's promises, each staged with real files in a temp directory."""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import json
+import logging
+import os
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from fsstore import FsSessionStore, FsStoreError
+from fsstore import _fsio, _layout
+from fsstore._store import SyncStore
+
+from .conftest import KEY, entry
+
+SUB = {**KEY, "subpath": "subagents/agent-1"}
+
+
+def tdir(root: Path, key: dict[str, Any]) -> Path:
+    from fsstore._keys import parse_key
+
+    return root / _layout.rel(_layout.transcript_dirs(parse_key(key, "test")))
+
+
+def parts_of(root: Path, key: dict[str, Any]) -> list[str]:
+    return sorted(p.name for p in tdir(root, key).iterdir() if _layout.parse_item(p.name))
+
+
+def all_files(root: Path) -> list[Path]:
+    return [p for p in root.rglob("*") if p.is_file()]
+
+
+# -- append and load --------------------------------------------------------------
+
+
+def test_load_returns_batches_in_commit_order(store: SyncStore) -> None:
+    store.append(KEY, [entry(1), entry(2)])
+    store.append(KEY, [entry(3)])
+    store.append(KEY, [entry(4), entry(5), entry(6)])
+    assert store.load(KEY) == [entry(n) for n in range(1, 7)]
+
+
+def test_load_of_never_written_key_is_none(store: SyncStore, root: Path) -> None:
+    assert store.load(KEY) is None  # no root at all
+    store.append({**KEY, "session_id": "other"}, [entry(1)])
+    assert store.load(KEY) is None
+    assert store.load(SUB) is None
+
+
+def test_each_batch_is_one_immutable_part(store: SyncStore, root: Path) -> None:
+    store.append(KEY, [entry(1), entry(2)])
+    first = tdir(root, KEY) / _layout.part_name(1)
+    digest = hashlib.sha256(first.read_bytes()).hexdigest()
+    for n in range(3, 8):
+        store.append(KEY, [entry(n)])
+    assert parts_of(root, KEY) == [_layout.part_name(s) for s in range(1, 7)]
+    assert hashlib.sha256(first.read_bytes()).hexdigest() == digest
+    assert first.read_bytes().count(b"\n") == 2
+
+
+def test_empty_batch_writes_nothing(store: SyncStore, root: Path) -> None:
+    store.append(KEY, [])
+    assert not root.exists()
+
+
+def test_retried_batch_is_deduplicated_first_occurrence_wins(store: SyncStore) -> None:
+    store.append(KEY, [entry(1), entry(2)])
+    store.append(KEY, [entry(1, retry=True), entry(2, retry=True)])  # an SDK retry
+    store.append(KEY, [{"type": "title", "t": "a"}, {"type": "title", "t": "a"}])  # no uuid
+    store.append(KEY, [{"type": "x", "uuid": 7}, {"type": "x", "uuid": 7}])  # uuid not a str
+    assert store.load(KEY) == [
+        entry(1), entry(2),
+        {"type": "title", "t": "a"}, {"type": "title", "t": "a"},
+        {"type": "x", "uuid": 7}, {"type": "x", "uuid": 7},
+    ]
+
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.integers(min_value=2**64, max_value=2**200)
+    | st.floats(allow_nan=False) | st.text(),  # text() includes lone surrogates
+    lambda children: st.lists(children, max_size=4)
+    | st.dictionaries(st.text(max_size=8), children, max_size=4),
+    max_leaves=20,
+)
+
+
+@settings(max_examples=60, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(batch=st.lists(st.dictionaries(st.text(max_size=8), json_values, max_size=5), min_size=1, max_size=4))
+def test_entries_round_trip_deep_equal(tmp_path: Path, batch: list[dict[str, Any]]) -> None:
+    store = SyncStore(tmp_path / f"s{time.monotonic_ns()}")
+    batch = [{"type": "x", **e} for e in batch]
+    store.append(KEY, batch)
+    loaded = store.load(KEY)
+    assert loaded is not None
+    # Drop uuid collisions the way load() does before comparing.
+    assert loaded == [e for i, e in enumerate(batch)
+                      if not (isinstance(e.get("uuid"), str)
+                              and any(p.get("uuid") == e["uuid"] for p in batch[:i]))]
+
+
+def test_nan_and_infinity_round_trip(store: SyncStore) -> None:
+    store.append(KEY, [{"type": "x", "v": [float("inf"), float("-inf"), float("nan")]}])
+    loaded = store.load(KEY)
+    assert loaded is not None
+    inf, ninf, nan = loaded[0]["v"]
+    assert inf == float("inf") and ninf == float("-inf") and nan != nan
+
+
+@pytest.mark.parametrize(
+    "entries,why",
+    [
+        ("not a list", "entries must be a list"),
+        ([{"type": "x"}, "a string"], "entry 1 must be a JSON object"),
+        ([{"type": "x", "s": {1, 2}}], "not JSON-serializable"),
+        ([{"type": "x", "b": b"bytes"}], "not JSON-serializable"),
+        ([{"type": "x", (1, 2): "tuple key"}], "not JSON-serializable"),
+    ],
+)
+def test_invalid_entries_are_rejected_and_nothing_is_written(
+    store: SyncStore, root: Path, entries: Any, why: str
+) -> None:
+    store.append(KEY, [entry(1)])
+    before = sorted(map(str, all_files(root)))
+    with pytest.raises(FsStoreError) as info:
+        store.append(KEY, entries)
+    assert info.value.code == "INVALID_ENTRY" and why in str(info.value)
+    assert sorted(map(str, all_files(root))) == before
+    assert store.load(KEY) == [entry(1)]
+
+
+def test_temp_and_foreign_files_are_ignored(store: SyncStore, root: Path) -> None:
+    store.append(KEY, [entry(1)])
+    d = tdir(root, KEY)
+    (d / ".tmp-123-abcd").write_text('{"type":"half"')
+    (d / "notes.txt").write_text("hello")
+    (d / "0001.jsonl").write_text('{"type":"short name"}\n')
+    assert store.load(KEY) == [entry(1)]
+
+
+@pytest.mark.parametrize(
+    "content,line",
+    [(b'{"type":"a"}\n{"type":\n', "line 2"), (b'{"type":"a"}\n[1,2]\n', "line 2"),
+     (b'{"type":"a"}\n{"type":"b"}', "torn"), (b"", "empty")],
+)
+def test_unparseable_part_is_corruption_naming_file_and_line(
+    store: SyncStore, root: Path, content: bytes, line: str
+) -> None:
+    store.append(KEY, [entry(1)])
+    store.append(KEY, [entry(2)])
+    bad = tdir(root, KEY) / _layout.part_name(2)
+    bad.write_bytes(content)
+    with pytest.raises(FsStoreError) as info:
+        store.load(KEY)
+    err = info.value
+    assert err.code == "CORRUPT" and err.operation == "load"
+    assert err.path == str(bad) and line in err.message
+
+
+# -- the commit protocol ----------------------------------------------------------
+
+
+def test_commit_never_overwrites_when_state_is_behind(store: SyncStore, root: Path) -> None:
+    """Two writers that both think they hold the lock: the second takes the next number."""
+    store.append(KEY, [entry(1)])
+    store.append(KEY, [entry(2)])
+    state = tdir(root, KEY) / _layout.STATE
+    stale = json.loads(state.read_text())
+    stale["seq"] = 0  # as if this writer read the state before both commits
+    state.write_text(json.dumps(stale))
+    store.append(KEY, [entry(3)])
+    assert store.load(KEY) == [entry(1), entry(2), entry(3)]
+    assert parts_of(root, KEY)[-1] == _layout.part_name(3)
+
+
+def test_lost_state_file_is_rebuilt_from_parts(store: SyncStore, root: Path) -> None:
+    store.append(KEY, [entry(1, message={"role": "user", "content": "first prompt"})])
+    store.append(KEY, [entry(2)])
+    (tdir(root, KEY) / _layout.STATE).unlink()
+    store.append(KEY, [entry(3)])
+    assert store.load(KEY) == [entry(1, message={"role": "user", "content": "first prompt"}),
+                               entry(2), entry(3)]
+    [summary] = store.list_session_summaries(KEY["project_key"])
+    assert summary["data"]["first_prompt"] == "first prompt"
+
+
+def test_torn_state_file_is_rebuilt_from_parts(store: SyncStore, root: Path) -> None:
+    store.append(KEY, [entry(1)])
+    (tdir(root, KEY) / _layout.STATE).write_text('{"format":1,"se')
+    store.append(KEY, [entry(2)])
+    assert store.load(KEY) == [entry(1), entry(2)]
+    assert json.loads((tdir(root, KEY) / _layout.STATE).read_text())["seq"] == 2
+
+
+def test_failed_append_leaves_no_part_and_no_temp_file(
+    store: SyncStore, root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    store.append(KEY, [entry(1)])
+
+    def eio(*_a: object) -> bool:
+        raise OSError(errno.EIO, "Input/output error")
+
+    monkeypatch.setattr(_fsio, "move_noreplace", eio)
+    with pytest.raises(FsStoreError) as info:
+        store.append(KEY, [entry(2)])
+    assert (info.value.code, info.value.errno, info.value.operation) == ("EIO", errno.EIO, "append")
+    assert isinstance(info.value.__cause__, OSError)
+    monkeypatch.undo()
+    names = [p.name for p in tdir(root, KEY).iterdir()]
+    assert not [n for n in names if n.startswith(".tmp-")]
+    assert store.load(KEY) == [entry(1)]
+
+
+def test_error_string_carries_code_operation_and_path(store: SyncStore, root: Path) -> None:
+    root.parent.mkdir(parents=True, exist_ok=True)
+    root.write_text("a file where the store root should be")
+    with pytest.raises(FsStoreError) as info:
+        store.append(KEY, [entry(1)])
+    err = info.value
+    assert err.code in ("ENOTDIR", "EEXIST") and err.errno in (errno.ENOTDIR, errno.EEXIST)
+    assert err.operation == "append" and err.path and str(root) in err.path
+    assert err.code in str(err) and "append" in str(err) and str(root) in str(err)
+
+
+def test_failures_are_logged_with_code_operation_and_path(
+    store: SyncStore, root: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    root.parent.mkdir(parents=True, exist_ok=True)
+    root.write_text("not a directory")
+    with caplog.at_level(logging.WARNING, logger="fsstore"), pytest.raises(FsStoreError):
+        store.load(KEY)
+    [record] = [r for r in caplog.records if r.name == "fsstore"]
+    assert record.code == "ENOTDIR" and record.operation == "load"  # type: ignore[attr-defined]
+    assert str(root) in record.path  # type: ignore[attr-defined]
+
+
+# -- summaries --------------------------------------------------------------------
+
+
+def _reference_summary(batches: list[list[dict[str, Any]]], key: dict[str, Any]) -> dict[str, Any]:
+    from claude_agent_sdk import fold_session_summary
+
+    summary = None
+    for b in batches:
+        summary = fold_session_summary(summary, key, b)
+    assert summary is not None
+    return summary["data"]  # type: ignore[no-any-return]
+
+
+BATCHES = [
+    [entry(1, message={"role": "user", "content": "why is the sky blue"})],
+    [{"type": "custom-title", "customTitle": "sky", "timestamp": "2024-01-01T00:00:01.000Z"}],
+    [entry(3, gitBranch="main")],
+]
+
+
+def test_summary_agrees_with_transcript_after_writer_dies_before_state_write(
+    store: SyncStore, root: Path
+) -> None:
+    state = tdir(root, KEY) / _layout.STATE
+    store.append(KEY, BATCHES[0])
+    old = state.read_bytes()
+    store.append(KEY, BATCHES[1])
+    state.write_bytes(old)  # as if killed between the commit and the state write
+    [s] = store.list_session_summaries(KEY["project_key"])
+    assert s["data"] == _reference_summary(BATCHES[:2], KEY)  # the reader heals
+    store.append(KEY, BATCHES[2])  # and so does the next writer
+    assert json.loads(state.read_text())["folded"] == 3
+    [s] = store.list_session_summaries(KEY["project_key"])
+    assert s["data"] == _reference_summary(BATCHES, KEY)
+
+
+def test_subagent_appends_never_touch_the_main_summary(store: SyncStore) -> None:
+    store.append(KEY, BATCHES[0])
+    [before] = store.list_session_summaries(KEY["project_key"])
+    store.append(SUB, [{"type": "x", "customTitle": "subagent title"}])
+    [after] = store.list_session_summaries(KEY["project_key"])
+    assert after == before
+
+
+def test_summary_mtime_uses_the_list_sessions_clock(store: SyncStore, root: Path) -> None:
+    t0 = time.time() * 1000
+    store.append(KEY, BATCHES[0])
+    [listed] = store.list_sessions(KEY["project_key"])
+    [summary] = store.list_session_summaries(KEY["project_key"])
+    st = (tdir(root, KEY) / _layout.STATE).stat()
+    assert listed["mtime"] == summary["mtime"] == st.st_mtime_ns // 1_000_000
+    assert t0 - 2000 <= listed["mtime"] <= time.time() * 1000 + 2000
+
+
+def test_summaries_off_without_claude_sdk_leaves_sessions_out(root: Path) -> None:
+    store = SyncStore(root, summaries=False)
+    store.append(KEY, BATCHES[0])
+    assert store.list_session_summaries(KEY["project_key"]) == []
+    assert [s["session_id"] for s in store.list_sessions(KEY["project_key"])] == [KEY["session_id"]]
+
+
+# -- listings ---------------------------------------------------------------------
+
+
+def test_list_sessions_reports_main_transcripts_only(store: SyncStore) -> None:
+    store.append(KEY, [entry(1)])
+    store.append({**KEY, "session_id": "only-subagent", "subpath": "subagents/a"}, [entry(2)])
+    assert [s["session_id"] for s in store.list_sessions(KEY["project_key"])] == [KEY["session_id"]]
+    assert store.list_sessions("no-such-project") == []
+
+
+def test_listings_return_original_strings_for_long_and_unicode_keys(store: SyncStore) -> None:
+    key = {"project_key": "-Users-" + "Ünïcode-" * 40, "session_id": "Session-ABC" * 30,
+           "subpath": "subagents/" + "agent-é" * 50}
+    store.append(key, [entry(1)])
+    store.append({**key, "subpath": None}, [entry(2)])
+    assert [s["session_id"] for s in store.list_sessions(key["project_key"])] == [key["session_id"]]
+    assert store.list_subkeys(key) == [key["subpath"]]
+    assert store.load(key) == [entry(1)]
+
+
+def test_list_subkeys_are_relative_and_clean(store: SyncStore, root: Path) -> None:
+    store.append(KEY, [entry(0)])
+    for sp in ("subagents/agent-1", "subagents/agent-2", "deep/er/path"):
+        store.append({**KEY, "subpath": sp}, [entry(1)])
+    # Names no valid subpath encodes to are not reported.
+    sub_root = tdir(root, SUB).parent
+    (sub_root / "%2E%2E").mkdir()
+    (sub_root / "%2E%2E" / _layout.part_name(1)).write_text('{"type":"x"}\n')
+    got = store.list_subkeys(KEY)
+    assert sorted(got) == ["deep/er/path", "subagents/agent-1", "subagents/agent-2"]
+    assert all(not s.startswith("/") and ".." not in s.split("/") for s in got)
+
+
+# -- delete -----------------------------------------------------------------------
+
+
+def test_delete_main_cascades_to_subpaths_and_summary(store: SyncStore, root: Path) -> None:
+    other = {**KEY, "session_id": "other"}
+    store.append(KEY, [entry(1)])
+    store.append(SUB, [entry(2)])
+    store.append(other, [entry(3)])
+    store.delete(KEY)
+    assert store.load(KEY) is None and store.load(SUB) is None
+    assert store.list_subkeys(KEY) == []
+    assert [s["session_id"] for s in store.list_session_summaries(KEY["project_key"])] == ["other"]
+    assert store.load(other) == [entry(3)]
+    assert list((root / _layout.TRASH).iterdir()) == []
+
+
+def test_delete_subpath_removes_only_that_transcript(store: SyncStore) -> None:
+    sub2 = {**KEY, "subpath": "subagents/agent-2"}
+    store.append(KEY, [entry(1)])
+    store.append(SUB, [entry(2)])
+    store.append(sub2, [entry(3)])
+    store.delete(SUB)
+    assert store.load(SUB) is None
+    assert store.load(sub2) == [entry(3)] and store.load(KEY) == [entry(1)]
+
+
+def test_delete_of_missing_key_is_not_an_error(store: SyncStore) -> None:
+    store.delete(KEY)
+    store.append(KEY, [entry(1)])
+    store.delete(SUB)
+    store.delete({**KEY, "session_id": "never"})
+    assert store.load(KEY) == [entry(1)]
+
+
+def test_reader_sees_whole_transcript_or_none_during_delete(store: SyncStore) -> None:
+    n = 60
+    results: list[Any] = []
+    for round_ in range(5):
+        store.append(KEY, [entry(0)])
+        for i in range(1, n):
+            store.append(KEY, [entry(i)])
+        stop = threading.Event()
+
+        def reader() -> None:
+            while not stop.is_set():
+                results.append(store.load(KEY))
+
+        t = threading.Thread(target=reader)
+        t.start()
+        time.sleep(0.01 * round_)
+        store.delete(KEY)
+        stop.set()
+        t.join()
+    full = [entry(i) for i in range(n)]
+    assert results and all(r is None or r == full for r in results)
+
+
+def test_append_racing_delete_leaves_no_half_deleted_session(store: SyncStore, root: Path) -> None:
+    errors: list[BaseException] = []
+
+    def writer(key: dict[str, Any]) -> None:
+        try:
+            for i in range(40):
+                store.append(key, [entry(i)])
+        except BaseException as exc:  # collected and asserted below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=writer, args=(k,)) for k in (KEY, SUB)]
+    for t in threads:
+        t.start()
+    for _ in range(10):
+        store.delete(KEY)
+        time.sleep(0.002)
+    for t in threads:
+        t.join()
+    store.delete(KEY)
+    assert not errors
+    assert store.load(KEY) is None and store.load(SUB) is None
+    assert store.list_subkeys(KEY) == [] and store.list_sessions(KEY["project_key"]) == []
+
+
+# -- locking and concurrency ------------------------------------------------------
+
+
+def test_threads_appending_one_transcript_are_serialized(store: SyncStore) -> None:
+    def writer(w: int) -> None:
+        for i in range(25):
+            store.append(KEY, [entry(w * 1000 + i * 2), entry(w * 1000 + i * 2 + 1)])
+
+    threads = [threading.Thread(target=writer, args=(w,)) for w in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    loaded = store.load(KEY)
+    assert loaded is not None and len(loaded) == 6 * 25 * 2
+    uuids = [e["uuid"] for e in loaded]
+    for w in range(6):
+        mine = [u for u in uuids if int(u[2:]) // 1000 == w]
+        assert mine == [f"u-{w * 1000 + i}" for i in range(50)]  # own order kept
+    for a, b in zip(uuids[::2], uuids[1::2]):
+        assert int(b[2:]) == int(a[2:]) + 1  # every batch contiguous
+
+
+def _hold_lock(root: str, ready: Any, release: Any) -> None:
+    with SyncStore(root).locked(KEY):
+        ready.set()
+        release.wait(30)
+
+
+def test_lock_timeout_is_retryable_not_a_timeout_error(root: Path) -> None:
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    ready, release = ctx.Event(), ctx.Event()
+    holder = ctx.Process(target=_hold_lock, args=(str(root), ready, release))
+    holder.start()
+    try:
+        assert ready.wait(30)
+        store = SyncStore(root, lock_timeout_seconds=0.5)
+        with pytest.raises(FsStoreError) as info:
+            store.append(KEY, [entry(1)])
+        assert info.value.code == "LOCK_TIMEOUT" and info.value.operation == "append"
+        assert not isinstance(info.value, TimeoutError)
+        assert not [p for p in tdir(root, KEY).iterdir() if p.name.startswith(".tmp-")]
+    finally:
+        release.set()
+        holder.join(30)
+    store.append(KEY, [entry(1)])  # the retry succeeds once the holder is gone
+    assert store.load(KEY) == [entry(1)]
+
+
+def test_lock_of_a_dead_holder_on_another_host_is_reclaimed_by_age(root: Path) -> None:
+    store = SyncStore(root, stale_lock_seconds=1.0, lock_timeout_seconds=10)
+    store.append(KEY, [entry(1)])
+    lock = tdir(root, KEY) / _layout.LOCK
+    lock.write_text("4242\nsome-other-host\n")
+    old = time.time() - 5
+    os.utime(lock, (old, old))
+    t0 = time.monotonic()
+    store.append(KEY, [entry(2)])
+    assert time.monotonic() - t0 < 3
+    assert store.load(KEY) == [entry(1), entry(2)]
+    assert not lock.exists()
+
+
+# -- durability and permissions ---------------------------------------------------
+
+
+def test_fsync_syncs_part_and_directory(root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import stat as stat_mod
+
+    synced: list[str] = []
+    real = os.fsync
+
+    def spy(fd: int) -> None:
+        synced.append("dir" if stat_mod.S_ISDIR(os.fstat(fd).st_mode) else "file")
+        real(fd)
+
+    monkeypatch.setattr(os, "fsync", spy)
+    store = SyncStore(root, fsync=True)
+    store.append(KEY, [entry(1)])
+    synced.clear()
+    store.append(KEY, [entry(2)])
+    assert synced == ["file", "dir"]  # the part before it is visible, then its directory
+    synced.clear()
+    SyncStore(root, fsync=False).append(KEY, [entry(3)])
+    assert synced == []
+
+
+def test_directory_fsync_refused_by_the_mount_degrades_once(
+    root: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    import stat as stat_mod
+
+    calls: list[str] = []
+    real = os.fsync
+
+    def fuse_like(fd: int) -> None:
+        if stat_mod.S_ISDIR(os.fstat(fd).st_mode):
+            calls.append("dir")
+            raise OSError(errno.EINVAL, "Invalid argument")
+        calls.append("file")
+        real(fd)
+
+    monkeypatch.setattr(os, "fsync", fuse_like)
+    store = SyncStore(root, fsync=True)
+    with caplog.at_level(logging.WARNING, logger="fsstore"):
+        for i in range(3):
+            store.append(KEY, [entry(i)])
+    assert store.load(KEY) == [entry(i) for i in range(3)]
+    assert calls.count("dir") == 1 and calls.count("file") == 3
+    assert len([r for r in caplog.records if "directory fsync" in r.getMessage()]) == 1
+
+
+def test_default_modes_are_0700_and_0600(store: SyncStore, root: Path) -> None:
+    store.append(KEY, [entry(1)])
+    store.append({**SUB, "session_id": "x" * 300}, [entry(1)])  # hashed names, .key files
+    for p in [root, *root.rglob("*")]:
+        mode = p.stat().st_mode & 0o777
+        assert mode == (0o700 if p.is_dir() else 0o600), p
+
+
+def test_modes_are_configurable_for_group_sharing(root: Path) -> None:
+    old = os.umask(0o022)
+    try:
+        store = SyncStore(root, dir_mode=0o770, file_mode=0o660)
+        store.append(KEY, [entry(1)])
+    finally:
+        os.umask(old)
+    for p in root.rglob("*"):
+        if p != root:
+            assert p.stat().st_mode & 0o777 == (0o770 if p.is_dir() else 0o660), p
+
+
+def test_symlinked_directory_inside_root_is_refused(store: SyncStore, root: Path, tmp_path: Path) -> None:
+    store.append(KEY, [entry(1)])
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    sessions = root / "projects" / "-home-user-repo" / "sessions"
+    sessions.rename(tmp_path / "moved")
+    sessions.symlink_to(outside)
+    with pytest.raises(FsStoreError) as info:
+        store.append(KEY, [entry(2)])
+    assert info.value.code == "UNSAFE_PATH"
+    assert list(outside.iterdir()) == []
+
+
+# -- the async facade -------------------------------------------------------------
+
+
+@pytest.mark.anyio
+async def test_async_methods_run_in_worker_threads(astore: FsSessionStore, monkeypatch: pytest.MonkeyPatch) -> None:
+    seen: list[str] = []
+    sync = astore.sync
+    for name in ("append", "load", "list_sessions", "list_session_summaries", "delete", "list_subkeys"):
+        real = getattr(sync, name)
+
+        def spy(*a: Any, _real: Any = real, _name: str = name) -> Any:
+            seen.append(threading.current_thread().name)
+            return _real(*a)
+
+        monkeypatch.setattr(sync, name, spy)
+    await astore.append(KEY, [entry(1)])
+    assert await astore.load(KEY) == [entry(1)]
+    await astore.list_sessions(KEY["project_key"])
+    await astore.list_session_summaries(KEY["project_key"])
+    await astore.list_subkeys(KEY)
+    await astore.delete(KEY)
+    main = threading.main_thread().name
+    assert len(seen) == 6 and main not in seen
+
+
+def test_public_surface_is_small() -> None:
+    import fsstore
+
+    assert sorted(fsstore.__all__) == ["FsSessionStore", "FsStoreError"]
