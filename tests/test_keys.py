@@ -110,3 +110,22 @@ def test_empty_or_none_subpath_is_the_main_transcript(store) -> None:  # type: i
     store.append({"project_key": "p", "session_id": "s", "subpath": None}, [{"type": "b"}])
     assert store.load({"project_key": "p", "session_id": "s"}) == [{"type": "a"}, {"type": "b"}]
     assert store.list_subkeys({"project_key": "p", "session_id": "s"}) == []
+
+
+@settings(max_examples=40)
+@given(st.lists(st.from_regex(r"[a-zA-Z0-9é/-]{1,12}", fullmatch=True), min_size=2, max_size=8, unique=True))
+def test_no_collisions_on_a_case_insensitive_filesystem(parts: list[str]) -> None:
+    # pyfakefs emulates a case-insensitive (macOS/Windows-like) filesystem in memory.
+    from pyfakefs.fake_filesystem_unittest import Patcher
+
+    import os
+
+    with Patcher() as patcher:
+        patcher.fs.is_case_sensitive = False
+        os.makedirs("/store")
+        os.mkdir("/store/Probe")
+        assert os.path.isdir("/store/PROBE")  # the emulation really ignores case
+        os.rmdir("/store/Probe")
+        for part in parts:
+            os.mkdir(f"/store/{_keys.encode(part)}")  # FileExistsError would be a collision
+        assert len(os.listdir("/store")) == len(parts)
