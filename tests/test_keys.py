@@ -116,16 +116,12 @@ def test_empty_or_none_subpath_is_the_main_transcript(store) -> None:  # type: i
 @given(st.lists(st.from_regex(r"[a-zA-Z0-9é/-]{1,12}", fullmatch=True), min_size=2, max_size=8, unique=True))
 def test_no_collisions_on_a_case_insensitive_filesystem(parts: list[str]) -> None:
     # pyfakefs emulates a case-insensitive (macOS/Windows-like) filesystem in memory.
-    from pyfakefs.fake_filesystem_unittest import Patcher
+    from pyfakefs.fake_filesystem import FakeFilesystem
 
-    import os
-
-    with Patcher() as patcher:
-        patcher.fs.is_case_sensitive = False
-        os.makedirs("/store")
-        os.mkdir("/store/Probe")
-        assert os.path.isdir("/store/PROBE")  # the emulation really ignores case
-        os.rmdir("/store/Probe")
-        for part in parts:
-            os.mkdir(f"/store/{_keys.encode(part)}")  # FileExistsError would be a collision
-        assert len(os.listdir("/store")) == len(parts)
+    fs = FakeFilesystem()
+    fs.is_case_sensitive = False
+    fs.create_dir("/store/Probe")
+    assert fs.exists("/store/PROBE")  # the emulation really ignores case
+    for part in parts:
+        fs.create_dir(f"/store/{_keys.encode(part)}")  # raises if the name collides
+    assert len(fs.listdir("/store")) == len(parts) + 1
