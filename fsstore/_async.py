@@ -32,6 +32,8 @@ class FsSessionStore:
         dir_mode, file_mode: permissions of what the store creates (0700 / 0600).
         summaries: maintain the Claude summary sidecar (None: when claude-agent-sdk
             is importable).
+        compact_every: merge parts into segments once this many accumulated
+            (0: never automatically; ``compact(key)`` still works).
     """
 
     def __init__(
@@ -44,6 +46,7 @@ class FsSessionStore:
         dir_mode: int = 0o700,
         file_mode: int = 0o600,
         summaries: bool | None = None,
+        compact_every: int = 64,
     ) -> None:
         self.sync = SyncStore(
             root,
@@ -53,6 +56,7 @@ class FsSessionStore:
             dir_mode=dir_mode,
             file_mode=file_mode,
             summaries=summaries,
+            compact_every=compact_every,
         )
 
     @property
@@ -79,6 +83,10 @@ class FsSessionStore:
 
     async def list_subkeys(self, key: Mapping[str, Any]) -> list[str]:
         return await to_thread.run_sync(self.sync.list_subkeys, key)
+
+    async def compact(self, key: Mapping[str, Any]) -> int:
+        """Merge all of a transcript's files into one segment; return how many were merged."""
+        return await to_thread.run_sync(self.sync.compact, key)
 
     def locked(self, key: Mapping[str, Any]) -> contextlib.AbstractContextManager[None]:
         """Hold the transcript's commit lock (sync context manager, for maintenance)."""

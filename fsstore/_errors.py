@@ -23,6 +23,8 @@ STORE_CODES: dict[str, str] = {
     "INVALID_ENTRY": "entries is not a list of JSON objects that json.dumps accepts",
     "CORRUPT": "a committed part or segment cannot be parsed (file and line in the message)",
     "LOCK_TIMEOUT": "the transcript lock was not acquired within lock_timeout_seconds",
+    "LOCK_EXPIRED": "the lock was held past half of stale_lock_seconds before publishing; "
+    "nothing was written (retryable)",
     "UNSAFE_PATH": "something inside root is a symlink or not a directory where the store expects one",
 }
 

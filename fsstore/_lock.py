@@ -49,6 +49,34 @@ class _Local:
         self.users = 0
 
 
+class Held:
+    """A lock we hold, and how long we may act on it.
+
+    Another host may reclaim our lock once its marker looks ``stale_lock_seconds``
+    old *by that host's clock*; with clock skew that can come early. So before each
+    step that publishes something (a commit move, a segment move) the holder checks
+    that it has held the lock for less than half the lifetime, and otherwise gives
+    up with LOCK_EXPIRED (retryable: nothing was published). This is lease-style
+    fencing: an overlap then needs a stall inside the publishing syscall itself.
+    """
+
+    def __init__(self, path: str, since: float, budget: float) -> None:
+        self.path = path
+        self.since = since
+        self.budget = budget
+
+    def check(self, operation: str) -> None:
+        held = time.monotonic() - self.since
+        if held > self.budget:
+            raise FsStoreError(
+                "LOCK_EXPIRED",
+                f"held the lock {held:.1f}s, past half of stale_lock_seconds; "
+                "another writer may have reclaimed it, so nothing was published",
+                operation=operation,
+                path=self.path,
+            )
+
+
 class Locks:
     def __init__(self, *, stale_lock_seconds: float, lock_timeout_seconds: float, mode: int) -> None:
         self.stale = stale_lock_seconds
@@ -58,7 +86,7 @@ class Locks:
         self._local: dict[str, _Local] = {}
 
     @contextlib.contextmanager
-    def hold(self, lock_path: str, operation: str) -> Iterator[None]:
+    def hold(self, lock_path: str, operation: str) -> Iterator[Held]:
         """Hold the transcript lock at ``lock_path``; LOCK_TIMEOUT if not had in time."""
         deadline = time.monotonic() + self.timeout
         with self._guard:
@@ -81,7 +109,7 @@ class Locks:
                 except filelock.Timeout as exc:
                     raise self._timeout(lock_path, operation, exc) from exc
                 try:
-                    yield
+                    yield Held(lock_path, time.monotonic(), self.stale / 2)
                 finally:
                     soft.release()
             finally:

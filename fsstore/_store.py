@@ -12,7 +12,7 @@ import os
 from collections.abc import Iterator, Mapping
 from typing import Any
 
-from . import _fsio, _keys, _layout, _summaries
+from . import _compact, _fsio, _keys, _layout, _summaries
 from ._errors import FsStoreError, log, translating
 from ._fsio import Fs
 from ._keys import TranscriptKey
@@ -53,8 +53,12 @@ class SyncStore:
         dir_mode: int = 0o700,
         file_mode: int = 0o600,
         summaries: bool | None = None,
+        compact_every: int = 64,
     ) -> None:
+        if compact_every < 0:
+            raise ValueError("compact_every must be >= 0 (0 turns automatic compaction off)")
         self.root = os.path.abspath(os.fspath(root))
+        self._compact_every = compact_every
         self._fs = Fs(fsync=fsync, dir_mode=dir_mode, file_mode=file_mode)
         self._locks = Locks(
             stale_lock_seconds=stale_lock_seconds,
@@ -140,10 +144,11 @@ class SyncStore:
                 self._fs.write_new(dfd, tmp, payload)
                 committed = False
                 try:
-                    with self._locks.hold(f"{path}/{_layout.LOCK}", op):
+                    with self._locks.hold(f"{path}/{_layout.LOCK}", op) as held:
                         state, _mtime = read_state(dfd)
                         if state is None:
                             state = rebuild_state(dfd)
+                        held.check(op)
                         seq = commit(dfd, os.fstat(dfd).st_dev, tmp, state.seq)
                         committed = True
                         self._fs.sync_dir(dfd)
@@ -152,11 +157,21 @@ class SyncStore:
                             write_state(self._fs, dfd, new)
                         except OSError as exc:
                             log_state_failure(exc, path)
+                        if self._compact_every and seq - new.compacted >= self._compact_every:
+                            self._auto_compact(dfd, path, held, new)
                 finally:
                     if not committed:
                         _fsio.unlink_quiet(dfd, tmp)
             finally:
                 os.close(dfd)
+
+    def _auto_compact(self, dfd: int, path: str, held: Any, state: State) -> None:
+        try:
+            _compact.compact(self._fs, dfd, path, held, state, everything=False, operation="compact")
+        except (OSError, FsStoreError) as exc:
+            # The append itself is committed; a failed compaction only costs load speed.
+            log.warning("automatic compaction failed: %s", exc,
+                        extra={"code": "COMPACT_FAILED", "operation": "compact", "path": path})
 
     def _after_commit(
         self,
@@ -437,6 +452,29 @@ class SyncStore:
             os.close(trash)
 
     # -- maintenance ---------------------------------------------------------------
+
+    def compact(self, key: Mapping[str, Any]) -> int:
+        """Merge all of a transcript's files into one segment; return how many were merged."""
+        op = "compact"
+        tk = _keys.parse_key(key, op)
+        comps = _layout.transcript_dirs(tk)
+        path = self._path(comps)
+        with translating(op, path), self._open_root(create=False) as rfd:
+            if rfd is None:
+                return 0
+            dfd = self._open(rfd, comps, op)
+            if dfd is None:
+                return 0
+            try:
+                with self._locks.hold(f"{path}/{_layout.LOCK}", op) as held:
+                    state, _mtime = read_state(dfd)
+                    if state is None:
+                        state = rebuild_state(dfd)
+                    return _compact.compact(
+                        self._fs, dfd, path, held, state, everything=True, operation=op
+                    )
+            finally:
+                os.close(dfd)
 
     @contextlib.contextmanager
     def locked(self, key: Mapping[str, Any]) -> Iterator[None]:

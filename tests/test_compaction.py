@@ -1,0 +1,178 @@
+"""Compaction: segments change how a transcript is stored, never what load() returns."""
+
+from __future__ import annotations
+
+import json
+import math
+import multiprocessing as mp
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from fsstore import FsStoreError
+from fsstore import _compact, _layout, _transcript
+from fsstore._store import SyncStore
+
+from .conftest import KEY, entry
+from .test_store import parts_of, tdir
+
+
+def files_of(root: Path) -> list[tuple[int, int]]:
+    return sorted(r for p in tdir(root, KEY).iterdir() if (r := _layout.parse_item(p.name)))
+
+
+def test_automatic_compaction_keeps_load_identical_and_files_few(root: Path) -> None:
+    store = SyncStore(root, compact_every=8)
+    expected = []
+    for i in range(300):
+        batch = [entry(i), {"type": "no-uuid", "i": i}]
+        if i % 50 == 7:
+            batch.append(entry(i - 1))  # a retried entry: dropped by load, before and after
+        store.append(KEY, batch)
+        expected.extend(batch if i % 50 != 7 else batch[:2])
+    assert store.load(KEY) == expected
+    files = files_of(root)
+    segments = [f for f in files if f[0] != f[1]]
+    assert len(files) - len(segments) < 8
+    assert len(segments) <= math.log2(300 / 8) + 2
+    # The files tile 1..300 exactly: no gaps, no overlaps.
+    assert [f[0] for f in files] == [1] + [f[1] + 1 for f in files[:-1]] and files[-1][1] == 300
+
+
+def test_compact_on_demand_merges_everything_into_one_segment(root: Path) -> None:
+    store = SyncStore(root, compact_every=0)
+    for i in range(20):
+        store.append(KEY, [entry(i)])
+    before = store.load(KEY)
+    assert store.compact(KEY) == 20
+    assert files_of(root) == [(1, 20)]
+    assert store.load(KEY) == before
+    assert store.compact(KEY) == 0  # nothing left to merge
+    store.append(KEY, [entry(20)])
+    assert store.load(KEY) == [*before, entry(20)]  # type: ignore[misc]
+    assert store.compact({**KEY, "session_id": "never"}) == 0
+
+
+def test_choose_behaves_like_a_binary_counter() -> None:
+    items: list[tuple[int, int, str]] = []
+    for seq in range(1, 1025):
+        items.append((seq, seq, "p"))
+        if len(items) >= 2 and items[-2][0] == items[-2][1]:  # two parts in a row: compact
+            start = _compact.choose(items, everything=False)
+            items = [*items[:start], (items[start][0], items[-1][1], "s")]
+        assert len(items) <= math.log2(seq) + 2
+    assert items == [(1, 1024, "s")]
+
+
+def test_leftovers_of_a_compaction_killed_before_unlinking_are_skipped(root: Path) -> None:
+    store = SyncStore(root, compact_every=0)
+    for i in range(6):
+        store.append(KEY, [entry(i)])
+    d = tdir(root, KEY)
+    # What a compaction leaves when killed between its segment move and the unlinks:
+    blob = b"".join((d / _layout.part_name(s)).read_bytes() for s in range(1, 5))
+    (d / _layout.segment_name(1, 4)).write_bytes(blob)
+    assert store.load(KEY) == [entry(i) for i in range(6)]
+    store.compact(KEY)
+    assert files_of(root) == [(1, 6)]
+    assert store.load(KEY) == [entry(i) for i in range(6)]
+
+
+def test_compaction_never_copies_a_damaged_part(root: Path) -> None:
+    store = SyncStore(root, compact_every=0)
+    for i in range(4):
+        store.append(KEY, [entry(i)])
+    bad = tdir(root, KEY) / _layout.part_name(3)
+    bad.write_bytes(b'{"type":"x"}\n{broken\n')
+    with pytest.raises(FsStoreError) as info:
+        store.compact(KEY)
+    assert info.value.code == "CORRUPT" and info.value.path == str(bad)
+    assert parts_of(root, KEY) == [_layout.part_name(s) for s in range(1, 5)]
+
+
+def test_summary_heals_across_a_compaction(root: Path) -> None:
+    from claude_agent_sdk import fold_session_summary
+
+    store = SyncStore(root, compact_every=0)
+    batches = [[entry(i, message={"role": "user", "content": f"prompt {i}"}),
+                {"type": "t", "customTitle": f"title {i}"}] for i in range(5)]
+    store.append(KEY, batches[0])
+    state_file = tdir(root, KEY) / _layout.STATE
+    old = state_file.read_bytes()
+    for b in batches[1:]:
+        store.append(KEY, b)
+    store.compact(KEY)
+    state = json.loads(state_file.read_text())
+    state.update(json.loads(old), compacted=state["compacted"], seq=state["seq"])
+    state_file.write_text(json.dumps(state))  # summary folded only through part 1
+    [summary] = store.list_session_summaries(KEY["project_key"])
+    want = None
+    for b in batches:
+        want = fold_session_summary(want, KEY, b)  # type: ignore[arg-type]
+    assert want is not None and summary["data"] == want["data"]
+
+
+def test_a_holder_past_half_its_lease_publishes_nothing(root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    store = SyncStore(root, stale_lock_seconds=0.2)
+    store.append(KEY, [entry(1)])
+    real = _transcript.read_state
+
+    def slow_read(fd: int) -> Any:
+        time.sleep(0.15)  # a stall (hung NFS server) between taking the lock and committing
+        return real(fd)
+
+    monkeypatch.setattr("fsstore._store.read_state", slow_read)
+    with pytest.raises(FsStoreError) as info:
+        store.append(KEY, [entry(2)])
+    assert info.value.code == "LOCK_EXPIRED" and info.value.operation == "append"
+    monkeypatch.undo()
+    assert store.load(KEY) == [entry(1)]
+    assert not [p for p in tdir(root, KEY).iterdir() if p.name.startswith(".tmp-")]
+
+
+# -- readers racing compaction, with real processes ----------------------------------
+
+
+def _writer(root: str, n: int) -> None:
+    store = SyncStore(root, compact_every=3)
+    for i in range(n):
+        store.append(KEY, [entry(2 * i), entry(2 * i + 1)])
+
+
+def _compactor(root: str, stop: Any) -> None:
+    store = SyncStore(root, compact_every=0)
+    while not stop.is_set():
+        store.compact(KEY)
+
+
+def _reader(root: str, stop: Any, out: Any) -> None:
+    store = SyncStore(root)
+    snapshots = []
+    while not stop.is_set():
+        got = store.load(KEY)
+        snapshots.append([e["uuid"] for e in got] if got else [])
+    out.put(snapshots)
+
+
+def test_readers_racing_compaction_see_every_entry_exactly_once(root: Path) -> None:
+    ctx = mp.get_context("spawn")
+    SyncStore(root).append(KEY, [entry(-1)])
+    stop, out = ctx.Event(), ctx.Queue()
+    writer = ctx.Process(target=_writer, args=(str(root), 150))
+    others = [ctx.Process(target=_compactor, args=(str(root), stop)),
+              ctx.Process(target=_reader, args=(str(root), stop, out)),
+              ctx.Process(target=_reader, args=(str(root), stop, out))]
+    for p in (writer, *others):
+        p.start()
+    writer.join(120)
+    stop.set()
+    snapshots = out.get(timeout=60) + out.get(timeout=60)
+    for p in others:
+        p.join(60)
+    final = [e["uuid"] for e in SyncStore(root).load(KEY) or []]
+    assert final == ["u--1"] + [f"u-{i}" for i in range(300)]
+    assert len(snapshots) > 20
+    for snap in snapshots:
+        assert snap == final[: len(snap)]  # a prefix: nothing missing, nothing twice
