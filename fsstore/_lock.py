@@ -18,6 +18,7 @@ so they do not poll the lock file against each other.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import threading
 import time
@@ -26,6 +27,8 @@ from collections.abc import Iterator
 import filelock
 
 from ._errors import FsStoreError
+
+_IDLE_LOCKS = 256
 
 
 class _SoftLock(filelock.SoftFileLock):
@@ -42,11 +45,12 @@ class _SoftLock(filelock.SoftFileLock):
 
 
 class _Local:
-    """The in-process lock of one lock path, dropped when nobody uses it."""
+    """The in-process lock of one lock path, and its SoftFileLock, kept while in use."""
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.users = 0
+        self.soft: filelock.SoftFileLock | None = None
 
 
 class Held:
@@ -84,6 +88,9 @@ class Locks:
         self.mode = mode
         self._guard = threading.Lock()
         self._local: dict[str, _Local] = {}
+        # Recently used SoftFileLock objects: building one resolves its path and
+        # registers it (~150 us), so a writer that keeps appending reuses its own.
+        self._idle: collections.OrderedDict[str, filelock.SoftFileLock] = collections.OrderedDict()
 
     @contextlib.contextmanager
     def hold(self, lock_path: str, operation: str) -> Iterator[Held]:
@@ -92,20 +99,20 @@ class Locks:
         with self._guard:
             entry = self._local.setdefault(lock_path, _Local())
             entry.users += 1
+            if entry.soft is None:
+                entry.soft = self._idle.pop(lock_path, None)
         local = entry.lock
         try:
             if not local.acquire(timeout=max(self.timeout, 0)):
                 raise self._timeout(lock_path, operation, None)
             try:
-                soft = _SoftLock(
-                    lock_path,
-                    timeout=max(deadline - time.monotonic(), 0),
-                    mode=self.mode,
-                    thread_local=False,
-                    lifetime=self.stale,
-                )
+                soft = entry.soft
+                if soft is None:
+                    soft = entry.soft = _SoftLock(
+                        lock_path, mode=self.mode, thread_local=False, lifetime=self.stale
+                    )
                 try:
-                    soft.acquire()
+                    soft.acquire(timeout=max(deadline - time.monotonic(), 0))
                 except filelock.Timeout as exc:
                     raise self._timeout(lock_path, operation, exc) from exc
                 try:
@@ -119,6 +126,10 @@ class Locks:
                 entry.users -= 1
                 if entry.users == 0:
                     del self._local[lock_path]
+                    if entry.soft is not None:
+                        self._idle[lock_path] = entry.soft
+                        while len(self._idle) > _IDLE_LOCKS:
+                            self._idle.popitem(last=False)
 
     def _timeout(self, path: str, operation: str, exc: filelock.Timeout | None) -> FsStoreError:
         # Deliberately not a TimeoutError: the SDK does not retry those, and a lock
