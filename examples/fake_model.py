@@ -83,7 +83,8 @@ def _user_text(message: dict[str, Any]) -> str:
     texts = [
         b.get("text", "")
         for b in _blocks(message)
-        if b.get("type") == "text" and not b.get("text", "").lstrip().startswith("<system-reminder>")
+        if b.get("type") == "text"
+        and not b.get("text", "").lstrip().startswith("<system-reminder>")
     ]
     return "\n".join(t for t in texts if t)
 
@@ -103,7 +104,9 @@ def decide(body: dict[str, Any], tool_ids: Iterator[int]) -> list[dict[str, Any]
     last = users[-1]
     results = [b for b in _blocks(last) if b.get("type") == "tool_result"]
     if results:
-        return [{"type": "text", "text": f"The subagent reported: {_tool_result_text(results[-1])}"}]
+        return [
+            {"type": "text", "text": f"The subagent reported: {_tool_result_text(results[-1])}"}
+        ]
     text = _user_text(last)
     if m := REMEMBER.search(text):
         return [{"type": "text", "text": f"OK, I will remember {m.group(1)}."}]
@@ -138,6 +141,8 @@ def _sse(blocks: list[dict[str, Any]], message: dict[str, Any], stop: str) -> by
         ("message_start", {"type": "message_start", "message": {**message, "content": []}}),
     ]
     for i, block in enumerate(blocks):
+        start: dict[str, Any]
+        delta: dict[str, Any]
         if block["type"] == "text":
             start = {"type": "text", "text": ""}
             delta = {"type": "text_delta", "text": block["text"]}
@@ -145,13 +150,22 @@ def _sse(blocks: list[dict[str, Any]], message: dict[str, Any], stop: str) -> by
             start = {**block, "input": {}}
             delta = {"type": "input_json_delta", "partial_json": json.dumps(block["input"])}
         events += [
-            ("content_block_start", {"type": "content_block_start", "index": i, "content_block": start}),
+            (
+                "content_block_start",
+                {"type": "content_block_start", "index": i, "content_block": start},
+            ),
             ("content_block_delta", {"type": "content_block_delta", "index": i, "delta": delta}),
             ("content_block_stop", {"type": "content_block_stop", "index": i}),
         ]
     events += [
-        ("message_delta", {"type": "message_delta", "delta": {"stop_reason": stop, "stop_sequence": None},
-                           "usage": {"output_tokens": 8}}),
+        (
+            "message_delta",
+            {
+                "type": "message_delta",
+                "delta": {"stop_reason": stop, "stop_sequence": None},
+                "usage": {"output_tokens": 8},
+            },
+        ),
         ("message_stop", {"type": "message_stop"}),
     ]
     return "".join(f"event: {name}\ndata: {json.dumps(data)}\n\n" for name, data in events).encode()
@@ -175,7 +189,8 @@ class FakeModel:
     @property
     def url(self) -> str:
         host, port = self._server.server_address[:2]
-        return f"http://{host}:{port}"
+        name = host.decode() if isinstance(host, bytes) else host
+        return f"http://{name}:{port}"
 
     def env(self, api_key: str = "fake-key") -> dict[str, str]:
         """The environment that points a Claude Code CLI at this server."""
@@ -195,7 +210,7 @@ class FakeModel:
         self._server.shutdown()
         self._server.server_close()
 
-    def __enter__(self) -> FakeModel:
+    def __enter__(self) -> FakeModel:  # noqa: PYI034
         return self.start()
 
     def __exit__(self, *exc: object) -> None:
@@ -228,8 +243,14 @@ class FakeModel:
                 self.wfile.write(data)
 
             def do_GET(self) -> None:
-                model._record(Recorded(self.path, {k.lower(): v for k, v in self.headers.items()}, {}))
-                self._send(404, "application/json", b'{"type":"error","error":{"type":"not_found_error","message":"stand-in"}}')
+                model._record(
+                    Recorded(self.path, {k.lower(): v for k, v in self.headers.items()}, {})
+                )
+                self._send(
+                    404,
+                    "application/json",
+                    b'{"type":"error","error":{"type":"not_found_error","message":"stand-in"}}',
+                )
 
             def do_POST(self) -> None:
                 length = int(self.headers.get("Content-Length") or 0)
@@ -245,7 +266,11 @@ class FakeModel:
                     return
                 if path != "/v1/messages":
                     model._record(rec)
-                    self._send(404, "application/json", b'{"type":"error","error":{"type":"not_found_error","message":"stand-in"}}')
+                    self._send(
+                        404,
+                        "application/json",
+                        b'{"type":"error","error":{"type":"not_found_error","message":"stand-in"}}',
+                    )
                     return
                 rec.reply = decide(body, model._ids)
                 model._record(rec)
@@ -263,7 +288,11 @@ class FakeModel:
                 if body.get("stream"):
                     self._send(200, "text/event-stream", _sse(rec.reply, message, stop))
                 else:
-                    done = {**message, "stop_reason": stop, "usage": {"input_tokens": 10, "output_tokens": 8}}
+                    done = {
+                        **message,
+                        "stop_reason": stop,
+                        "usage": {"input_tokens": 10, "output_tokens": 8},
+                    }
                     self._send(200, "application/json", json.dumps(done).encode())
 
         return Handler

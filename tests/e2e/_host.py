@@ -30,8 +30,8 @@ _REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__
 if _REPO not in sys.path:
     sys.path.insert(0, _REPO)
 
-import anyio  # noqa: E402
-from claude_agent_sdk import (  # noqa: E402
+import anyio
+from claude_agent_sdk import (
     AssistantMessage,
     ClaudeAgentOptions,
     MirrorErrorMessage,
@@ -41,7 +41,7 @@ from claude_agent_sdk import (  # noqa: E402
     query,
 )
 
-from fsstore import FsSessionStore  # noqa: E402
+from fsstore import FsSessionStore
 
 
 class RecordingStore(FsSessionStore):
@@ -127,7 +127,7 @@ async def run_session(spec: dict[str, Any]) -> dict[str, Any]:
         with anyio.fail_after(spec.get("timeout", 120)):
             async for message in query(prompt=spec["prompt"], options=options):
                 _note(out, message, spec)
-    except Exception as exc:  # reported, so a test can assert on a failed session too
+    except Exception as exc:  # noqa: BLE001 - reported: a test may expect a failed session
         out["error"] = f"{type(exc).__name__}: {exc}"
     out["elapsed_s"] = round(time.monotonic() - started, 3)
     out["store_calls"] = store.calls

@@ -130,7 +130,9 @@ class Hosts:
         except subprocess.TimeoutExpired:
             proc.kill()
             out, err = proc.communicate()
-            raise AssertionError(f"{name} did not finish in 180 s; stderr:\n{err[-4000:]}") from None
+            raise AssertionError(
+                f"{name} did not finish in 180 s; stderr:\n{err[-4000:]}"
+            ) from None
         if proc.returncode != 0:
             raise AssertionError(f"{name} exited {proc.returncode}; stderr:\n{err[-4000:]}")
         result: dict[str, Any] = json.loads(out.strip().splitlines()[-1])

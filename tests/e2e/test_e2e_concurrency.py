@@ -37,8 +37,12 @@ async def test_concurrent_sessions_from_several_processes(hosts: Any) -> None:
     for r, n in zip(first, numbers):
         assert r["result"] == f"OK, I will remember {n}."
         assert r["mirror_errors"] == []
-    assert sorted(s["session_id"] for s in store.sync.list_sessions(hosts.project_key)) == sorted(sids)
-    infos = {i.session_id: i for i in await list_sessions_from_store(store, directory=str(hosts.cwd))}
+    assert sorted(s["session_id"] for s in store.sync.list_sessions(hosts.project_key)) == sorted(
+        sids
+    )
+    infos = {
+        i.session_id: i for i in await list_sessions_from_store(store, directory=str(hosts.cwd))
+    }
     assert {sid: infos[sid].first_prompt for sid in sids} == {
         sid: f"Remember the number {n}." for sid, n in zip(sids, numbers)
     }
@@ -64,7 +68,7 @@ async def test_concurrent_sessions_from_several_processes(hosts: Any) -> None:
         assert prior is not None and entries[: len(prior)] == prior  # history intact, in order
         uuids = [e["uuid"] for e in entries if e.get("uuid")]
         assert len(uuids) == len(set(uuids))
-        text = str(entries[len(prior):])
+        text = str(entries[len(prior) :])
         assert f"You asked me to remember {numbers[i]}." in text
         if i == 0:
             assert "Echo: Echo from the second writer." in text

@@ -39,6 +39,7 @@ def small_tmpfs(tmp_path: Path) -> Iterator[Path]:
     mnt.mkdir()
     done = subprocess.run(
         ["mount", "-t", "tmpfs", "-o", "size=512k,mode=0700", "tmpfs", str(mnt)],
+        check=False,
         capture_output=True,
         text=True,
     )
@@ -47,8 +48,8 @@ def small_tmpfs(tmp_path: Path) -> Iterator[Path]:
     try:
         yield mnt
     finally:
-        if subprocess.run(["umount", str(mnt)], capture_output=True).returncode != 0:
-            subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
+        if subprocess.run(["umount", str(mnt)], capture_output=True, check=False).returncode != 0:
+            subprocess.run(["umount", "-l", str(mnt)], capture_output=True, check=False)
 
 
 def fill(path: Path) -> None:
@@ -86,14 +87,20 @@ async def test_full_store_reports_enospc_and_recovers(
     a = await hosts.run_here("a", "Remember the number 7.")
 
     # The agent session itself completed...
-    assert (a["subtype"], a["is_error"], a["result"]) == ("success", False, "OK, I will remember 7.")
+    assert (a["subtype"], a["is_error"], a["result"]) == (
+        "success",
+        False,
+        "OK, I will remember 7.",
+    )
     sid = a["session_id"]
     assert "Remember the number 7." in hosts.local_transcript("a", sid).read_text()
     # ...and the SDK said, in words an alert can match, what failed and why.
     assert a["mirror_errors"], "the full store went unreported"
     for reported in a["mirror_errors"]:
         assert reported["key"] == hosts.key(sid)
-        assert reported["error"].startswith(f"fsstore ENOSPC during append at {hosts.root}/"), reported
+        assert reported["error"].startswith(f"fsstore ENOSPC during append at {hosts.root}/"), (
+            reported
+        )
         assert "No space left on device" in reported["error"]
     # Failed appends leave no part, no temp file: the store simply lacks the session.
     assert store.sync.load(hosts.key(sid)) is None

@@ -15,7 +15,6 @@ A real session is mirrored into the store, then every store-backed helper of
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -68,9 +67,7 @@ def texts(messages: list[Any]) -> list[tuple[str, str]]:
     return out
 
 
-async def test_store_helpers_on_a_real_session(
-    hosts: Any, monkeypatch: pytest.MonkeyPatch
-) -> None:
+async def test_store_helpers_on_a_real_session(hosts: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     a = await hosts.run_here("a", "Remember the number 42.")
     sid = a["session_id"]
     d = str(hosts.cwd)
@@ -102,7 +99,11 @@ async def test_store_helpers_on_a_real_session(
     loads_before = store.loads
     [info] = await list_sessions_from_store(store, directory=d)
     assert store.loads == loads_before  # still the fast path: the sidecar kept up
-    assert (info.summary, info.custom_title, info.tag) == ("Investigation #1", "Investigation #1", "e2e")
+    assert (info.summary, info.custom_title, info.tag) == (
+        "Investigation #1",
+        "Investigation #1",
+        "e2e",
+    )
 
     fork = await fork_session_via_store(store, sid, directory=d, title="Fork of 42")
     assert fork.session_id != sid

@@ -67,7 +67,7 @@ async def test_quick_start_resume_on_another_host(hosts: Any) -> None:
     # B's own turn went back into the store, after A's entries.
     after = store.sync.load(hosts.key(sid))
     assert after is not None and after[: len(mirrored)] == mirrored
-    assert "You asked me to remember 42." in json.dumps(after[len(mirrored):])
+    assert "You asked me to remember 42." in json.dumps(after[len(mirrored) :])
     # B's process read the session from the store, not from A's disk.
     assert ["load", hosts.key(sid), len(mirrored)] in b["store_calls"]
 
@@ -136,7 +136,9 @@ async def test_subagent_transcript_is_mirrored_and_materialized_on_resume(
     assert not {e.get("uuid") for e in main} & set(local_uuids)
     agent_id = subpath.rsplit("agent-", 1)[1]
     assert await list_subagents_from_store(store, sid, directory=str(hosts.cwd)) == [agent_id]
-    messages = await get_subagent_messages_from_store(store, sid, agent_id, directory=str(hosts.cwd))
+    messages = await get_subagent_messages_from_store(
+        store, sid, agent_id, directory=str(hosts.cwd)
+    )
     assert [m.type for m in messages] == ["user", "assistant"]
 
     # Host B resumes: the SDK lists the subkeys and writes the subagent transcript
