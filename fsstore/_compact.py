@@ -31,8 +31,6 @@ them, so compaction never changes what ``load()`` returns.
 
 from __future__ import annotations
 
-import os
-
 from . import _fsio, _layout
 from ._errors import FsStoreError
 from ._lock import Held
@@ -90,7 +88,7 @@ def compact(
     fs.write_new(dir_fd, tmp, b"".join(data))
     try:
         held.check(operation)
-        if not _fsio.move_noreplace(dir_fd, tmp, _layout.segment_name(first, last), os.fstat(dir_fd).st_dev):
+        if not _fsio.move_noreplace(fs, dir_fd, tmp, _layout.segment_name(first, last)):
             return 0  # the same segment exists already: a crashed compaction made it
         tmp = ""
     finally:

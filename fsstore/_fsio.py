@@ -58,6 +58,39 @@ def temp_name(tag: str = "") -> str:
     return f"{TEMP_PREFIX}{os.getpid()}-{secrets.token_hex(8)}{tag}"
 
 
+# openat2(2) (Linux >= 5.6) resolves a whole relative path in one call and refuses
+# symlinks anywhere in it (RESOLVE_NO_SYMLINKS) and escapes (RESOLVE_BENEATH): the
+# component-by-component walk below in one system call. Called through ctypes
+# because the os module has no wrapper.
+_SYS_OPENAT2 = {"x86_64": 437, "aarch64": 437, "arm64": 437}.get(os.uname().machine)
+_RESOLVE_NO_MAGICLINKS, _RESOLVE_NO_SYMLINKS, _RESOLVE_BENEATH = 0x02, 0x04, 0x08
+
+
+class _OpenHow(ctypes.Structure):
+    _fields_ = [("flags", ctypes.c_uint64), ("mode", ctypes.c_uint64), ("resolve", ctypes.c_uint64)]
+
+
+_DIR_HOW = _OpenHow(
+    os.O_RDONLY | os.O_DIRECTORY | _CLOEXEC, 0,
+    _RESOLVE_NO_MAGICLINKS | _RESOLVE_NO_SYMLINKS | _RESOLVE_BENEATH,
+)
+try:
+    _syscall = ctypes.CDLL(None, use_errno=True).syscall
+    _syscall.restype = ctypes.c_long
+except (OSError, AttributeError):  # pragma: no cover - not glibc/musl
+    _syscall = None
+
+
+def _openat2_dir(base_fd: int, relpath: bytes) -> int:
+    """fd of ``base/relpath`` resolved without symlinks; OSError as openat2 reports it."""
+    fd = _syscall(_SYS_OPENAT2, ctypes.c_int(base_fd), relpath,
+                  ctypes.byref(_DIR_HOW), ctypes.c_size_t(ctypes.sizeof(_DIR_HOW)))
+    if fd < 0:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err))
+    return int(fd)
+
+
 class Fs:
     """Per-store settings and the one-way fallbacks it has learned about its mount."""
 
@@ -66,6 +99,8 @@ class Fs:
         self.dir_mode = dir_mode
         self.file_mode = file_mode
         self.dir_fsync_ok = True
+        self.openat2_ok = _SYS_OPENAT2 is not None and _syscall is not None
+        self.renameat2_ok = _renameat2 is not None
         self._fchmod_files = (file_mode & ~UMASK) != file_mode
         self._fchmod_dirs = (dir_mode & ~UMASK) != dir_mode
 
@@ -85,6 +120,20 @@ class Fs:
         Each component is ``(name, original)``; ``original`` is the key part for
         hashed names, written to ``.key`` when the directory is created.
         """
+        if self.openat2_ok and components:
+            rel = "/".join(name for name, _ in components)
+            try:
+                return _openat2_dir(base_fd, os.fsencode(rel))
+            except OSError as exc:
+                if exc.errno in (errno.ENOSYS, errno.E2BIG, errno.EPERM):
+                    self.openat2_ok = False  # old kernel or seccomp filter: walk instead
+                elif exc.errno in (errno.ELOOP, errno.EXDEV):
+                    raise unsafe(f"{base_path}/{rel}", operation) from exc
+                elif exc.errno != errno.ENOENT:
+                    raise
+                elif not create:
+                    return None
+                # Missing: the walk below creates what is missing (and re-checks).
         fd = os.dup(base_fd)
         path = base_path
         try:
@@ -213,18 +262,14 @@ def unlink_quiet(dir_fd: int, name: str) -> None:
 _RENAME_NOREPLACE = 1
 _renameat2 = None
 try:
-    _libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
-    _renameat2 = _libc.renameat2
+    _renameat2 = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True).renameat2
     _renameat2.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
     _renameat2.restype = ctypes.c_int
 except (OSError, AttributeError):  # no glibc >= 2.28 (musl, macOS): link()+unlink() only
     _renameat2 = None
 
-# Devices whose filesystem refused RENAME_NOREPLACE (NFS, many FUSE mounts).
-_NO_RENAMEAT2: set[int] = set()
 
-
-def move_noreplace(dir_fd: int, src: str, dst: str, dev: int) -> bool:
+def move_noreplace(fs: Fs, dir_fd: int, src: str, dst: str) -> bool:
     """Move ``src`` to ``dst`` in one directory unless ``dst`` exists.
 
     True when moved; False when ``dst`` already exists (``src`` is then untouched).
@@ -232,7 +277,7 @@ def move_noreplace(dir_fd: int, src: str, dst: str, dev: int) -> bool:
     link()+unlink(); both refuse to replace, which is what keeps committed parts safe
     even when two writers both believe they hold the lock.
     """
-    if _renameat2 is not None and dev not in _NO_RENAMEAT2:
+    if fs.renameat2_ok and _renameat2 is not None:
         if _renameat2(dir_fd, os.fsencode(src), dir_fd, os.fsencode(dst), _RENAME_NOREPLACE) == 0:
             return True
         err = ctypes.get_errno()
@@ -240,7 +285,7 @@ def move_noreplace(dir_fd: int, src: str, dst: str, dev: int) -> bool:
             return False
         if err not in (errno.EINVAL, errno.ENOSYS, errno.ENOTSUP, errno.EOPNOTSUPP):
             raise OSError(err, os.strerror(err), dst)
-        _NO_RENAMEAT2.add(dev)
+        fs.renameat2_ok = False  # NFS and many FUSE filesystems: link() from now on
     try:
         os.link(src, dst, src_dir_fd=dir_fd, dst_dir_fd=dir_fd, follow_symlinks=False)
     except FileExistsError:

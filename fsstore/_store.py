@@ -149,7 +149,7 @@ class SyncStore:
                         if state is None:
                             state = rebuild_state(dfd)
                         held.check(op)
-                        seq = commit(dfd, os.fstat(dfd).st_dev, tmp, state.seq)
+                        seq = commit(self._fs, dfd, tmp, state.seq)
                         committed = True
                         self._fs.sync_dir(dfd)
                         new = self._after_commit(tk, dfd, path, state, seq, entries)

@@ -158,10 +158,10 @@ def rebuild_state(dir_fd: int) -> State:
 # -- commit ----------------------------------------------------------------------
 
 
-def commit(dir_fd: int, dev: int, tmp: str, after: int) -> int:
+def commit(fs: _fsio.Fs, dir_fd: int, tmp: str, after: int) -> int:
     """Move ``tmp`` to the first free sequence above ``after``; return that sequence."""
     seq = after + 1
-    while not _fsio.move_noreplace(dir_fd, tmp, _layout.part_name(seq), dev):
+    while not _fsio.move_noreplace(fs, dir_fd, tmp, _layout.part_name(seq)):
         seq += 1
     return seq
 
