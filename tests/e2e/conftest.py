@@ -183,8 +183,12 @@ class Hosts:
 
 
 @pytest.fixture
-def hosts(tmp_path: Path, model: Any) -> Iterator[Hosts]:
-    h = Hosts(tmp_path, model)
+def hosts(tmp_path: Path, model: Any, request: pytest.FixtureRequest) -> Iterator[Hosts]:
+    try:  # the suite's `root` fixture, if any, may put the store on another mount
+        root = Path(request.getfixturevalue("root"))
+    except pytest.FixtureLookupError:
+        root = tmp_path / "store"
+    h = Hosts(tmp_path, model, root)
     yield h
     if h.timings:
         # Visible with -s / -rA: how long each real CLI session took.
