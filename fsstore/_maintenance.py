@@ -1,0 +1,1746 @@
+"""Store-wide maintenance: the logic behind the ``fsstore`` command line.
+
+Plain synchronous functions that walk a store and return data (dataclasses); the
+CLI (:mod:`fsstore.cli`) only parses arguments and prints. Operations:
+
+* :func:`ls` -- sessions with last-modified time, files, bytes, subagents;
+* :func:`check` -- parse every committed file, find sequence gaps, orphaned temp
+  files, held and stale locks, unreadable files, names that do not decode;
+* :func:`gc` -- remove old temp files and ``.trash`` leftovers, break old locks;
+* :func:`prune` -- delete sessions not modified for a while (via ``SyncStore.delete``);
+* :func:`locks` -- who holds which transcript lock, since when;
+* :func:`compact` -- ``SyncStore.compact`` over many transcripts;
+* :func:`import_projects` / :func:`export_session` -- to and from the local
+  ``~/.claude/projects`` layout, idempotently.
+
+Everything here is meant to run while other processes (on other hosts too) write
+to the store:
+
+* directories are opened one component at a time with ``O_NOFOLLOW`` (through
+  :class:`fsstore._fsio.Fs`), so a symlink inside the store is reported, never
+  followed;
+* a file or directory that vanishes mid-walk (a compaction merged it, a delete
+  moved it to ``.trash``, or ESTALE after another host replaced it) is skipped; a
+  transcript whose listing changed under the reader is listed again;
+* young temp files and held locks are in-flight work, reported as such and never
+  touched; only what is older than the caller's threshold is garbage;
+* the only deletions are: temp files, ``.trash`` entries and filelock recovery
+  files older than a threshold (:func:`gc`), lock files older than a threshold,
+  broken by filelock's own atomic take-over, and whole sessions through
+  ``SyncStore.delete`` (an atomic rename into ``.trash``).
+
+Ages are measured against this host's clock (``time.time()``) while file times
+come from the file server; see docs/operations.md about clock skew.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import json
+import os
+import re
+import secrets
+import stat
+import time
+import warnings
+from collections import Counter
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import filelock
+
+from . import _fsio, _keys, _layout
+from ._errors import FsStoreError
+from ._store import SyncStore
+from ._transcript import dedupe, parse, plan, read_state
+
+#: ``progress(done, total)``: called as a walk advances (the CLI draws a bar).
+Progress = Callable[[int, int], None]
+
+#: errnos that mean "it is not there any more": skipped while walking a live store.
+_GONE = frozenset({errno.ENOENT, errno.ESTALE})
+#: Names the NFS client gives a file that was deleted while still open on it.
+NFS_SILLY_PREFIX = ".nfs"
+#: filelock's take-over leaves ``lock.break.<pid>.<hex>`` / ``lock.restore.<pid>.<hex>``.
+_LOCK_RECOVERY = re.compile(r"lock\.(?:break|restore)\.[0-9]+\.[0-9a-f]{32}")
+#: A lock record shorter than this long after creation is malformed, not being written.
+_MALFORMED_GRACE = 2.0
+#: A file time this far ahead of our clock is reported as clock skew.
+_SKEW_TOLERANCE = 60.0
+#: How often a transcript whose listing keeps changing is listed again.
+_ATTEMPTS = 20
+#: Entries per append() when importing (each append is one part file).
+_IMPORT_BATCH = 1000
+_IMPORT_BATCH_BYTES = 8 << 20
+
+_LINE = re.compile(r"line ([0-9]+)")
+
+
+class NoStore(Exception):
+    """The store root does not exist or is not a directory."""
+
+
+class NotFound(Exception):
+    """The transcript or session asked for is not in the store."""
+
+
+# -- records ---------------------------------------------------------------------
+
+
+@dataclass
+class Problem:
+    """One finding. ``severity``: ``error`` and ``warning`` count; ``info`` does not."""
+
+    severity: str
+    kind: str
+    path: str
+    message: str
+    line: int | None = None
+    code: str | None = None
+
+    @property
+    def counts(self) -> bool:
+        return self.severity in ("error", "warning")
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "severity": self.severity,
+            "kind": self.kind,
+            "path": self.path,
+            "line": self.line,
+            "code": self.code,
+            "message": self.message,
+        }
+
+
+@dataclass(frozen=True)
+class SessionRef:
+    """A session directory: its keys and its path components under the root."""
+
+    project_key: str
+    session_id: str
+    comps: tuple[str, ...]
+
+    def key(self) -> dict[str, str]:
+        return {"project_key": self.project_key, "session_id": self.session_id}
+
+
+@dataclass(frozen=True)
+class TranscriptRef:
+    """A transcript directory (``main`` or one subkey) and its key."""
+
+    project_key: str
+    session_id: str
+    subpath: str | None
+    comps: tuple[str, ...]
+
+    def key(self) -> dict[str, str]:
+        out = {"project_key": self.project_key, "session_id": self.session_id}
+        if self.subpath is not None:
+            out["subpath"] = self.subpath
+        return out
+
+
+@dataclass(frozen=True)
+class Item:
+    """A committed file: a part (``first == last``) or a segment."""
+
+    first: int
+    last: int
+    name: str
+    size: int
+    mtime_ns: int
+
+
+@dataclass
+class Garbage:
+    """A temp file, a ``.trash`` entry, or a filelock recovery file, with its age."""
+
+    kind: str  # "temp", "trash", "lock-recovery"
+    parent: tuple[str, ...]
+    name: str
+    path: str
+    age: float
+    is_dir: bool
+
+
+@dataclass
+class LockInfo:
+    """A transcript's lock file and what its record says."""
+
+    path: str
+    key: dict[str, str] | None
+    pid: int | None
+    host: str | None
+    age: float
+    status: str  # "held", "expired", "dead", "malformed"
+    local: bool
+    mtime: float
+
+    @property
+    def stale(self) -> bool:
+        return self.status != "held"
+
+    def describe(self) -> str:
+        who = f"pid {self.pid} on {self.host}" if self.pid is not None else "an unreadable record"
+        return who
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "path": self.path,
+            "key": self.key,
+            "pid": self.pid,
+            "host": self.host,
+            "age_seconds": round(self.age, 3),
+            "since": _iso(self.mtime),
+            "status": self.status,
+            "this_host": self.local,
+        }
+
+
+@dataclass
+class TranscriptInfo:
+    """What a listing (and, when verified, a full read) of one transcript found."""
+
+    ref: TranscriptRef
+    path: str
+    items: list[Item]
+    live: list[Item]
+    temps: list[Garbage]
+    recovery: list[Garbage]
+    lock: LockInfo | None
+    entries: int | None = None
+
+    @property
+    def parts(self) -> int:
+        return sum(1 for it in self.live if it.first == it.last)
+
+    @property
+    def segments(self) -> int:
+        return sum(1 for it in self.live if it.first != it.last)
+
+    @property
+    def bytes(self) -> int:
+        return sum(it.size for it in self.items)
+
+    @property
+    def last_seq(self) -> int:
+        return self.live[-1].last if self.live else 0
+
+    @property
+    def mtime_ns(self) -> int | None:
+        """When the newest committed file was written (None: nothing committed)."""
+        return max((it.mtime_ns for it in self.items), default=None)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "subpath": self.ref.subpath,
+            "path": self.path,
+            "modified": _iso_ns(self.mtime_ns),
+            "mtime_ms": None if self.mtime_ns is None else self.mtime_ns // 1_000_000,
+            "parts": self.parts,
+            "segments": self.segments,
+            "files": len(self.items),
+            "bytes": self.bytes,
+            "last_seq": self.last_seq,
+            "entries": self.entries,
+        }
+
+
+# -- small helpers ---------------------------------------------------------------
+
+
+def _iso(ts: float | None) -> str | None:
+    if ts is None:
+        return None
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(ts))
+
+
+def _iso_ns(ns: int | None) -> str | None:
+    return None if ns is None else _iso(ns / 1e9)
+
+
+def _gone(exc: OSError) -> bool:
+    return exc.errno in _GONE
+
+
+def _code(exc: OSError) -> str:
+    return errno.errorcode.get(exc.errno or 0, "EIO")
+
+
+def _canon(entry: Any) -> str:
+    """A comparable form of an entry (key order and spacing do not matter)."""
+    return json.dumps(entry, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
+
+
+def _host_identity() -> tuple[Callable[[], str], Callable[[int, str, int | None], bool]]:
+    """filelock's own notion of this host and of a dead holder (private API, guarded)."""
+    try:
+        from filelock._identity import host_name, owner_is_stale
+
+        return host_name, owner_is_stale
+    except ImportError:  # another filelock layout: a plain hostname and a pid probe
+        import socket
+
+        def _host() -> str:
+            return socket.gethostname()
+
+        def _stale(pid: int, host: str, _token: int | None) -> bool:
+            if host != socket.gethostname():
+                return False
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                return True
+            except OSError:
+                return False
+            return False
+
+        return _host, _stale
+
+
+def parse_lock_record(data: bytes) -> tuple[int, str, int | None] | None:
+    """``(pid, host, start token)`` from a lock file (``pid\\nhost\\nstart-token\\n``)."""
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError:
+        return None
+    lines = text.strip().splitlines()
+    if not text.endswith("\n") or len(lines) not in (2, 3):
+        return None
+    if not (lines[0].isascii() and lines[0].isdigit()):
+        return None
+    token: int | None = None
+    if len(lines) == 3:
+        if not (lines[2].isascii() and lines[2].isdigit()):
+            return None
+        token = int(lines[2])
+    return int(lines[0]), lines[1], token
+
+
+# -- the walker ------------------------------------------------------------------
+
+
+class _Changed(Exception):
+    """The transcript changed under the walker (a compaction or a commit): list again."""
+
+
+class Walker:
+    """Walks one store; collects problems and garbage as it goes.
+
+    ``rfd`` is an open descriptor of the root; every path below it is opened one
+    component at a time without following symlinks.
+    """
+
+    def __init__(
+        self,
+        rfd: int,
+        root: str,
+        *,
+        now: float | None = None,
+        stale_lock_seconds: float = 30.0,
+    ) -> None:
+        self.rfd = rfd
+        self.root = root
+        self.now = time.time() if now is None else now
+        self.stale_lock_seconds = stale_lock_seconds
+        self.problems: list[Problem] = []
+        self.garbage: list[Garbage] = []  # temp entries found outside transcript dirs
+        self.max_skew = 0.0
+        self._fs = _fsio.Fs(fsync=False, dir_mode=0o700, file_mode=0o600)
+        self._host, self._owner_is_stale = _host_identity()
+
+    # -- plumbing ----------------------------------------------------------------
+
+    def path(self, comps: Sequence[str]) -> str:
+        return "/".join((self.root, *comps)) if comps else self.root
+
+    def rel(self, path: str) -> str:
+        return os.path.relpath(path, self.root)
+
+    def problem(
+        self, severity: str, kind: str, path: str, message: str, *,
+        line: int | None = None, code: str | None = None,
+    ) -> None:
+        self.problems.append(Problem(severity, kind, path, message, line, code))
+
+    def open(self, comps: Sequence[str]) -> int | None:
+        """Open ``root/comps``; None if it is gone; a problem (and None) if unsafe or unreadable."""
+        try:
+            return self._fs.open_dir(
+                self.rfd, [(c, None) for c in comps], create=False,
+                base_path=self.root, operation="walk",
+            )
+        except FsStoreError as err:  # UNSAFE_PATH: a symlink where a directory belongs
+            self.problem("error", "symlink", err.path or self.path(comps), err.message,
+                         code=err.code)
+            return None
+        except OSError as exc:
+            if _gone(exc):
+                return None
+            self.problem("error", "unreadable", self.path(comps),
+                         f"cannot open directory: {exc.strerror}", code=_code(exc))
+            return None
+
+    def scan(self, fd: int, comps: Sequence[str]) -> list[os.DirEntry[str]]:
+        try:
+            with os.scandir(fd) as it:
+                return sorted(it, key=lambda e: e.name)
+        except OSError as exc:
+            if not _gone(exc):
+                self.problem("error", "unreadable", self.path(comps),
+                             f"cannot list directory: {exc.strerror}", code=_code(exc))
+            return []
+
+    def _stat(self, entry: os.DirEntry[str], comps: Sequence[str]) -> os.stat_result | None:
+        try:
+            return entry.stat(follow_symlinks=False)
+        except OSError as exc:
+            if not _gone(exc):
+                self.problem("error", "unreadable", self.path((*comps, entry.name)),
+                             f"cannot stat: {exc.strerror}", code=_code(exc))
+            return None
+
+    def _age(self, ts: float) -> float:
+        age = self.now - ts
+        self.max_skew = max(self.max_skew, -age)
+        return max(age, 0.0)
+
+    def _garbage(
+        self, kind: str, comps: tuple[str, ...], entry: os.DirEntry[str], st: os.stat_result
+    ) -> Garbage:
+        is_dir = stat.S_ISDIR(st.st_mode)
+        # A directory renamed into .trash keeps its old mtime; the rename sets ctime.
+        ts = max(st.st_mtime, st.st_ctime) if is_dir else st.st_mtime
+        return Garbage(kind, comps, entry.name, self.path((*comps, entry.name)),
+                       self._age(ts), is_dir)
+
+    # -- names -------------------------------------------------------------------
+
+    def decode(self, parent_fd: int, comps: tuple[str, ...], name: str) -> str | None:
+        """The key part a directory name stands for; a problem and None if it does not decode."""
+        path = self.path((*comps, name))
+        if not _keys.is_hashed(name):
+            part = _keys.decode(name)
+            if part is None:
+                self.problem("error", "bad-name", path,
+                             "directory name does not decode to a key (not a name fsstore makes)")
+            return part
+        try:
+            fd = os.open(name, _fsio.DIR_FLAGS, dir_fd=parent_fd)
+        except OSError as exc:
+            if not _gone(exc):
+                self.problem("error", "unreadable", path, f"cannot open: {exc.strerror}",
+                             code=_code(exc))
+            return None
+        try:
+            kst = os.stat(_fsio.KEY_FILE, dir_fd=fd, follow_symlinks=False)
+            if not stat.S_ISREG(kst.st_mode):  # never open a FIFO or a symlink
+                raise OSError(errno.EINVAL, "not a regular file")
+            raw = _fsio.read_file(fd, _fsio.KEY_FILE)
+        except OSError as exc:
+            if exc.errno == errno.ENOENT:
+                self.problem("error", "bad-name", path,
+                             "hashed directory name without its .key file: the key cannot be "
+                             "recovered from the name, so listings skip this directory")
+            else:
+                self.problem("error", "unreadable", f"{path}/{_fsio.KEY_FILE}",
+                             f"cannot read: {exc.strerror}", code=_code(exc))
+            return None
+        finally:
+            os.close(fd)
+        try:
+            original = raw.decode("utf-8")
+        except UnicodeDecodeError:
+            original = None
+        if original is None or not _keys.matches(name, original):
+            self.problem("error", "bad-name", f"{path}/{_fsio.KEY_FILE}",
+                         ".key does not hold the key this directory name was made from")
+            return None
+        return original
+
+    def children(self, comps: tuple[str, ...], what: str) -> list[tuple[str, str]]:
+        """``(key part, name)`` of every key directory under ``comps``; the rest is noted."""
+        fd = self.open(comps)
+        if fd is None:
+            return []
+        out: list[tuple[str, str]] = []
+        try:
+            for entry in self.scan(fd, comps):
+                st = self._stat(entry, comps)
+                if st is None:
+                    continue
+                name = entry.name
+                epath = self.path((*comps, name))
+                if name.startswith(_fsio.TEMP_PREFIX):
+                    self.garbage.append(self._garbage("temp", comps, entry, st))
+                elif name.startswith(NFS_SILLY_PREFIX):
+                    self._silly(epath)
+                elif stat.S_ISLNK(st.st_mode):
+                    self.problem("error", "symlink", epath,
+                                 f"symlink where a {what} directory belongs (never followed)")
+                elif not stat.S_ISDIR(st.st_mode) or name.startswith("."):
+                    self.problem("warning", "unexpected", epath,
+                                 f"unexpected entry among {what} directories")
+                else:
+                    part = self.decode(fd, comps, name)
+                    if part is not None:
+                        out.append((part, name))
+        finally:
+            os.close(fd)
+        return out
+
+    def _silly(self, path: str) -> None:
+        self.problem("info", "nfs-silly-rename", path,
+                     "NFS silly-rename: a deleted file still open on some client; the client "
+                     "removes it when the file is closed")
+
+    def _container(self, comps: tuple[str, ...], allowed: set[str]) -> list[str]:
+        """Check a directory that holds only known names; return the allowed ones present."""
+        fd = self.open(comps)
+        if fd is None:
+            return []
+        present: list[str] = []
+        try:
+            for entry in self.scan(fd, comps):
+                name = entry.name
+                epath = self.path((*comps, name))
+                st = self._stat(entry, comps)
+                if st is None:
+                    continue
+                if name in allowed:
+                    if stat.S_ISLNK(st.st_mode):
+                        self.problem("error", "symlink", epath,
+                                     "symlink where the store expects a directory (never followed)")
+                    elif name == _fsio.KEY_FILE or stat.S_ISDIR(st.st_mode):
+                        present.append(name)
+                    else:
+                        self.problem("warning", "unexpected", epath,
+                                     "expected a directory, found a file")
+                elif name.startswith(_fsio.TEMP_PREFIX):
+                    self.garbage.append(self._garbage("temp", comps, entry, st))
+                elif name.startswith(NFS_SILLY_PREFIX):
+                    self._silly(epath)
+                else:
+                    self.problem("warning", "unexpected", epath,
+                                 "unexpected entry (not something fsstore creates)")
+        finally:
+            os.close(fd)
+        return present
+
+    # -- the tree ----------------------------------------------------------------
+
+    def sessions(self, project: str | None = None, session: str | None = None) -> list[SessionRef]:
+        """Every session directory (optionally of one project, or with one session id)."""
+        if project is not None:
+            projects = [(project, _keys.encode(project))]
+        else:
+            projects = self.children((_layout.PROJECTS,), "project")
+        out: list[SessionRef] = []
+        for pkey, pname in projects:
+            pcomps = (_layout.PROJECTS, pname)
+            if project is None:
+                self._container(pcomps, {_layout.SESSIONS, _fsio.KEY_FILE})
+            scomps = (*pcomps, _layout.SESSIONS)
+            if session is not None:
+                sname = _keys.encode(session)
+                fd = self.open((*scomps, sname))
+                if fd is not None:
+                    os.close(fd)
+                    out.append(SessionRef(pkey, session, (*scomps, sname)))
+                continue
+            for skey, sname in self.children(scomps, "session"):
+                out.append(SessionRef(pkey, skey, (*scomps, sname)))
+        return out
+
+    def transcripts(self, ref: SessionRef) -> list[TranscriptRef]:
+        """The main transcript (if its directory exists) and every subkey of a session."""
+        present = self._container(ref.comps, {_layout.MAIN, _layout.SUBKEYS, _fsio.KEY_FILE})
+        out: list[TranscriptRef] = []
+        if _layout.MAIN in present:
+            out.append(TranscriptRef(ref.project_key, ref.session_id, None,
+                                     (*ref.comps, _layout.MAIN)))
+        if _layout.SUBKEYS in present:
+            sub = (*ref.comps, _layout.SUBKEYS)
+            for subpath, name in self.children(sub, "subagent"):
+                try:
+                    _keys.parse_key({**ref.key(), "subpath": subpath}, "walk")
+                except FsStoreError as err:
+                    self.problem("error", "bad-name", self.path((*sub, name)),
+                                 f"name decodes to an invalid subpath: {err.message}")
+                    continue
+                out.append(TranscriptRef(ref.project_key, ref.session_id, subpath,
+                                         (*sub, name)))
+        return out
+
+    def trash(self) -> list[Garbage]:
+        """Every entry of ``.trash`` (deletes in progress, or their leftovers)."""
+        comps = (_layout.TRASH,)
+        fd = self.open(comps)
+        if fd is None:
+            return []
+        out: list[Garbage] = []
+        try:
+            for entry in self.scan(fd, comps):
+                st = self._stat(entry, comps)
+                if st is not None:
+                    out.append(self._garbage("trash", comps, entry, st))
+        finally:
+            os.close(fd)
+        return out
+
+    def root_entries(self) -> None:
+        """Note anything at the top level that is not ``projects`` or ``.trash``."""
+        for entry in self.scan(self.rfd, ()):
+            if entry.name in (_layout.PROJECTS, _layout.TRASH):
+                continue
+            self.problem("info", "unexpected", self.path((entry.name,)),
+                         "not part of the store layout (left alone)")
+
+    # -- one transcript ----------------------------------------------------------
+
+    def inspect(self, ref: TranscriptRef, *, verify: bool = False) -> TranscriptInfo | None:
+        """List (and with ``verify``, read and parse) one transcript; None if it is gone."""
+        for attempt in range(_ATTEMPTS):
+            fd = self.open(ref.comps)
+            if fd is None:
+                return None
+            mark = len(self.problems)
+            try:
+                return self._inspect(fd, ref, verify=verify, last_try=attempt == _ATTEMPTS - 1)
+            except _Changed:
+                del self.problems[mark:]  # findings of the stale listing do not count
+                time.sleep(0.005 * attempt)
+                continue
+            finally:
+                os.close(fd)
+        return None  # unreachable: the last try never raises _Changed
+
+    def _inspect(
+        self, fd: int, ref: TranscriptRef, *, verify: bool, last_try: bool
+    ) -> TranscriptInfo:
+        path = self.path(ref.comps)
+        # The state is read before the listing: whatever sequence it records was
+        # committed before it was written, so the listing must show that part.
+        state = read_state(fd)[0] if verify else None
+        items: list[Item] = []
+        temps: list[Garbage] = []
+        recovery: list[Garbage] = []
+        lock: LockInfo | None = None
+        for entry in self.scan(fd, ref.comps):
+            name = entry.name
+            epath = f"{path}/{name}"
+            rng = _layout.parse_item(name)
+            st = self._stat(entry, ref.comps)
+            if st is None:
+                if rng is not None and not last_try:
+                    raise _Changed(name)
+                continue
+            if rng is not None:
+                if not stat.S_ISREG(st.st_mode):
+                    kind = "symlink" if stat.S_ISLNK(st.st_mode) else "unreadable"
+                    self.problem("error", kind, epath,
+                                 "committed file is not a regular file; load() cannot read it")
+                    continue
+                items.append(Item(rng[0], rng[1], name, st.st_size, st.st_mtime_ns))
+                self._age(st.st_mtime)
+            elif name == _layout.STATE:
+                continue
+            elif name == _layout.LOCK:
+                lock = self._lock(fd, ref, epath, st)
+            elif name.startswith(_fsio.TEMP_PREFIX):
+                temps.append(self._garbage("temp", ref.comps, entry, st))
+            elif _LOCK_RECOVERY.fullmatch(name):
+                recovery.append(self._garbage("lock-recovery", ref.comps, entry, st))
+            elif name.startswith(NFS_SILLY_PREFIX):
+                self._silly(epath)
+            elif name == _fsio.KEY_FILE and ref.subpath is not None:
+                continue
+            else:
+                self.problem("warning", "unexpected", epath,
+                             "unexpected entry in a transcript directory (load() ignores it)")
+        items.sort(key=lambda it: (it.first, -it.last))
+        try:
+            chosen = {name for _f, _l, name in plan([(i.first, i.last, i.name) for i in items])}
+        except ValueError as exc:
+            self.problem("error", "corrupt", path, f"segments overlap: {exc}", code="CORRUPT")
+            chosen = set()
+        live = [it for it in items if it.name in chosen]
+        info = TranscriptInfo(ref, path, items, live, temps, recovery, lock)
+        self._gaps(fd, info, last_try)
+        if verify:
+            if state is not None and state.seq > info.last_seq:
+                self._state_ahead(fd, info, state.seq, last_try)
+            self._verify(fd, info, last_try)
+        return info
+
+    def _exists(self, fd: int, name: str) -> bool:
+        try:
+            os.stat(name, dir_fd=fd, follow_symlinks=False)
+        except OSError:
+            return False
+        return True
+
+    def _gaps(self, fd: int, info: TranscriptInfo, last_try: bool) -> None:
+        expected = 1
+        for it in info.live:
+            if it.first > expected:
+                missing = range(expected, it.first)
+                # A listing older than a commit can miss a part another host just made;
+                # looking it up by name goes past a stale directory cache.
+                if not last_try and any(self._exists(fd, _layout.part_name(s)) for s in missing):
+                    raise _Changed(it.name)
+                span = (f"part {expected}" if len(missing) == 1
+                        else f"parts {expected}..{it.first - 1}")
+                self.problem("error", "gap", f"{info.path}/{it.name}",
+                             f"sequence gap: {span} missing before this file "
+                             "(lost files; load() returns the rest)")
+            expected = it.last + 1
+
+    def _state_ahead(self, fd: int, info: TranscriptInfo, seq: int, last_try: bool) -> None:
+        if not last_try and self._exists(fd, _layout.part_name(info.last_seq + 1)):
+            raise _Changed("state")
+        self.problem("warning", "state-ahead", f"{info.path}/{_layout.STATE}",
+                     f"state.json records sequence {seq} but the newest committed file ends at "
+                     f"{info.last_seq}: files are missing, or this host's directory cache is "
+                     "stale (run check again)")
+
+    def _verify(self, fd: int, info: TranscriptInfo, last_try: bool) -> None:
+        total = 0
+        for it in info.live:
+            fpath = f"{info.path}/{it.name}"
+            try:
+                data = _fsio.read_file(fd, it.name)
+            except OSError as exc:
+                if _gone(exc) and not last_try:
+                    raise _Changed(it.name) from exc
+                self.problem("error", "unreadable", fpath, f"cannot read: {exc.strerror}",
+                             code=_code(exc))
+                continue
+            try:
+                total += len(parse(data, fpath, "check"))
+            except FsStoreError as err:
+                line: int | None = None
+                m = _LINE.search(err.message)
+                if m:
+                    line = int(m.group(1))
+                elif data and not data.endswith(b"\n"):
+                    line = data.count(b"\n") + 1
+                self.problem("error", "corrupt", fpath, err.message, line=line, code=err.code)
+        info.entries = total
+
+    def _lock(self, fd: int, ref: TranscriptRef | None, path: str, st: os.stat_result) -> LockInfo:
+        record = None
+        if stat.S_ISREG(st.st_mode):
+            try:
+                lfd = os.open(_layout.LOCK, _fsio.READ_FLAGS | os.O_NONBLOCK, dir_fd=fd)
+                try:
+                    record = parse_lock_record(os.read(lfd, 1025))
+                finally:
+                    os.close(lfd)
+            except OSError:
+                record = None
+        age = self._age(st.st_mtime)
+        pid, host, token = record if record is not None else (None, None, None)
+        local = host is not None and host == self._host()
+        if pid is None or host is None:
+            status = "malformed" if age >= _MALFORMED_GRACE else "held"
+        elif local and self._owner_is_stale(pid, host, token):
+            status = "dead"
+        elif age > self.stale_lock_seconds:
+            status = "expired"
+        else:
+            status = "held"
+        key = ref.key() if ref is not None else None
+        return LockInfo(path, key, pid, host, age, status, local, st.st_mtime)
+
+
+@contextlib.contextmanager
+def open_root(root: str) -> Iterator[int]:
+    """An open descriptor of the store root (the root itself may be a symlink)."""
+    flags = os.O_RDONLY | os.O_DIRECTORY | getattr(os, "O_CLOEXEC", 0)
+    try:
+        fd = os.open(root, flags)
+    except (FileNotFoundError, NotADirectoryError) as exc:
+        raise NoStore(f"{root}: no store here (not a directory)") from exc
+    try:
+        yield fd
+    finally:
+        os.close(fd)
+
+
+def _tick(progress: Progress | None, done: int, total: int) -> None:
+    if progress is not None:
+        progress(done, total)
+
+
+# -- ls --------------------------------------------------------------------------
+
+
+@dataclass
+class SessionInfo:
+    """One session as ``fsstore ls`` shows it."""
+
+    ref: SessionRef
+    transcripts: list[TranscriptInfo]
+
+    @property
+    def main(self) -> TranscriptInfo | None:
+        return next((t for t in self.transcripts if t.ref.subpath is None), None)
+
+    @property
+    def subagents(self) -> int:
+        return sum(1 for t in self.transcripts if t.ref.subpath is not None and t.items)
+
+    @property
+    def mtime_ns(self) -> int | None:
+        return max((t.mtime_ns for t in self.transcripts if t.mtime_ns is not None), default=None)
+
+    @property
+    def parts(self) -> int:
+        return sum(t.parts for t in self.transcripts)
+
+    @property
+    def segments(self) -> int:
+        return sum(t.segments for t in self.transcripts)
+
+    @property
+    def bytes(self) -> int:
+        return sum(t.bytes for t in self.transcripts)
+
+    def as_dict(self) -> dict[str, Any]:
+        mt = self.mtime_ns
+        return {
+            "project_key": self.ref.project_key,
+            "session_id": self.ref.session_id,
+            "modified": _iso_ns(mt),
+            "mtime_ms": None if mt is None else mt // 1_000_000,
+            "parts": self.parts,
+            "segments": self.segments,
+            "bytes": self.bytes,
+            "subagents": self.subagents,
+            "has_main": self.main is not None and bool(self.main.items),
+            "transcripts": [t.as_dict() for t in self.transcripts if t.items],
+        }
+
+
+def _session_info(w: Walker, ref: SessionRef, *, verify: bool = False) -> SessionInfo:
+    infos = []
+    for tref in w.transcripts(ref):
+        info = w.inspect(tref, verify=verify)
+        if info is not None:
+            infos.append(info)
+    return SessionInfo(ref, infos)
+
+
+def ls(
+    root: str, *, project: str | None = None, progress: Progress | None = None
+) -> tuple[list[SessionInfo], list[Problem]]:
+    """Every session with at least one committed file, newest first within a project."""
+    with open_root(root) as rfd:
+        w = Walker(rfd, root)
+        refs = w.sessions(project)
+        out: list[SessionInfo] = []
+        for i, ref in enumerate(refs):
+            info = _session_info(w, ref)
+            if info.mtime_ns is not None:
+                out.append(info)
+            _tick(progress, i + 1, len(refs))
+    out.sort(key=lambda s: (s.ref.project_key, -(s.mtime_ns or 0), s.ref.session_id))
+    return out, [p for p in w.problems if p.counts]
+
+
+# -- check -----------------------------------------------------------------------
+
+
+@dataclass
+class CheckReport:
+    sessions: int = 0
+    transcripts: int = 0
+    entries: int = 0
+    bytes: int = 0
+    problems: list[Problem] = field(default_factory=list)
+    locks: list[LockInfo] = field(default_factory=list)
+
+    @property
+    def errors(self) -> int:
+        return sum(1 for p in self.problems if p.severity == "error")
+
+    @property
+    def warnings(self) -> int:
+        return sum(1 for p in self.problems if p.severity == "warning")
+
+    @property
+    def ok(self) -> bool:
+        return not any(p.counts for p in self.problems)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "ok": self.ok,
+            "sessions": self.sessions,
+            "transcripts": self.transcripts,
+            "entries": self.entries,
+            "bytes": self.bytes,
+            "errors": self.errors,
+            "warnings": self.warnings,
+            "problems": [p.as_dict() for p in self.problems],
+            "locks": [lk.as_dict() for lk in self.locks],
+        }
+
+
+def _age_text(seconds: float) -> str:
+    s = int(seconds)
+    if s < 60:
+        return f"{seconds:.1f}s" if seconds < 10 else f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s"
+    if s < 86400:
+        return f"{s // 3600}h{s % 3600 // 60:02d}m"
+    return f"{s // 86400}d{s % 86400 // 3600:02d}h"
+
+
+def _garbage_problem(g: Garbage, older_than: float) -> Problem:
+    old = g.age > older_than
+    what = {"temp": "temp " + ("directory" if g.is_dir else "file"),
+            "trash": ".trash entry", "lock-recovery": "filelock recovery file"}[g.kind]
+    if old:
+        return Problem("warning", f"orphaned-{g.kind}", g.path,
+                       f"orphaned {what}, {_age_text(g.age)} old (fsstore gc removes it)")
+    doing = {"temp": "a commit or compaction in flight", "trash": "a delete in progress",
+             "lock-recovery": "a lock take-over in flight"}[g.kind]
+    return Problem("info", f"young-{g.kind}", g.path,
+                   f"{what}, {_age_text(g.age)} old: {doing}")
+
+
+def _lock_problem(lk: LockInfo, stale_lock_seconds: float) -> Problem:
+    who = lk.describe()
+    age = _age_text(lk.age)
+    if lk.status == "held":
+        return Problem("info", "held-lock", lk.path, f"lock held by {who} for {age}")
+    why = {
+        "dead": "its holder is no longer running on this host",
+        "expired": f"older than stale_lock_seconds={stale_lock_seconds:g}; "
+        "the next writer reclaims it",
+        "malformed": "its record is not pid/host/start-token",
+    }[lk.status]
+    return Problem("warning", "stale-lock", lk.path,
+                   f"stale lock of {who}, {age} old: {why}")
+
+
+def check(
+    root: str,
+    *,
+    older_than: float = 3600.0,
+    stale_lock_seconds: float = 30.0,
+    progress: Progress | None = None,
+) -> CheckReport:
+    """Verify every transcript; see the module docstring for what counts as a problem."""
+    report = CheckReport()
+    with open_root(root) as rfd:
+        w = Walker(rfd, root, stale_lock_seconds=stale_lock_seconds)
+        w.root_entries()
+        refs = w.sessions()
+        report.sessions = len(refs)
+        for i, ref in enumerate(refs):
+            info = _session_info(w, ref, verify=True)
+            for t in info.transcripts:
+                if not t.items and t.lock is None and not t.temps:
+                    continue
+                report.transcripts += 1 if t.items else 0
+                report.entries += t.entries or 0
+                report.bytes += t.bytes
+                for g in (*t.temps, *t.recovery):
+                    w.problems.append(_garbage_problem(g, older_than))
+                if t.lock is not None:
+                    report.locks.append(t.lock)
+                    w.problems.append(_lock_problem(t.lock, stale_lock_seconds))
+                live = {it.name for it in t.live}
+                for it in t.items:
+                    if it.name not in live:
+                        age = w.now - it.mtime_ns / 1e9
+                        sev = "warning" if age > older_than else "info"
+                        w.problems.append(Problem(
+                            sev, "leftover", f"{t.path}/{it.name}",
+                            f"already merged into a segment, {_age_text(max(age, 0))} old: "
+                            "left by an interrupted compaction (fsstore compact removes it)"))
+            _tick(progress, i + 1, len(refs))
+        for g in (*w.garbage, *w.trash()):
+            w.problems.append(_garbage_problem(g, older_than))
+        if w.max_skew > _SKEW_TOLERANCE:
+            w.problem("warning", "clock-skew", root,
+                      f"a file time is {_age_text(w.max_skew)} ahead of this host's clock: "
+                      "clocks differ between this host and the file server, so ages (and "
+                      "stale-lock expiry) are off by as much")
+    rank = {"error": 0, "warning": 1, "info": 2}
+    report.problems = sorted(w.problems, key=lambda p: (rank[p.severity], p.path, p.line or 0))
+    return report
+
+
+# -- gc --------------------------------------------------------------------------
+
+
+@dataclass
+class Action:
+    """Something gc, prune or compact did (or, in a dry run, would do)."""
+
+    action: str
+    path: str
+    detail: str
+    done: bool
+    age: float | None = None
+    failed: bool = False
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "action": self.action,
+            "path": self.path,
+            "detail": self.detail,
+            "done": self.done,
+            "failed": self.failed,
+            "age_seconds": None if self.age is None else round(self.age, 3),
+        }
+
+
+def _has_silly(parent_fd: int, name: str, depth: int = 0) -> str | None:
+    """The first ``.nfsXXXX`` name inside ``parent/name`` (no symlinks followed)."""
+    if name.startswith(NFS_SILLY_PREFIX):
+        return name
+    try:
+        fd = os.open(name, _fsio.DIR_FLAGS, dir_fd=parent_fd)
+    except OSError:
+        return None  # a file, a symlink, or gone
+    try:
+        with os.scandir(fd) as it:
+            entries = list(it)
+        for entry in entries:
+            if entry.name.startswith(NFS_SILLY_PREFIX):
+                return entry.name
+            if depth < 64 and _fsio.is_dir_entry(entry):
+                found = _has_silly(fd, entry.name, depth + 1)
+                if found:
+                    return found
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+    return None
+
+
+def _remove_garbage(w: Walker, g: Garbage, older_than: float, dry_run: bool) -> Action:
+    verb = {"temp": "remove-temp", "trash": "remove-trash",
+            "lock-recovery": "remove-lock-recovery"}[g.kind]
+    what = {"temp": "orphaned temp " + ("directory" if g.is_dir else "file"),
+            "trash": "leftover of a delete", "lock-recovery": "filelock recovery leftover"}[g.kind]
+    detail = f"{what}, {_age_text(g.age)} old"
+    if dry_run:
+        return Action(verb, g.path, detail, False, g.age)
+    pfd = w.open(g.parent)
+    if pfd is None:
+        return Action(verb, g.path, detail + " (gone already)", False, g.age)
+    try:
+        try:
+            st = os.stat(g.name, dir_fd=pfd, follow_symlinks=False)
+        except FileNotFoundError:
+            return Action(verb, g.path, detail + " (gone already)", False, g.age)
+        ts = max(st.st_mtime, st.st_ctime) if stat.S_ISDIR(st.st_mode) else st.st_mtime
+        if w.now - ts <= older_than:
+            return Action("keep", g.path, "touched again since the walk; left alone", False, g.age)
+        if stat.S_ISDIR(st.st_mode):
+            silly = _has_silly(pfd, g.name)
+            if silly:
+                return Action("keep", g.path,
+                              f"holds {silly}: a deleted file still open on an NFS client; "
+                              "gc retries on its next run", False, g.age)
+            _fsio.remove_tree(pfd, g.name)
+        else:
+            _fsio.unlink_quiet(pfd, g.name)
+    except OSError as exc:
+        return Action(verb, g.path, f"{detail}: {_code(exc)} {exc.strerror}", False, g.age,
+                      failed=True)
+    finally:
+        os.close(pfd)
+    return Action(verb, g.path, detail, True, g.age)
+
+
+def break_lock(path: str, older_than: float) -> bool:
+    """Break the lock at ``path`` if it is older than ``older_than`` seconds.
+
+    Uses filelock's own take-over (an atomic exchange of the marker, comparing inode
+    and mtime), so a lock someone re-acquired meanwhile is never removed. True if a
+    lock was broken; False if it was renewed in the meantime.
+    """
+    with warnings.catch_warnings():
+        # filelock warns that age-based expiry can overlap a live holder: that is
+        # exactly what breaking an old lock means (and fsstore tolerates it).
+        warnings.simplefilter("ignore")
+        soft = filelock.SoftFileLock(path, timeout=0, lifetime=max(older_than, 0.001),
+                                     thread_local=False)
+        try:
+            soft.acquire()
+        except filelock.Timeout:
+            return False
+    soft.release()
+    return True
+
+
+def _break(w: Walker, lk: LockInfo, older_than: float, dry_run: bool) -> Action | None:
+    if lk.age <= older_than:
+        return None
+    detail = f"stale lock of {lk.describe()}, {_age_text(lk.age)} old"
+    if dry_run:
+        return Action("break-lock", lk.path, detail, False, lk.age)
+    try:
+        os.lstat(lk.path)
+    except FileNotFoundError:
+        return Action("break-lock", lk.path, detail + " (released meanwhile)", False, lk.age)
+    try:
+        broken = break_lock(lk.path, older_than)
+    except OSError as exc:
+        return Action("break-lock", lk.path, f"{detail}: {_code(exc)} {exc.strerror}", False,
+                      lk.age, failed=True)
+    if not broken:
+        return Action("keep", lk.path, "lock was taken again meanwhile; left alone", False, lk.age)
+    return Action("break-lock", lk.path, detail, True, lk.age)
+
+
+def gc(
+    root: str,
+    *,
+    older_than: float = 3600.0,
+    dry_run: bool = False,
+    progress: Progress | None = None,
+) -> list[Action]:
+    """Remove temp files, ``.trash`` leftovers and filelock recovery files older than
+    ``older_than``; break locks older than it. Nothing younger is touched."""
+    actions: list[Action] = []
+    with open_root(root) as rfd:
+        w = Walker(rfd, root)
+        refs = w.sessions()
+        for i, ref in enumerate(refs):
+            for tref in w.transcripts(ref):
+                info = w.inspect(tref)
+                if info is None:
+                    continue
+                for g in (*info.temps, *info.recovery):
+                    if g.age > older_than:
+                        actions.append(_remove_garbage(w, g, older_than, dry_run))
+                if info.lock is not None:
+                    act = _break(w, info.lock, older_than, dry_run)
+                    if act is not None:
+                        actions.append(act)
+            _tick(progress, i + 1, len(refs))
+        for g in (*w.garbage, *w.trash()):
+            if g.age > older_than:
+                actions.append(_remove_garbage(w, g, older_than, dry_run))
+        for p in w.problems:
+            if p.severity == "error" and p.kind == "unreadable":
+                actions.append(Action("skip", p.path, p.message, False, failed=True))
+    return actions
+
+
+# -- locks -----------------------------------------------------------------------
+
+
+def locks(
+    root: str, *, stale_lock_seconds: float = 30.0, progress: Progress | None = None
+) -> list[LockInfo]:
+    """Every transcript lock file in the store and what its record says."""
+    out: list[LockInfo] = []
+    with open_root(root) as rfd:
+        w = Walker(rfd, root, stale_lock_seconds=stale_lock_seconds)
+        refs = w.sessions()
+        for i, ref in enumerate(refs):
+            for tref in w.transcripts(ref):
+                fd = w.open(tref.comps)
+                if fd is None:
+                    continue
+                try:
+                    st = os.stat(_layout.LOCK, dir_fd=fd, follow_symlinks=False)
+                    out.append(w._lock(fd, tref, f"{w.path(tref.comps)}/{_layout.LOCK}", st))
+                except OSError:
+                    pass  # no lock: nobody is committing right now
+                finally:
+                    os.close(fd)
+            _tick(progress, i + 1, len(refs))
+    return out
+
+
+# -- prune -----------------------------------------------------------------------
+
+
+def prune(
+    root: str,
+    *,
+    older_than: float,
+    project: str | None = None,
+    dry_run: bool = False,
+    stale_lock_seconds: float = 30.0,
+    progress: Progress | None = None,
+) -> tuple[list[Action], int]:
+    """Delete every session whose newest committed file is older than ``older_than``.
+
+    Returns the actions and how many sessions were looked at. Each deletion is
+    ``SyncStore.delete`` (an atomic rename into ``.trash``), done while holding the
+    main transcript's lock after looking at the session's files once more, so an
+    append that lands in the meantime keeps the session.
+    """
+    store = SyncStore(root, summaries=False, stale_lock_seconds=stale_lock_seconds,
+                      lock_timeout_seconds=10.0)
+    actions: list[Action] = []
+    with open_root(root) as rfd:
+        w = Walker(rfd, root, stale_lock_seconds=stale_lock_seconds)
+        refs = w.sessions(project)
+        for i, ref in enumerate(refs):
+            _tick(progress, i, len(refs))
+            act = _prune_one(w, store, ref, older_than, dry_run)
+            if act is not None:
+                actions.append(act)
+        _tick(progress, len(refs), len(refs))
+    return actions, len(refs)
+
+
+def _session_age(w: Walker, ref: SessionRef) -> tuple[float, str] | None:
+    """Seconds since the session's newest committed file (or, if it has none, since its
+    directory last changed); None if the session is gone."""
+    info = _session_info(w, ref)
+    mt = info.mtime_ns
+    if mt is not None:
+        return w.now - mt / 1e9, f"last modified {_iso_ns(mt)}"
+    try:
+        st = os.stat(w.path(ref.comps), follow_symlinks=False)
+    except OSError:
+        return None
+    return w.now - st.st_mtime, "no committed transcript"
+
+
+def _prune_one(
+    w: Walker, store: SyncStore, ref: SessionRef, older_than: float, dry_run: bool
+) -> Action | None:
+    found = _session_age(w, ref)
+    if found is None or found[0] <= older_than:
+        return None
+    age, what = found
+    path = w.path(ref.comps)
+    detail = f"{what} ({_age_text(age)} ago)"
+    if dry_run:
+        return Action("delete", path, detail, False, age)
+    try:
+        with store.locked(ref.key()):
+            w.now = time.time()
+            again = _session_age(w, ref)
+            if again is None:
+                return Action("delete", path, detail + " (deleted meanwhile)", False, age)
+            if again[0] <= older_than:
+                return Action("keep", path, "written to meanwhile; kept", False, again[0])
+            store.delete(ref.key())
+    except FsStoreError as err:
+        return Action("delete", path, f"{detail}: {err}", False, age, failed=True)
+    return Action("delete", path, detail, True, age)
+
+
+# -- compact ---------------------------------------------------------------------
+
+
+def _keep_mtime(w: Walker, ref: TranscriptRef, before: TranscriptInfo) -> None:
+    """Give a segment made on demand the time of the newest file it merged.
+
+    A segment is a new file, so it would look modified *now* and restart the
+    retention clock of ``fsstore prune``; its content was last written when the
+    newest merged file was.
+    """
+    after = w.inspect(ref)
+    if after is None:
+        return
+    old = {(it.first, it.last): it.mtime_ns for it in before.live}
+    fd = w.open(ref.comps)
+    if fd is None:
+        return
+    try:
+        for seg in after.live:
+            if seg.first == seg.last or (seg.first, seg.last) in old:
+                continue
+            inside = [mt for (f, l), mt in old.items() if seg.first <= f and l <= seg.last]
+            covered = sum(l - f + 1 for (f, l) in old if seg.first <= f and l <= seg.last)
+            if not inside or covered < seg.last - seg.first + 1:
+                continue  # it holds parts we never saw: its own time is the right one
+            newest = max(inside)
+            with contextlib.suppress(OSError):
+                st = os.stat(seg.name, dir_fd=fd, follow_symlinks=False)
+                os.utime(seg.name, ns=(st.st_atime_ns, newest), dir_fd=fd,
+                         follow_symlinks=False)
+    finally:
+        os.close(fd)
+
+
+def compact(
+    root: str,
+    *,
+    project: str | None = None,
+    session: str | None = None,
+    dry_run: bool = False,
+    stale_lock_seconds: float = 30.0,
+    progress: Progress | None = None,
+) -> list[Action]:
+    """``SyncStore.compact`` on every transcript with more than one committed file."""
+    store = SyncStore(root, summaries=False, stale_lock_seconds=stale_lock_seconds)
+    actions: list[Action] = []
+    with open_root(root) as rfd:
+        w = Walker(rfd, root, stale_lock_seconds=stale_lock_seconds)
+        refs = w.sessions(project, session)
+        for i, ref in enumerate(refs):
+            for tref in w.transcripts(ref):
+                mark = len(w.problems)
+                info = w.inspect(tref)
+                if info is None or (len(info.live) < 2 and len(info.items) == len(info.live)):
+                    continue
+                detail = f"{len(info.items)} files, {info.bytes} bytes"
+                damage = [p for p in w.problems[mark:] if p.kind in ("gap", "corrupt")]
+                if damage:
+                    # A segment would span the gap and hide it from check for good.
+                    actions.append(Action("skip", info.path, f"{detail}: not compacted: "
+                                          f"{damage[0].message} (see fsstore check)", False,
+                                          failed=True))
+                    continue
+                if dry_run:
+                    actions.append(Action("compact", info.path, detail, False))
+                    continue
+                try:
+                    merged = store.compact(tref.key())
+                except FsStoreError as err:
+                    actions.append(Action("compact", info.path, f"{detail}: {err}", False,
+                                          failed=True))
+                    continue
+                _keep_mtime(w, tref, info)
+                what = (f"merged {merged} files into one segment" if merged
+                        else "nothing to merge (leftovers removed)")
+                actions.append(Action("compact", info.path, what, merged > 0))
+            _tick(progress, i + 1, len(refs))
+        for p in w.problems:
+            if p.kind in ("unreadable", "symlink"):
+                actions.append(Action("skip", p.path, p.message, False, failed=True))
+    return actions
+
+
+# -- import ----------------------------------------------------------------------
+
+
+@dataclass
+class Transfer:
+    """One transcript file moved between the local layout and the store."""
+
+    path: str
+    key: dict[str, str] | None
+    status: str  # new, extended, merged, up-to-date, store-ahead, failed, ...
+    local: int = 0
+    stored: int = 0
+    added: int = 0
+    detail: str = ""
+    failed: bool = False
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "path": self.path,
+            "key": self.key,
+            "status": self.status,
+            "local_entries": self.local,
+            "stored_entries": self.stored,
+            "added": self.added,
+            "detail": self.detail,
+            "failed": self.failed,
+        }
+
+
+def _session_key_fn() -> Callable[[str, str], Mapping[str, str] | None]:
+    try:
+        from claude_agent_sdk._internal.session_store import file_path_to_session_key
+
+        return file_path_to_session_key  # type: ignore[return-value]
+    except ImportError:  # no Claude SDK installed: the same rule, written out
+        return _file_path_to_session_key
+
+
+def _file_path_to_session_key(file_path: str, projects_dir: str) -> dict[str, str] | None:
+    """What ``claude_agent_sdk``'s ``file_path_to_session_key`` derives (used without the SDK)."""
+    rel = os.path.relpath(file_path, projects_dir)
+    parts = rel.split(os.sep)
+    if not parts or parts[0] == ".." or os.path.isabs(rel) or len(parts) < 2:
+        return None
+    if len(parts) == 2 and parts[1].endswith(".jsonl"):
+        return {"project_key": parts[0], "session_id": parts[1][: -len(".jsonl")]}
+    if len(parts) >= 4:
+        sub = parts[2:]
+        sub[-1] = sub[-1].removesuffix(".jsonl")
+        return {"project_key": parts[0], "session_id": parts[1], "subpath": "/".join(sub)}
+    return None
+
+
+def _local_jsonl(directory: str, out: list[str], skipped: list[Problem], depth: int = 0) -> None:
+    try:
+        entries = sorted(os.scandir(directory), key=lambda e: e.name)
+    except OSError as exc:
+        if not _gone(exc):
+            skipped.append(Problem("error", "unreadable", directory,
+                                   f"cannot list: {exc.strerror}", code=_code(exc)))
+        return
+    for entry in entries:
+        if entry.is_symlink():
+            skipped.append(Problem("info", "symlink", entry.path, "symlink skipped"))
+        elif entry.is_dir(follow_symlinks=False) and depth < 32:
+            _local_jsonl(entry.path, out, skipped, depth + 1)
+        elif entry.is_file(follow_symlinks=False) and entry.name.endswith(".jsonl"):
+            out.append(entry.path)
+
+
+def local_transcripts(
+    projects_dir: str, project: str | None = None
+) -> tuple[list[str], list[Problem]]:
+    """``<project>/<session>.jsonl`` and ``<project>/<session>/subagents/**/*.jsonl`` files."""
+    files: list[str] = []
+    skipped: list[Problem] = []
+    try:
+        projects = sorted(os.scandir(projects_dir), key=lambda e: e.name)
+    except OSError as exc:
+        raise NoStore(f"{projects_dir}: cannot list ({exc.strerror})") from exc
+    for pentry in projects:
+        if project is not None and pentry.name != project:
+            continue
+        if pentry.is_symlink() or not pentry.is_dir(follow_symlinks=False):
+            continue
+        try:
+            entries = sorted(os.scandir(pentry.path), key=lambda e: e.name)
+        except OSError as exc:
+            skipped.append(Problem("error", "unreadable", pentry.path,
+                                   f"cannot list: {exc.strerror}", code=_code(exc)))
+            continue
+        mains: list[str] = []
+        subs: list[str] = []
+        for entry in entries:
+            if entry.is_symlink():
+                continue
+            if entry.is_file(follow_symlinks=False) and entry.name.endswith(".jsonl"):
+                mains.append(entry.path)
+            elif entry.is_dir(follow_symlinks=False):
+                sub = os.path.join(entry.path, "subagents")
+                if os.path.isdir(sub) and not os.path.islink(sub):
+                    _local_jsonl(sub, subs, skipped)
+        files += mains + subs  # main transcripts first, like a live session
+    return files, skipped
+
+
+def read_local(path: str) -> tuple[list[dict[str, Any]], str]:
+    """The entries of a local JSONL transcript and a note; ValueError (with the line) if bad.
+
+    A last line without its newline is being written right now (or was torn by a
+    crash): it is left out, and the note says so.
+    """
+    fd = os.open(path, _fsio.READ_FLAGS | os.O_NONBLOCK)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise ValueError("not a regular file")
+        data = _read_fd(fd)
+    finally:
+        os.close(fd)
+    note = ""
+    lines = data.split(b"\n")
+    tail = lines.pop()  # b"" after a final newline
+    if tail.strip():
+        note = f"last line {len(lines) + 1} has no newline yet; left out"
+    entries: list[dict[str, Any]] = []
+    for lineno, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            entry = json.loads(line)
+        except ValueError as exc:
+            raise ValueError(f"line {lineno} is not valid JSON: {exc}") from exc
+        if not isinstance(entry, dict):
+            raise ValueError(f"line {lineno} is not a JSON object")  # noqa: TRY004
+        entries.append(entry)
+    return entries, note
+
+
+def _read_fd(fd: int) -> bytes:
+    chunks: list[bytes] = []
+    while True:
+        chunk = os.read(fd, 1 << 20)
+        if not chunk:
+            return b"".join(chunks)
+        chunks.append(chunk)
+
+
+def _identity(entry: dict[str, Any], canon: str) -> tuple[str, str]:
+    uuid = entry.get("uuid")
+    return ("uuid", uuid) if type(uuid) is str else ("json", canon)
+
+
+def missing_entries(
+    stored: list[dict[str, Any]], local: list[dict[str, Any]]
+) -> tuple[list[dict[str, Any]], str]:
+    """What of ``local`` the store lacks, and how the two relate.
+
+    ``local`` is first reduced the way load() reduces a transcript (the same
+    ``dedupe``), so "equal" means "load() would return the same". If the store holds
+    the local transcript as a prefix, the missing entries are the rest (``new`` /
+    ``extended``); if it holds all of it, nothing (``up-to-date`` / ``store-ahead``).
+    Otherwise the two diverged: the local entries the store lacks (by ``uuid``, or by
+    content for entries without one) are missing, in local order (``merged``).
+    Appending what this returns and asking again returns nothing: import is idempotent.
+    """
+    local = dedupe([(0, local)])
+    cs = [_canon(e) for e in stored]
+    cl = [_canon(e) for e in local]
+    n = min(len(cs), len(cl))
+    if cs[:n] == cl[:n]:
+        if len(cl) > len(cs):
+            return local[len(cs):], ("extended" if cs else "new")
+        return [], ("store-ahead" if len(cs) > len(cl) else "up-to-date")
+    have = Counter(_identity(e, c) for e, c in zip(stored, cs))
+    missing = []
+    for e, c in zip(local, cl):
+        ident = _identity(e, c)
+        if have[ident] > 0:
+            have[ident] -= 1
+        else:
+            missing.append(e)
+    return missing, ("merged" if missing else "up-to-date")
+
+
+def _split_metadata(
+    entries: list[dict[str, Any]],
+) -> tuple[dict[str, Any] | None, list[dict[str, Any]]]:
+    """The last ``agent_metadata`` entry (a subagent's ``.meta.json``) and the rest."""
+    meta = None
+    rest = []
+    for e in entries:
+        if e.get("type") == "agent_metadata":
+            meta = e
+        else:
+            rest.append(e)
+    return meta, rest
+
+
+def _meta_path(jsonl: str) -> str:
+    return jsonl[: -len(".jsonl")] + ".meta.json"
+
+
+def _read_meta(jsonl: str) -> dict[str, Any] | None:
+    """The ``.meta.json`` sidecar of a subagent transcript (absent if unusable, like the SDK)."""
+    try:
+        with open(_meta_path(jsonl), encoding="utf-8") as fh:
+            meta = json.load(fh)
+    except (FileNotFoundError, ValueError):
+        return None
+    return meta if isinstance(meta, dict) else None
+
+
+def _batches(entries: list[dict[str, Any]]) -> Iterator[list[dict[str, Any]]]:
+    batch: list[dict[str, Any]] = []
+    size = 0
+    for e in entries:
+        batch.append(e)
+        size += len(_canon(e))
+        if len(batch) >= _IMPORT_BATCH or size >= _IMPORT_BATCH_BYTES:
+            yield batch
+            batch, size = [], 0
+    if batch:
+        yield batch
+
+
+def _import_file(
+    store: SyncStore, path: str, key: dict[str, str], dry_run: bool
+) -> Transfer:
+    try:
+        _keys.parse_key(key, "import")
+    except FsStoreError as err:
+        return Transfer(path, key, "failed", detail=err.message, failed=True)
+    try:
+        local, note = read_local(path)
+    except ValueError as exc:
+        return Transfer(path, key, "failed", detail=str(exc), failed=True)
+    except OSError as exc:
+        if _gone(exc):
+            return Transfer(path, key, "gone", detail="removed while importing")
+        return Transfer(path, key, "failed", detail=f"{_code(exc)} {exc.strerror}", failed=True)
+    stored = store.load(key) or []
+    is_sub = "subpath" in key
+    stored_meta, stored_rest = _split_metadata(stored) if is_sub else (None, stored)
+    todo, status = missing_entries(stored_rest, local)
+    meta_entry = None
+    if is_sub:
+        meta = _read_meta(path)
+        if meta is not None:
+            # Like the SDK's import: the sidecar travels as a synthetic entry, "type" last.
+            meta_entry = {**meta, "type": "agent_metadata"}
+            if stored_meta is not None and _canon(stored_meta) == _canon(meta_entry):
+                meta_entry = None
+    added = len(todo) + (1 if meta_entry is not None else 0)
+    if status in ("up-to-date", "store-ahead") and meta_entry is not None:
+        status = "metadata"
+    t = Transfer(path, key, status, local=len(local), stored=len(stored_rest), added=added,
+                 detail=note)
+    if dry_run or not added:
+        return t
+    for batch in _batches(todo):
+        store.append(key, batch)
+    if meta_entry is not None:
+        store.append(key, [meta_entry])
+    return t
+
+
+def import_projects(
+    root: str,
+    projects_dir: str,
+    *,
+    project: str | None = None,
+    dry_run: bool = False,
+    progress: Progress | None = None,
+) -> tuple[list[Transfer], list[Problem]]:
+    """Import every local transcript under ``projects_dir`` (see :func:`missing_entries`)."""
+    projects_dir = os.path.abspath(projects_dir)
+    files, problems = local_transcripts(projects_dir, project)
+    to_key = _session_key_fn()
+    store = SyncStore(root)
+    out: list[Transfer] = []
+    for i, path in enumerate(files):
+        key = to_key(path, projects_dir)
+        if key is None:
+            out.append(Transfer(path, None, "skipped", detail="not a transcript path"))
+        else:
+            try:
+                out.append(_import_file(store, path, dict(key), dry_run))
+            except FsStoreError as err:
+                out.append(Transfer(path, dict(key), "failed", detail=str(err), failed=True))
+        _tick(progress, i + 1, len(files))
+    return out, problems
+
+
+# -- export ----------------------------------------------------------------------
+
+
+def _safe_component(part: str, what: str) -> str:
+    if part in ("", ".", "..") or "/" in part or "\x00" in part:
+        raise NotFound(f"{what} {part!r} cannot be a local file name")
+    return part
+
+
+def _encode_jsonl(entries: list[dict[str, Any]]) -> bytes:
+    # The SDK's own local writer (resume materialization) writes exactly this.
+    return b"".join(json.dumps(e, separators=(",", ":")).encode("utf-8") + b"\n"
+                    for e in entries)
+
+
+def _atomic_write(path: str, data: bytes) -> None:
+    """Write ``path`` whole or not at all: temp file, fsync, rename over."""
+    directory = os.path.dirname(path)
+    os.makedirs(directory, mode=0o700, exist_ok=True)
+    tmp = os.path.join(directory, f".{os.path.basename(path)}.tmp-{os.getpid()}-"
+                                  f"{secrets.token_hex(6)}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view):]
+        os.fsync(fd)
+        os.close(fd)
+        fd = -1
+        os.replace(tmp, path)
+        tmp = ""
+    finally:
+        if fd >= 0:
+            os.close(fd)
+        if tmp:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+
+
+def _export_file(
+    path: str, key: dict[str, str], entries: list[dict[str, Any]], *, force: bool, dry_run: bool
+) -> Transfer:
+    """Make the local file hold ``entries``: written if missing or a prefix of them, left
+    alone if it already holds all of them, refused (unless ``force``) if it holds
+    entries the store lacks while lacking some of the store's."""
+    t = Transfer(path, key, "new", stored=len(entries), added=len(entries))
+    if os.path.lexists(path):
+        try:
+            local, _note = read_local(path)
+        except (ValueError, OSError) as exc:
+            if not force:
+                return Transfer(path, key, "refused", stored=len(entries), failed=True,
+                                detail=f"existing file is unreadable ({exc}); --force overwrites")
+            local = []
+        local = dedupe([(0, local)])
+        missing, status = missing_entries(local, entries)
+        t.local, t.added = len(local), len(missing)
+        if not missing:
+            t.status = "unchanged"
+            return t
+        if status not in ("new", "extended") and not force:
+            t.status, t.failed = "refused", True
+            t.detail = ("the local file and the store diverged (each has entries the other "
+                        "lacks); --force overwrites the local file")
+            return t
+        t.status = "updated" if status in ("new", "extended") else "overwritten"
+    if not dry_run:
+        _atomic_write(path, _encode_jsonl(entries))
+    return t
+
+
+def _export_meta(path: str, key: dict[str, str], meta: dict[str, Any], dry_run: bool) -> Transfer:
+    content = {k: v for k, v in meta.items() if k != "type"}
+    existed = os.path.lexists(path)
+    try:
+        with open(path, encoding="utf-8") as fh:
+            if json.load(fh) == content:
+                return Transfer(path, key, "unchanged", stored=1)
+    except (OSError, ValueError):
+        pass
+    if not dry_run:
+        _atomic_write(path, json.dumps(content).encode("utf-8"))
+    return Transfer(path, key, "updated" if existed else "new", stored=1, added=1)
+
+
+def export_session(
+    root: str,
+    project: str,
+    session: str,
+    projects_dir: str,
+    *,
+    force: bool = False,
+    dry_run: bool = False,
+) -> list[Transfer]:
+    """Write a stored session to ``<projects_dir>/<project>/<session>.jsonl`` (+ subagents).
+
+    Each file is written atomically and only if it changes; a local file holding
+    entries the store lacks is left alone unless ``force``.
+    """
+    with open_root(root):
+        pass
+    store = SyncStore(root, summaries=False)
+    key = {"project_key": project, "session_id": session}
+    base = os.path.join(os.path.abspath(projects_dir), _safe_component(project, "project key"))
+    sid = _safe_component(session, "session id")
+    main = store.load(key)
+    subpaths = store.list_subkeys(key)
+    if main is None and not subpaths:
+        raise NotFound(f"no session {session!r} in project {project!r}")
+    out: list[Transfer] = []
+    if main is not None:
+        out.append(_export_file(os.path.join(base, f"{sid}.jsonl"), key, main,
+                                force=force, dry_run=dry_run))
+    for subpath in sorted(subpaths):
+        skey = {**key, "subpath": subpath}
+        entries = store.load(skey)
+        if not entries:
+            continue
+        parts = subpath.split("/")
+        for p in parts:
+            _safe_component(p, "subpath segment")
+        target = os.path.join(base, sid, *parts[:-1], parts[-1] + ".jsonl")
+        meta, transcript = _split_metadata(entries)
+        if transcript:
+            out.append(_export_file(target, skey, transcript, force=force, dry_run=dry_run))
+        if meta is not None:
+            out.append(_export_meta(_meta_path(target), skey, meta, dry_run))
+    return out

@@ -1,0 +1,619 @@
+"""The ``fsstore`` command line (also ``python -m fsstore``).
+
+Argument parsing and printing only; the work is done by :mod:`fsstore._maintenance`
+and :class:`fsstore._store.SyncStore`. Every command prints a human-readable table
+by default and JSON with ``--json``; commands that walk a whole store draw a
+progress counter on stderr when stderr is a terminal.
+
+Exit codes: 0 ok; 1 problems found, or the operation failed; 2 usage error (bad
+arguments, or ROOT is not a directory). Interrupted: 130; stdout closed early
+(``| head``): 141.
+
+Claude's project keys start with ``-`` (``-home-user-repo``). argparse alone would
+read such an argument as an option, so before parsing, every argument of a
+subcommand that starts with ``-`` but is not one of that subcommand's options is
+marked as a value (see :func:`_mark_values`): keys are accepted exactly as
+``fsstore ls`` prints them, positionally or as option values.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import re
+import shlex
+import sys
+import time
+from collections.abc import Callable, Sequence
+from typing import Any, NoReturn, TextIO
+
+from . import _maintenance as m
+from ._errors import FsStoreError
+from ._store import SyncStore
+
+EXIT_OK = 0
+EXIT_PROBLEMS = 1
+EXIT_USAGE = 2
+
+# argv can never contain NUL, so a NUL prefix marks "this is a value" unambiguously.
+_MARK = "\x00"
+_DURATION = re.compile(r"([0-9]+(?:\.[0-9]+)?)\s*([smhdw]?)")
+_UNITS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
+
+
+# -- argument types ----------------------------------------------------------------
+
+
+def _text(value: str) -> str:
+    """A positional or option value, with the value mark (if any) taken off."""
+    return value[1:] if value.startswith(_MARK) else value
+
+
+def _key_part(value: str) -> str:
+    value = _text(value)
+    if not value:
+        raise argparse.ArgumentTypeError("must not be empty")
+    return value
+
+
+def parse_duration(value: str) -> float:
+    """Seconds in ``30d``, ``1h30m``, ``90m``, ``45s``, ``2w`` or a plain number of seconds."""
+    text = _text(value).strip().lower()
+    pos = 0
+    total = 0.0
+    for match in _DURATION.finditer(text):
+        if match.start() != pos:
+            break
+        total += float(match.group(1)) * _UNITS[match.group(2)]
+        pos = match.end()
+    if not text or pos != len(text):
+        raise argparse.ArgumentTypeError(
+            f"invalid duration {_text(value)!r} (examples: 45s, 90m, 1h30m, 30d, 2w)"
+        )
+    return total
+
+
+def _seconds(value: str) -> float:
+    return parse_duration(value)
+
+
+# -- the parser --------------------------------------------------------------------
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        self.print_usage(sys.stderr)
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {message.replace(_MARK, '')}\n")
+
+
+class _Options:
+    """The option strings of each subcommand, and whether each takes a value."""
+
+    def __init__(self) -> None:
+        self.by_command: dict[str, dict[str, bool]] = {}
+
+    def add(self, command: str, parser: argparse.ArgumentParser, *names: str, **kw: Any) -> None:
+        parser.add_argument(*names, **kw)
+        takes_value = kw.get("action") not in ("store_true", "store_false", "count")
+        table = self.by_command.setdefault(command, {"-h": False, "--help": False})
+        for name in names:
+            table[name] = takes_value
+
+
+_EPILOG = """\
+exit codes: 0 ok, 1 problems found (or the operation failed), 2 usage error.
+Claude project keys start with '-' (e.g. -home-user-repo); pass them as they are.
+"""
+
+
+def build_parser() -> tuple[argparse.ArgumentParser, _Options]:
+    opts = _Options()
+    parser = _Parser(
+        prog="fsstore",
+        description="Inspect and maintain an fsstore session store.",
+        epilog=_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    def command(name: str, help_text: str) -> argparse.ArgumentParser:
+        p = sub.add_parser(name, help=help_text, description=help_text, allow_abbrev=False,
+                           epilog=_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+        opts.add(name, p, "--json", action="store_true", help="print JSON for scripts")
+        opts.add(name, p, "-v", "--verbose", action="count", default=0,
+                 help="show the fsstore logger's messages on stderr (-vv: debug)")
+        p.add_argument("root", metavar="ROOT", type=_text, help="the store root directory")
+        return p
+
+    p = command("ls", "List sessions: last-modified time, parts, bytes, subagent transcripts.")
+    opts.add("ls", p, "--project", metavar="P", type=_key_part, help="only this project key")
+
+    p = command("cat", "Print a transcript as JSONL, exactly the entries load() returns.")
+    p.add_argument("project", metavar="PROJECT", type=_key_part)
+    p.add_argument("session", metavar="SESSION", type=_key_part)
+    opts.add("cat", p, "--subpath", metavar="S", type=_key_part,
+             help="a subagent transcript (e.g. subagents/agent-1) instead of the main one")
+
+    p = command("check", "Verify every transcript; exit 1 if anything is wrong.")
+    opts.add("check", p, "--older-than", metavar="AGE", type=_seconds, default=3600.0,
+             help="temp files and .trash entries older than this are orphaned (default 1h)")
+    opts.add("check", p, "--stale-lock-seconds", metavar="AGE", type=_seconds, default=30.0,
+             help="the stores' stale_lock_seconds: locks older than this are stale (default 30s)")
+
+    p = command("gc", "Remove orphaned temp files and .trash leftovers; break stale locks.")
+    opts.add("gc", p, "--older-than", metavar="AGE", type=_seconds, default=3600.0,
+             help="only touch what is older than this (default 1h)")
+    opts.add("gc", p, "--dry-run", action="store_true", help="show what would be done; change nothing")
+
+    p = command("compact", "Merge each transcript's files into one segment.")
+    opts.add("compact", p, "--project", metavar="P", type=_key_part, help="only this project key")
+    opts.add("compact", p, "--session", metavar="S", type=_key_part, help="only this session id")
+    opts.add("compact", p, "--dry-run", action="store_true", help="show what would be compacted")
+    opts.add("compact", p, "--stale-lock-seconds", metavar="AGE", type=_seconds, default=30.0,
+             help="the stores' stale_lock_seconds (default 30s)")
+
+    p = command("prune", "Delete sessions not modified for a while (retention).")
+    opts.add("prune", p, "--older-than", metavar="AGE", type=_seconds, required=True,
+             help="delete sessions whose newest transcript file is older than this (e.g. 30d)")
+    opts.add("prune", p, "--project", metavar="P", type=_key_part, help="only this project key")
+    opts.add("prune", p, "--dry-run", action="store_true", help="show what would be deleted")
+    opts.add("prune", p, "--stale-lock-seconds", metavar="AGE", type=_seconds, default=30.0,
+             help="the stores' stale_lock_seconds (default 30s)")
+
+    p = command("locks", "Show who holds which transcript lock, since when.")
+    opts.add("locks", p, "--stale-lock-seconds", metavar="AGE", type=_seconds, default=30.0,
+             help="the stores' stale_lock_seconds: locks older than this are stale (default 30s)")
+
+    p = command("import", "Import local ~/.claude/projects transcripts into the store.")
+    p.add_argument("projects_dir", metavar="PROJECTS_DIR", type=_text,
+                   help="a projects directory laid out like ~/.claude/projects")
+    opts.add("import", p, "--project", metavar="P", type=_key_part, help="only this project")
+    opts.add("import", p, "--dry-run", action="store_true", help="show what would be imported")
+
+    p = command("export", "Write a session back to the local ~/.claude/projects layout.")
+    p.add_argument("project", metavar="PROJECT", type=_key_part)
+    p.add_argument("session", metavar="SESSION", type=_key_part)
+    p.add_argument("dest", metavar="DIR", type=_text,
+                   help="a projects directory (e.g. ~/.claude/projects); writes DIR/PROJECT/...")
+    opts.add("export", p, "--force", action="store_true",
+             help="overwrite local files that diverged from the store")
+    opts.add("export", p, "--dry-run", action="store_true", help="show what would be written")
+    return parser, opts
+
+
+def _mark_values(argv: Sequence[str], opts: _Options) -> list[str]:
+    """Mark every argument that starts with ``-`` but is not an option as a value.
+
+    Arguments before the subcommand, after ``--``, and ``--unknown-option`` style
+    arguments are left to argparse (so typos are still reported).
+    """
+    args = list(argv)
+    out: list[str] = []
+    i = 0
+    while i < len(args) and args[i].startswith("-"):
+        out.append(args[i])
+        i += 1
+    if i == len(args):
+        return out
+    command = args[i]
+    out.append(command)
+    i += 1
+    table = opts.by_command.get(command)
+    if table is None:
+        return out + args[i:]
+    expect_value = False
+    while i < len(args):
+        arg = args[i]
+        i += 1
+        if expect_value:
+            out.append(_MARK + arg if arg.startswith("-") else arg)
+            expect_value = False
+        elif arg == "--":
+            out.append(arg)  # argparse takes everything after it as positional
+            out.extend(args[i:])
+            break
+        elif arg.startswith("-") and arg != "-":
+            name = arg.split("=", 1)[0] if arg.startswith("--") else arg
+            if name in table:
+                out.append(arg)
+                expect_value = table[name] and "=" not in arg
+            elif re.fullmatch(r"-v+", arg):
+                out.append(arg)
+            elif re.fullmatch(r"--[a-z][a-z0-9-]*(=.*)?", arg):
+                out.append(arg)  # an unknown long option: let argparse say so
+            else:
+                out.append(_MARK + arg)
+        else:
+            out.append(arg)
+    return out
+
+
+# -- output helpers ----------------------------------------------------------------
+
+
+def _version() -> str:
+    try:
+        from importlib.metadata import version
+
+        return version("fsstore")
+    except Exception:  # noqa: BLE001 - not installed as a distribution
+        return "unknown"
+
+
+def shown(key: str) -> str:
+    """A key as the tables print it: as it is when the shell would pass it back unchanged."""
+    if key.isprintable():
+        return shlex.quote(key)
+    body = "".join(
+        c if c.isprintable() and c not in "'\\" else
+        ("\\'" if c == "'" else "\\\\" if c == "\\" else
+         "".join(f"\\x{b:02x}" for b in c.encode("utf-8", "surrogatepass")))
+        for c in key
+    )
+    return f"$'{body}'"
+
+
+def _size(n: int) -> str:
+    value = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if value < 1024 or unit == "TiB":
+            return f"{n} B" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    return f"{n} B"
+
+
+def _when(ns: int | None) -> str:
+    if ns is None:
+        return "-"
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(ns / 1e9))
+
+
+def _age(seconds: float | None) -> str:
+    return "-" if seconds is None else m._age_text(max(seconds, 0.0))
+
+
+def _rel(root: str, path: str) -> str:
+    try:
+        rel = os.path.relpath(path, root)
+    except ValueError:
+        return path
+    return path if rel.startswith("..") else rel
+
+
+def table(
+    out: TextIO, headers: Sequence[str], rows: Sequence[Sequence[str]], right: Sequence[int] = ()
+) -> None:
+    """Print aligned columns; column indexes in ``right`` are right-aligned."""
+    widths = [len(h) for h in headers]
+    for row in rows:
+        for i, cell in enumerate(row):
+            widths[i] = max(widths[i], len(cell))
+
+    def line(cells: Sequence[str]) -> str:
+        parts = []
+        for i, cell in enumerate(cells):
+            last = i == len(cells) - 1
+            if i in right:
+                parts.append(cell.rjust(widths[i]))
+            else:
+                parts.append(cell if last else cell.ljust(widths[i]))
+        return "  ".join(parts).rstrip()
+
+    out.write(line(headers) + "\n")
+    for row in rows:
+        out.write(line(row) + "\n")
+
+
+def _dump(out: TextIO, doc: Any) -> None:
+    json.dump(doc, out, indent=2, ensure_ascii=False)
+    out.write("\n")
+
+
+class Progress:
+    """A ``\\r`` progress counter on a terminal; silent when the stream is not a TTY."""
+
+    def __init__(self, label: str, stream: TextIO, *, interval: float = 0.1) -> None:
+        self.label = label
+        self.stream = stream
+        self.interval = interval
+        try:
+            self.enabled = stream.isatty()
+        except (AttributeError, ValueError):
+            self.enabled = False
+        self._last = 0.0
+        self._shown = False
+
+    def __call__(self, done: int, total: int) -> None:
+        if not self.enabled:
+            return
+        now = time.monotonic()
+        if done < total and now - self._last < self.interval:
+            return
+        self._last = now
+        width = 24
+        filled = width * done // total if total else width
+        bar = "#" * filled + "." * (width - filled)
+        self.stream.write(f"\r{self.label} [{bar}] {done}/{total}")
+        self.stream.flush()
+        self._shown = True
+
+    def close(self) -> None:
+        if self._shown:
+            self.stream.write("\r\033[K")
+            self.stream.flush()
+            self._shown = False
+
+
+# -- commands ----------------------------------------------------------------------
+
+Handler = Callable[[argparse.Namespace, TextIO, TextIO, Progress], int]
+
+
+def _require_root(root: str) -> None:
+    if not os.path.isdir(root):
+        raise m.NoStore(f"{root}: no store here (not a directory)")
+
+
+def cmd_ls(args: argparse.Namespace, out: TextIO, err: TextIO, progress: Progress) -> int:
+    sessions, problems = m.ls(args.root, project=args.project, progress=progress)
+    progress.close()
+    # Exit 1 only when the listing itself is incomplete; damage is check's business.
+    errors = [p for p in problems if p.kind in ("unreadable", "symlink")]
+    if args.json:
+        _dump(out, {"root": args.root, "sessions": [s.as_dict() for s in sessions],
+                    "problems": [p.as_dict() for p in problems]})
+    else:
+        rows = [
+            [shown(s.ref.project_key), shown(s.ref.session_id), _when(s.mtime_ns),
+             str(s.parts + s.segments), _size(s.bytes), str(s.subagents)]
+            for s in sessions
+        ]
+        table(out, ["PROJECT", "SESSION", "MODIFIED", "PARTS", "BYTES", "SUBAGENTS"], rows,
+              right=(3, 4, 5))
+        projects = len({s.ref.project_key for s in sessions})
+        total = sum(s.bytes for s in sessions)
+        out.write(f"{projects} project(s), {len(sessions)} session(s), {_size(total)}\n")
+    err.writelines(f"fsstore: {p.severity}: {_rel(args.root, p.path)}: {p.message}\n" for p in problems)
+    if problems:
+        err.write("fsstore: run `fsstore check` for the details\n")
+    return EXIT_PROBLEMS if errors else EXIT_OK
+
+
+def cmd_cat(args: argparse.Namespace, out: TextIO, err: TextIO, progress: Progress) -> int:
+    _require_root(args.root)
+    store = SyncStore(args.root, summaries=False)
+    key = {"project_key": args.project, "session_id": args.session}
+    if args.subpath:
+        key["subpath"] = args.subpath
+    entries = store.load(key)
+    if entries is None:
+        what = f"subpath {args.subpath!r} of " if args.subpath else ""
+        err.write(f"fsstore: no transcript: {what}session {args.session!r} "
+                  f"in project {args.project!r}\n")
+        if args.json:
+            _dump(out, {"error": {"code": "NOT_FOUND", "message": "no such transcript"}})
+        return EXIT_PROBLEMS
+    if args.json:
+        json.dump(entries, out, separators=(",", ":"))
+        out.write("\n")
+        return EXIT_OK
+    for entry in entries:
+        out.write(json.dumps(entry, separators=(",", ":")))
+        out.write("\n")
+    return EXIT_OK
+
+
+def cmd_check(args: argparse.Namespace, out: TextIO, err: TextIO, progress: Progress) -> int:
+    report = m.check(args.root, older_than=args.older_than,
+                     stale_lock_seconds=args.stale_lock_seconds, progress=progress)
+    progress.close()
+    if args.json:
+        _dump(out, {"root": args.root, **report.as_dict()})
+    else:
+        for p in report.problems:
+            where = _rel(args.root, p.path) + (f":{p.line}" if p.line else "")
+            code = f"{p.code} " if p.code and p.code not in p.message else ""
+            out.write(f"{p.severity.upper():<8} {where}  {code}{p.message}\n")
+        verdict = "ok" if report.ok else (
+            f"{report.errors} error(s), {report.warnings} warning(s)")
+        out.write(f"checked {report.sessions} session(s), {report.transcripts} transcript(s), "
+                  f"{report.entries} entries, {_size(report.bytes)}: {verdict}\n")
+    return EXIT_OK if report.ok else EXIT_PROBLEMS
+
+
+_DONE_VERB = {"remove-temp": "removed", "remove-trash": "removed",
+              "remove-lock-recovery": "removed", "break-lock": "broke lock", "delete": "deleted",
+              "compact": "compacted", "keep": "kept", "skip": "skipped"}
+_DRY_VERB = {"remove-temp": "would remove", "remove-trash": "would remove",
+             "remove-lock-recovery": "would remove", "break-lock": "would break lock",
+             "delete": "would delete", "compact": "would compact", "keep": "kept",
+             "skip": "skipped"}
+
+
+def _actions(
+    args: argparse.Namespace, out: TextIO, actions: list[m.Action], what: str,
+    extra: dict[str, Any] | None = None,
+) -> int:
+    dry = bool(getattr(args, "dry_run", False))
+    failed = [a for a in actions if a.failed]
+    if args.json:
+        doc: dict[str, Any] = {"root": args.root, "dry_run": dry, **(extra or {}),
+                               "actions": [a.as_dict() for a in actions],
+                               "failed": len(failed)}
+        _dump(out, doc)
+    else:
+        for a in actions:
+            if a.failed:
+                verb = "FAILED"
+            elif a.done or dry:
+                verb = (_DRY_VERB if dry else _DONE_VERB)[a.action]
+            else:
+                verb = "kept" if a.action == "keep" else "nothing"
+            out.write(f"{verb:<17} {_rel(args.root, a.path)}  {a.detail}\n")
+        done = sum(1 for a in actions if a.done)
+        summary = (f"{what}: {len(actions)} action(s) in a dry run; nothing changed" if dry
+                   else f"{what}: {done} done, {len(failed)} failed")
+        out.write(summary + "\n")
+    return EXIT_PROBLEMS if failed else EXIT_OK
+
+
+def cmd_gc(args: argparse.Namespace, out: TextIO, err: TextIO, progress: Progress) -> int:
+    actions = m.gc(args.root, older_than=args.older_than, dry_run=args.dry_run,
+                   progress=progress)
+    progress.close()
+    return _actions(args, out, actions, "gc", {"older_than_seconds": args.older_than})
+
+
+def cmd_compact(args: argparse.Namespace, out: TextIO, err: TextIO, progress: Progress) -> int:
+    actions = m.compact(args.root, project=args.project, session=args.session,
+                        dry_run=args.dry_run, stale_lock_seconds=args.stale_lock_seconds,
+                        progress=progress)
+    progress.close()
+    return _actions(args, out, actions, "compact")
+
+
+def cmd_prune(args: argparse.Namespace, out: TextIO, err: TextIO, progress: Progress) -> int:
+    actions, examined = m.prune(args.root, older_than=args.older_than, project=args.project,
+                                dry_run=args.dry_run,
+                                stale_lock_seconds=args.stale_lock_seconds, progress=progress)
+    progress.close()
+    return _actions(args, out, actions, f"prune ({examined} session(s) examined)",
+                    {"older_than_seconds": args.older_than, "sessions_examined": examined})
+
+
+def cmd_locks(args: argparse.Namespace, out: TextIO, err: TextIO, progress: Progress) -> int:
+    found = m.locks(args.root, stale_lock_seconds=args.stale_lock_seconds, progress=progress)
+    progress.close()
+    stale = [lk for lk in found if lk.stale]
+    if args.json:
+        _dump(out, {"root": args.root, "locks": [lk.as_dict() for lk in found],
+                    "stale": len(stale)})
+    else:
+        rows = []
+        for lk in found:
+            key = lk.key or {}
+            label = f"{shown(key.get('project_key', '?'))} {shown(key.get('session_id', '?'))}"
+            if key.get("subpath"):
+                label += f" {shown(key['subpath'])}"
+            since = _when(int(lk.mtime * 1e9))
+            rows.append([label, "-" if lk.pid is None else str(lk.pid), lk.host or "-",
+                         since, _age(lk.age), lk.status + (" (this host)" if lk.local else "")])
+        table(out, ["TRANSCRIPT", "PID", "HOST", "SINCE", "AGE", "STATUS"], rows, right=(1, 4))
+        out.write(f"{len(found)} lock(s), {len(stale)} stale\n")
+    return EXIT_PROBLEMS if stale else EXIT_OK
+
+
+def cmd_import(args: argparse.Namespace, out: TextIO, err: TextIO, progress: Progress) -> int:
+    transfers, problems = m.import_projects(args.root, args.projects_dir, project=args.project,
+                                            dry_run=args.dry_run, progress=progress)
+    progress.close()
+    return _transfers(args, out, err, transfers, problems, "import")
+
+
+def cmd_export(args: argparse.Namespace, out: TextIO, err: TextIO, progress: Progress) -> int:
+    _require_root(args.root)
+    transfers = m.export_session(args.root, args.project, args.session, args.dest,
+                                 force=args.force, dry_run=args.dry_run)
+    return _transfers(args, out, err, transfers, [], "export")
+
+
+def _transfers(
+    args: argparse.Namespace, out: TextIO, err: TextIO, transfers: list[m.Transfer],
+    problems: list[m.Problem], what: str,
+) -> int:
+    failed = [t for t in transfers if t.failed] + [p for p in problems if p.severity == "error"]
+    if args.json:
+        _dump(out, {"root": args.root, "dry_run": args.dry_run,
+                    "files": [t.as_dict() for t in transfers],
+                    "problems": [p.as_dict() for p in problems], "failed": len(failed)})
+    else:
+        for t in transfers:
+            if t.key is None:
+                key = "-"
+            else:
+                key = " ".join(shown(v) for v in t.key.values())
+            added = f"+{t.added}" if t.added else ""
+            note = f"  ({t.detail})" if t.detail else ""
+            out.write(f"{t.status:<12} {added:>6}  {t.path}  [{key}]{note}\n")
+        err.writelines(f"fsstore: {p.severity}: {p.path}: {p.message}\n" for p in problems)
+        total = sum(t.added for t in transfers)
+        counts: dict[str, int] = {}
+        for t in transfers:
+            counts[t.status] = counts.get(t.status, 0) + 1
+        summary = ", ".join(f"{n} {s}" for s, n in sorted(counts.items())) or "nothing found"
+        dry = " (dry run: nothing written)" if args.dry_run else ""
+        out.write(f"{what}: {len(transfers)} file(s): {summary}; {total} entries{dry}\n")
+    return EXIT_PROBLEMS if failed else EXIT_OK
+
+
+HANDLERS: dict[str, Handler] = {
+    "ls": cmd_ls, "cat": cmd_cat, "check": cmd_check, "gc": cmd_gc, "compact": cmd_compact,
+    "prune": cmd_prune, "locks": cmd_locks, "import": cmd_import, "export": cmd_export,
+}
+
+
+def _logging(verbose: int, err: TextIO) -> None:
+    log = logging.getLogger("fsstore")
+    log.propagate = False
+    for h in list(log.handlers):
+        log.removeHandler(h)
+    if verbose <= 0:
+        # Failures reach the user through the command's own output; without a
+        # handler, Python's last-resort handler would print them a second time.
+        log.addHandler(logging.NullHandler())
+        return
+    handler = logging.StreamHandler(err)
+    handler.setFormatter(logging.Formatter("fsstore: log %(levelname)s: %(message)s"))
+    log.addHandler(handler)
+    log.setLevel(logging.DEBUG if verbose > 1 else logging.INFO)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line; return the exit code."""
+    parser, opts = build_parser()
+    raw = list(sys.argv[1:] if argv is None else argv)
+    args = parser.parse_args(_mark_values(raw, opts))
+    out, err = sys.stdout, sys.stderr
+    _logging(args.verbose, err)
+    progress = Progress(f"fsstore {args.command}", err)
+    try:
+        return HANDLERS[args.command](args, out, err, progress)
+    except m.NoStore as exc:
+        progress.close()
+        err.write(f"fsstore: error: {exc}\n")
+        return EXIT_USAGE
+    except m.NotFound as exc:
+        progress.close()
+        err.write(f"fsstore: {exc}\n")
+        if args.json:
+            _dump(out, {"error": {"code": "NOT_FOUND", "message": str(exc)}})
+        return EXIT_PROBLEMS
+    except FsStoreError as exc:
+        progress.close()
+        err.write(f"{exc}\n")
+        if args.json:
+            _dump(out, {"error": {"code": exc.code, "message": exc.message,
+                                  "operation": exc.operation, "path": exc.path}})
+        return EXIT_USAGE if exc.code == "INVALID_KEY" else EXIT_PROBLEMS
+    except KeyboardInterrupt:
+        progress.close()
+        err.write("fsstore: interrupted\n")
+        return 130
+    except BrokenPipeError:
+        # The reader went away (| head): say nothing more, and keep Python from
+        # complaining when it flushes stdout at exit.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+        return 141
+    except OSError as exc:
+        progress.close()
+        err.write(f"fsstore: error: {exc}\n")
+        return EXIT_PROBLEMS
+
+
+if __name__ == "__main__":
+    sys.exit(main())
