@@ -220,6 +220,10 @@ def main() -> None:
         print(f"host A (process 1)  > {PROMPT_A}")
         print(f"                    < {a['reply']}")
         print(f"                      session {a['session_id']}  [{a['seconds']:.1f}s]")
+        for err in a["mirror_errors"]:
+            print(f"mirror error reported by the SDK: {err}")
+        if a["mirror_errors"]:
+            sys.exit("host A's session was not fully mirrored to the store; see the errors above.")
         b = host_process("B", spec("b", PROMPT_B, resume=a["session_id"]))
         print(f"host B (process 2)  resume={a['session_id']}")
         print(f"                    > {PROMPT_B}")
@@ -235,7 +239,7 @@ def main() -> None:
         if model is not None:
             model.stop()
 
-    for err in a["mirror_errors"] + b["mirror_errors"]:
+    for err in b["mirror_errors"]:
         print(f"mirror error reported by the SDK: {err}")
 
     print("\nWhat is on disk:")
