@@ -11,6 +11,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import errno
+import itertools
 import logging
 import os
 import secrets
@@ -53,9 +54,22 @@ def _read_umask() -> int:
 UMASK = _read_umask()
 
 
+_temp_pid = 0
+_temp_prefix = ""
+_temp_count = itertools.count()
+
+
 def temp_name(tag: str = "") -> str:
-    """A fresh temp-file name: never a part, never a key (it starts with '.')."""
-    return f"{TEMP_PREFIX}{os.getpid()}-{secrets.token_hex(8)}{tag}"
+    """A fresh temp-file name: never a part, never a key (it starts with '.').
+
+    ``.tmp-<pid>-<random>-<counter>``: the random part is drawn once per process (and
+    again after a fork), so naming a temp file costs no system call.
+    """
+    global _temp_pid, _temp_prefix
+    pid = os.getpid()
+    if pid != _temp_pid:
+        _temp_pid, _temp_prefix = pid, f"{TEMP_PREFIX}{pid}-{secrets.token_hex(6)}-"
+    return f"{_temp_prefix}{next(_temp_count)}{tag}"
 
 
 # openat2(2) (Linux >= 5.6) resolves a whole relative path in one call and refuses

@@ -29,7 +29,9 @@ Why this is safe:
 
 from __future__ import annotations
 
+import functools
 import hashlib
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -101,6 +103,7 @@ def parse_key(key: object, operation: str, *, allow_subpath: bool = True) -> Tra
     return TranscriptKey(project_key, session_id, subpath)
 
 
+@functools.lru_cache(maxsize=4096)
 def encode(part: str) -> str:
     """The directory name for one key part (see the module docstring)."""
     out: list[str] = []
@@ -130,8 +133,14 @@ def is_hashed(name: str) -> bool:
     return HASH_MARK in name
 
 
+# Names that are their own key part: the common case, recognized without decoding.
+_SELF = re.compile(r"[a-z0-9_-]|[a-z0-9_-][a-z0-9._-]*[a-z0-9_-]")
+
+
 def decode(name: str) -> str | None:
     """The key part an unhashed name stands for, or None if no key encodes to it."""
+    if _SELF.fullmatch(name):
+        return name
     if is_hashed(name):
         return None
     raw = bytearray()

@@ -326,11 +326,10 @@ class SyncStore:
                 return
             try:
                 with os.scandir(pfd) as it:
-                    entries = list(it)
-                for entry in entries:
-                    part = self._decode_child(pfd, entry)
-                    if part is not None:
-                        yield pfd, entry, part
+                    for entry in it:
+                        part = self._decode_child(pfd, entry)
+                        if part is not None:
+                            yield pfd, entry, part
             finally:
                 os.close(pfd)
 
@@ -339,9 +338,16 @@ class SyncStore:
         _keys.check_part(project_key, "project_key", op)
         comps = _layout.project_dirs(project_key)
         out: list[dict[str, Any]] = []
+        state_rel = f"/{_layout.MAIN}/{_layout.STATE}"
         with translating(op, self._path(comps)):
+            # One scandir and one stat per session: this runs over every session of
+            # a project each time the SDK lists them.
             for pfd, entry, session_id in self._children(comps, op):
-                mtime = self._has_transcript(pfd, f"{entry.name}/{_layout.MAIN}")
+                try:
+                    st = os.stat(entry.name + state_rel, dir_fd=pfd, follow_symlinks=False)
+                    mtime: int | None = st.st_mtime_ns // 1_000_000
+                except (FileNotFoundError, NotADirectoryError):
+                    mtime = self._has_transcript(pfd, f"{entry.name}/{_layout.MAIN}")
                 if mtime is not None:
                     out.append({"session_id": session_id, "mtime": mtime})
         return out

@@ -114,8 +114,9 @@ def read_state(dir_fd: int) -> tuple[State | None, int]:
     except FileNotFoundError:
         return None, 0
     try:
-        mtime = os.fstat(fd).st_mtime_ns
-        raw = os.read(fd, 1 << 24)
+        st = os.fstat(fd)
+        mtime = st.st_mtime_ns
+        raw = os.read(fd, st.st_size + 1)
     finally:
         os.close(fd)
     try:

@@ -187,8 +187,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, _Options]:
 def _mark_values(argv: Sequence[str], opts: _Options) -> list[str]:
     """Mark every argument that starts with ``-`` but is not an option as a value.
 
-    Arguments before the subcommand, after ``--``, and ``--unknown-option`` style
-    arguments are left to argparse (so typos are still reported).
+    Arguments before the subcommand and after ``--`` are left to argparse.
     """
     args = list(argv)
     out: list[str] = []
@@ -222,9 +221,9 @@ def _mark_values(argv: Sequence[str], opts: _Options) -> list[str]:
                 expect_value = table[name] and "=" not in arg
             elif re.fullmatch(r"-v+", arg):
                 out.append(arg)
-            elif re.fullmatch(r"--[a-z][a-z0-9-]*(=.*)?", arg):
-                out.append(arg)  # an unknown long option: let argparse say so
             else:
+                # Even "--something": session ids are arbitrary strings. A mistyped
+                # option still fails, as a surplus or misplaced positional.
                 out.append(_MARK + arg)
         else:
             out.append(arg)

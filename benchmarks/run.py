@@ -1,0 +1,505 @@
+"""fsstore benchmarks: every figure is a ratio against a baseline measured in the same run.
+
+    python benchmarks/run.py                # everything (a few minutes on 2 cores)
+    python benchmarks/run.py --quick        # smaller sizes, for a smoke run
+    python benchmarks/run.py --only load    # one section: append, fsync, flat, load,
+                                            # list, contention, syscalls
+
+Prints a table (figure, baseline, ratio, target, pass/fail), writes
+``benchmarks/results/results.json`` and ``benchmarks/results/load.png`` (the chart
+needs matplotlib: ``pip install matplotlib``; without it the chart is skipped).
+Absolute times on shared machines are noise; ratios measured interleaved, op by op,
+are what the targets are about. Batches are 5 realistic transcript entries (~1.8 KB).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import multiprocessing as mp
+import os
+import platform
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+
+import anyio  # noqa: E402
+import filelock  # noqa: E402
+
+from fsstore import FsSessionStore  # noqa: E402
+from fsstore._store import SyncStore  # noqa: E402
+
+KEY = {"project_key": "-home-user-repo", "session_id": "6f1c2a34-5b6d-4e7f-8a9b-0c1d2e3f4a5b"}
+ROWS: list[dict[str, Any]] = []
+EXTRA: dict[str, Any] = {}
+
+
+def batch(i: int) -> list[dict[str, Any]]:
+    """Five entries shaped like Claude Code transcript lines, ~1.8 KB together."""
+    sid = KEY["session_id"]
+    out = []
+    for j in range(5):
+        out.append({
+            "parentUuid": f"{i:08d}-{j - 1:04d}-4000-8000-000000000000",
+            "isSidechain": False, "userType": "external", "cwd": "/home/user/repo",
+            "sessionId": sid, "version": "2.1.0", "gitBranch": "main",
+            "type": "assistant" if j % 2 else "user",
+            "message": {"role": "assistant" if j % 2 else "user",
+                        "content": [{"type": "text", "text": f"turn {i}.{j} " + "lorem ipsum " * 12}]},
+            "uuid": f"{i:08d}-{j:04d}-4000-8000-000000000000",
+            "timestamp": "2026-11-30T10:00:00.000Z",
+        })
+    return out
+
+
+def p50(xs: list[float]) -> float:
+    return statistics.median(xs)
+
+
+def row(name: str, figure: float, baseline: float, target: float, unit: str = "µs",
+        *, higher_is_better: bool = False, note: str = "") -> None:
+    ratio = figure / baseline if baseline else float("inf")
+    ok = ratio >= target if higher_is_better else ratio <= target
+    ROWS.append({"name": name, "figure": figure, "baseline": baseline, "ratio": ratio,
+                 "target": f"{'≥' if higher_is_better else '≤'} {target:g}", "pass": ok,
+                 "unit": unit, "note": note})
+    print(f"  {name}: {figure:.1f} vs {baseline:.1f} {unit} -> {ratio:.2f} ({'pass' if ok else 'FAIL'})",
+          flush=True)
+
+
+@contextlib.contextmanager
+def scratch(base: str | None = None) -> Iterator[Path]:
+    d = Path(tempfile.mkdtemp(prefix="fsstore-bench-", dir=base))
+    try:
+        yield d
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
+
+
+# -- floors ----------------------------------------------------------------------
+
+
+class Floor:
+    """The work an append cannot avoid: encode, lock, write temp, link, unlink, unlock."""
+
+    def __init__(self, d: Path, *, raw_lock: bool = False, fsync: bool = False) -> None:
+        self.d = d
+        d.mkdir(parents=True, exist_ok=True)
+        self.dfd = os.open(d, os.O_RDONLY | os.O_DIRECTORY)
+        self.lock = filelock.SoftFileLock(str(d / "lock"), timeout=10, mode=0o600)
+        self.raw_lock = raw_lock
+        self.fsync = fsync
+        self.n = 0
+
+    def op(self, entries: list[dict[str, Any]]) -> None:
+        data = ("\n".join(json.dumps(e) for e in entries) + "\n").encode()
+        tmp = f"tmp-{self.n}"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600, dir_fd=self.dfd)
+        os.write(fd, data)
+        if self.fsync:
+            os.fsync(fd)
+        os.close(fd)
+        if self.raw_lock:
+            lfd = os.open("rawlock", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600, dir_fd=self.dfd)
+            os.close(lfd)
+        else:
+            self.lock.acquire()
+        os.link(tmp, f"{self.n:020d}.jsonl", src_dir_fd=self.dfd, dst_dir_fd=self.dfd)
+        os.unlink(tmp, dir_fd=self.dfd)
+        if self.fsync:
+            os.fsync(self.dfd)
+        if self.raw_lock:
+            os.unlink("rawlock", dir_fd=self.dfd)
+        else:
+            self.lock.release()
+        self.n += 1
+
+
+def _noop() -> None:
+    return None
+
+
+# -- sections --------------------------------------------------------------------
+
+
+def bench_append(n: int) -> None:
+    print("append, one writer, fsync off (async API vs floor a + thread hop b)", flush=True)
+    with scratch() as d:
+        store = FsSessionStore(d / "store")
+        floor, raw = Floor(d / "floor"), Floor(d / "raw", raw_lock=True)
+        t_store: list[float] = []
+        t_a: list[float] = []
+        t_b: list[float] = []
+        t_raw: list[float] = []
+        batches = [batch(i) for i in range(n)]
+
+        async def main() -> None:
+            for i, b in enumerate(batches):
+                t0 = time.perf_counter()
+                await store.append(KEY, b)
+                t1 = time.perf_counter()
+                floor.op(b)
+                t2 = time.perf_counter()
+                await anyio.to_thread.run_sync(_noop)
+                t3 = time.perf_counter()
+                raw.op(b)
+                t4 = time.perf_counter()
+                if i >= 20:  # warm-up
+                    t_store.append(t1 - t0)
+                    t_a.append(t2 - t1)
+                    t_b.append(t3 - t2)
+                    t_raw.append(t4 - t3)
+
+        anyio.run(main)
+    s, a, b, r = (p50(x) * 1e6 for x in (t_store, t_a, t_b, t_raw))
+    row("append p50 / (floor a + hop b)", s, a + b, 1.3,
+        note=f"floor a {a:.0f} µs (SoftFileLock {a - r:.0f} µs of it), hop b {b:.0f} µs")
+    row("append p50 / (raw O_EXCL floor + hop b)", s, r + b, float("inf"),
+        note="informational: what the filelock lock costs")
+    EXTRA["append"] = {"store_p50_us": s, "floor_a_p50_us": a, "hop_b_p50_us": b,
+                       "raw_floor_p50_us": r, "filelock_cost_us": a - r}
+
+
+def bench_fsync(n: int, base: str | None) -> None:
+    print("append with fsync on (sync API vs floor a with the same fsyncs)", flush=True)
+    with scratch(base) as d:
+        store = SyncStore(d / "store", fsync=True)
+        floor = Floor(d / "floor", fsync=True)
+        t_s: list[float] = []
+        t_a: list[float] = []
+        for i in range(n):
+            b = batch(i)
+            t0 = time.perf_counter()
+            store.append(KEY, b)
+            t1 = time.perf_counter()
+            floor.op(b)
+            t2 = time.perf_counter()
+            if i >= 5:
+                t_s.append(t1 - t0)
+                t_a.append(t2 - t1)
+    row("append fsync p50 / floor a (fsync file+dir)", p50(t_s) * 1e6, p50(t_a) * 1e6, 1.2)
+
+
+def _strace_counts(script: str, marks: tuple[str, str]) -> int:
+    """Number of system calls between two marker stats in a traced child."""
+    out = subprocess.run(["strace", "-f", "-qq", "-e", "trace=all", "-o", "/dev/stdout",
+                          sys.executable, "-c", script], capture_output=True, text=True, check=True)
+    lines = out.stdout.splitlines()
+    start = next(i for i, ln in enumerate(lines) if marks[0] in ln)
+    end = next(i for i, ln in enumerate(lines) if marks[1] in ln)
+    return end - start - 1
+
+
+def bench_flat(n: int) -> None:
+    print(f"flat append cost over {n} appends on tmpfs", flush=True)
+    with scratch("/dev/shm" if os.path.isdir("/dev/shm") else None) as d:
+        store = SyncStore(d / "store")
+        times = []
+        batches = [batch(i) for i in range(200)]
+        for i in range(n):
+            t0 = time.perf_counter()
+            store.append(KEY, batches[i % 200])
+            times.append(time.perf_counter() - t0)
+    early, late = p50(times[10:210]) * 1e6, p50(times[-200:]) * 1e6
+    row(f"appends #{n - 200}-{n} p50 / #10-210 p50", late, early, 1.25)
+    row(f"mean / p50 over all {n} appends (compaction amortized)",
+        statistics.fmean(times) * 1e6, p50(times) * 1e6, 1.5)
+    EXTRA["flat"] = {"max_us": max(times) * 1e6}
+    if shutil.which("strace"):
+        script = f"""
+import os, sys
+sys.path.insert(0, {str(HERE.parent)!r})
+from fsstore._store import SyncStore
+s = SyncStore({str(d)!r} + "-strace")
+b = [{{"type": "x", "uuid": str(i), "t": "y" * 300}} for i in range(5)]
+for i in range(1, {n} + 1):
+    if i in (10, {n}):
+        try: os.stat(f"/MARK-begin-{{i}}")
+        except OSError: pass
+    s.append({KEY!r}, [dict(e, uuid=f"{{i}}-{{j}}") for j, e in enumerate(b)])
+    if i in (10, {n}):
+        try: os.stat(f"/MARK-end-{{i}}")
+        except OSError: pass
+"""
+        try:
+            full = subprocess.run(["strace", "-f", "-qq", "-o", "/dev/stdout", sys.executable, "-c",
+                                   script], capture_output=True, text=True, check=True).stdout.splitlines()
+        finally:
+            shutil.rmtree(str(d) + "-strace", ignore_errors=True)
+
+        def between(i: int) -> int:
+            s = next(k for k, ln in enumerate(full) if f"/MARK-begin-{i}" in ln)
+            e = next(k for k, ln in enumerate(full) if f"/MARK-end-{i}" in ln)
+            return e - s - 1
+
+        c10, cn = between(10), between(n)
+        row(f"syscalls of append #{n} / append #10", cn, c10, 1.0, unit="calls")
+
+
+def _build(root: Path, appends: int, compact_every: int) -> Path:
+    store = SyncStore(root, compact_every=compact_every)
+    for i in range(appends):
+        store.append(KEY, batch(i))
+    single = root.parent / f"{root.name}.jsonl"
+    with open(single, "wb") as fh:
+        for i in range(appends):
+            fh.write(("\n".join(json.dumps(e) for e in batch(i)) + "\n").encode())
+    return single
+
+
+def _naive_load(path: Path) -> list[Any]:
+    with open(path, "rb") as fh:
+        return [json.loads(line) for line in fh]
+
+
+def _time(fn: Callable[[], Any], repeat: int) -> float:
+    ts = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t0)
+    return p50(ts)
+
+
+def bench_load(sizes: list[int], chart: Path) -> None:
+    print(f"load of transcripts built by {sizes} appends vs one JSONL file", flush=True)
+    series: dict[str, list[float]] = {"compacted": [], "not compacted": [], "single file": []}
+    with scratch("/dev/shm" if os.path.isdir("/dev/shm") else None) as d:
+        for n in sizes:
+            single = _build(d / f"c{n}", n, 64)
+            _build(d / f"u{n}", n, 0)
+            comp, unc = SyncStore(d / f"c{n}"), SyncStore(d / f"u{n}")
+            assert comp.load(KEY) == unc.load(KEY) == _naive_load(single)
+            repeat = 15 if n <= 3000 else 7
+            t_naive, t_c, t_u = [], [], []
+            for _ in range(repeat):  # interleaved
+                t_naive.append(_time(lambda: _naive_load(single), 1))
+                t_c.append(_time(lambda: comp.load(KEY), 1))
+                t_u.append(_time(lambda: unc.load(KEY), 1))
+            series["single file"].append(p50(t_naive) * 1e3)
+            series["compacted"].append(p50(t_c) * 1e3)
+            series["not compacted"].append(p50(t_u) * 1e3)
+    n = sizes[-1]
+    row(f"load {n} appends, compacted / one JSONL file", series["compacted"][-1],
+        series["single file"][-1], 1.0, unit="ms")
+    row(f"load {n} appends, not compacted / one JSONL file", series["not compacted"][-1],
+        series["single file"][-1], float("inf"), unit="ms", note="informational")
+    EXTRA["load_series_ms"] = {"appends": sizes, **series}
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("  (matplotlib not installed: chart skipped)")
+        return
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for label, ys in series.items():
+        ax.plot(sizes, ys, marker="o", label=label)
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("appends (5 entries each)")
+    ax.set_ylabel("load time, ms (p50)")
+    ax.set_title("fsstore load time vs transcript length")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(chart, dpi=110)
+    print(f"  chart: {chart}")
+
+
+def bench_list(n: int) -> None:
+    print(f"list_sessions over {n} sessions vs scandir + one stat each", flush=True)
+    with scratch("/dev/shm" if os.path.isdir("/dev/shm") else None) as d:
+        store = SyncStore(d / "store", summaries=False)
+        b = batch(0)[:1]
+        for i in range(n):
+            store.append({**KEY, "session_id": f"{i:08d}-0000-4000-8000-000000000000"}, b)
+        sessions = d / "store/projects/-home-user-repo/sessions"
+
+        def naive() -> list[tuple[str, float]]:
+            return [(e.name, e.stat().st_mtime) for e in os.scandir(sessions)]
+
+        t_s, t_n = [], []
+        for _ in range(7):
+            t_n.append(_time(naive, 1))
+            t_s.append(_time(lambda: store.list_sessions(KEY["project_key"]), 1))
+        assert len(store.list_sessions(KEY["project_key"])) == n
+    row(f"list_sessions({n}) / scandir + stat", p50(t_s) * 1e3, p50(t_n) * 1e3, 2.0, unit="ms")
+
+
+def _contend(root: str, session: str, n: int, start: Any) -> None:
+    store = SyncStore(root)
+    b = batch(0)
+    start.wait()
+    pid = os.getpid()
+    for i in range(n):
+        store.append({**KEY, "session_id": session}, [dict(e, uuid=f"{pid}-{i}-{j}")
+                                                      for j, e in enumerate(b)])
+
+
+def _throughput(root: str, sessions: list[str], n: int) -> float:
+    ctx = mp.get_context("fork")
+    start = ctx.Event()
+    procs = [ctx.Process(target=_contend, args=(root, s, n, start)) for s in sessions]
+    for p in procs:
+        p.start()
+    time.sleep(0.3)
+    t0 = time.perf_counter()
+    start.set()
+    for p in procs:
+        p.join()
+    return len(sessions) * n / (time.perf_counter() - t0)
+
+
+def bench_contention(n: int) -> None:
+    print("contention: 8 processes vs 1 (appends per second)", flush=True)
+    with scratch("/dev/shm" if os.path.isdir("/dev/shm") else None) as d:
+        one = _throughput(str(d / "a"), ["s0"], n)
+        same = _throughput(str(d / "b"), ["s0"] * 8, n)
+        diff = _throughput(str(d / "c"), [f"s{i}" for i in range(8)], n)
+        one2 = _throughput(str(d / "d"), ["s0"], n)
+        assert len(SyncStore(d / "b").load({**KEY, "session_id": "s0"}) or []) == 8 * n * 5
+    base = (one + one2) / 2
+    row("8 writers, one transcript / 1 writer", same, base, 0.5, unit="appends/s",
+        higher_is_better=True)
+    row("8 writers, 8 transcripts / 1 writer", diff, base, 1.5, unit="appends/s",
+        higher_is_better=True)
+
+
+_META = {"openat", "open", "openat2", "mkdir", "mkdirat", "link", "linkat", "rename", "renameat",
+         "renameat2", "unlink", "unlinkat", "rmdir", "stat", "lstat", "newfstatat", "statx",
+         "fstat", "fsync", "fdatasync", "getdents64", "readlink", "readlinkat", "access",
+         "faccessat", "faccessat2", "fchmod", "utimensat"}
+
+
+def bench_syscalls(n: int) -> None:
+    """Metadata operations per append by component, counted with strace -y."""
+    if not shutil.which("strace"):
+        print("syscalls: strace not installed, skipped")
+        return
+    print("metadata operations per append (strace)", flush=True)
+    for fsync in (False, True):
+        with scratch() as d:
+            script = f"""
+import os, sys
+sys.path.insert(0, {str(HERE.parent)!r})
+import filelock
+from fsstore._store import SyncStore
+
+def mark(name):
+    try: os.stat("/MARK-" + name)
+    except OSError: pass
+
+def bracket(fn, name):
+    def wrapped(*a, **k):
+        mark(name + "-in")
+        try:
+            return fn(*a, **k)
+        finally:
+            mark(name + "-out")
+    return wrapped
+
+# Everything filelock does inside acquire()/release() is the lock's own cost.
+filelock.SoftFileLock.acquire = bracket(filelock.SoftFileLock.acquire, "lock")
+filelock.SoftFileLock.release = bracket(filelock.SoftFileLock.release, "lock")
+s = SyncStore({str(d / 'store')!r}, fsync={fsync}, compact_every=0)
+b = [{{"type": "x", "t": "y" * 300}} for _ in range(5)]
+for i in range(20):
+    s.append({KEY!r}, b)
+try: os.stat("/MARK-begin")
+except OSError: pass
+for i in range({n}):
+    s.append({KEY!r}, b)
+try: os.stat("/MARK-end")
+except OSError: pass
+"""
+            out = subprocess.run(["strace", "-f", "-qq", "-y", "-o", "/dev/stdout", sys.executable,
+                                  "-c", script], capture_output=True, text=True, check=True).stdout
+        lines = out.splitlines()
+        s = next(k for k, ln in enumerate(lines) if "/MARK-begin" in ln)
+        e = next(k for k, ln in enumerate(lines) if "/MARK-end" in ln)
+        by: Counter[tuple[str, str]] = Counter()
+        in_lock = False
+        for ln in lines[s + 1:e]:
+            if "/MARK-lock-in" in ln:
+                in_lock = True
+                continue
+            if "/MARK-lock-out" in ln:
+                in_lock = False
+                continue
+            m = re.match(r"(?:\d+\s+)?(\w+)\(", ln)
+            if not m or m.group(1) not in _META:
+                continue
+            call = m.group(1)
+            if in_lock:
+                comp = "lock"
+            elif "state" in ln:
+                comp = "state+summary"
+            else:
+                comp = "commit"
+            if call == "fstat" or (call == "newfstatat" and "AT_EMPTY_PATH" in ln):
+                continue  # fstat of an open fd: no lookup, served from the inode
+            by[(comp, call)] += 1
+        per = {f"{c}:{k}": v / n for (c, k), v in sorted(by.items())}
+        outside = sum(v for (c, _k), v in by.items() if c != "lock") / n
+        dirreads = sum(v for (_c, k), v in by.items() if k == "getdents64") / n
+        label = "on" if fsync else "off"
+        print(f"  fsync {label}: " + ", ".join(f"{k} {v:.1f}" for k, v in per.items()))
+        EXTRA[f"metadata_ops_fsync_{label}"] = per
+        if not fsync:
+            row("metadata ops per append outside the lock (fsync off)", outside, 5, 1.0, unit="ops")
+            row("directory reads per append", dirreads, 1, 0.0, unit="reads")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--only", action="append")
+    ap.add_argument("--out", default=str(HERE / "results"))
+    ap.add_argument("--fsync-dir", default=None, help="where to run the fsync section (a real disk)")
+    args = ap.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    q = args.quick
+    sections: dict[str, Callable[[], None]] = {
+        "append": lambda: bench_append(600 if q else 3000),
+        "fsync": lambda: bench_fsync(60 if q else 300, args.fsync_dir or str(HERE.parent)),
+        "flat": lambda: bench_flat(2000 if q else 10000),
+        "load": lambda: bench_load([100, 1000] if q else [100, 300, 1000, 3000, 10000], out / "load.png"),
+        "list": lambda: bench_list(1000 if q else 10000),
+        "contention": lambda: bench_contention(100 if q else 300),
+        "syscalls": lambda: bench_syscalls(100 if q else 500),
+    }
+    for name, fn in sections.items():
+        if not args.only or name in args.only:
+            fn()
+    print()
+    print(f"{'benchmark':<58} {'fsstore':>12} {'baseline':>12} {'ratio':>7} {'target':>8}  result")
+    for r in ROWS:
+        info = r["target"].endswith("inf")
+        print(f"{r['name']:<58} {r['figure']:>9.1f} {r['unit']:<3}{r['baseline']:>9.1f} {r['unit']:<3}"
+              f"{r['ratio']:>6.2f} {'—' if info else r['target']:>8}  "
+              f"{'info' if info else ('pass' if r['pass'] else 'FAIL')}"
+              + (f"  ({r['note']})" if r["note"] else ""))
+    meta = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "python": platform.python_version(),
+            "machine": f"{platform.machine()}, {os.cpu_count()} cores, {platform.system()} {platform.release()}",
+            "filelock": filelock.__version__, "quick": q}
+    (out / "results.json").write_text(json.dumps({"meta": meta, "rows": ROWS, "extra": EXTRA}, indent=2))
+    print(f"\nresults: {out / 'results.json'}  ({meta['date']}, {meta['machine']})")
+
+
+if __name__ == "__main__":
+    main()
