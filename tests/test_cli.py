@@ -1,0 +1,626 @@
+"""The ``fsstore`` command line, driven as a user drives it: ``python -m fsstore ...`` in a
+subprocess, against real stores with corrupted parts, orphaned temps, stale locks,
+and writers running at the same time."""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from fsstore import _layout
+from fsstore._keys import parse_key
+from fsstore._store import SyncStore
+
+from .conftest import KEY, entry
+
+P = KEY["project_key"]  # "-home-user-repo": starts with "-"
+S = KEY["session_id"]
+SUB = {**KEY, "subpath": "subagents/agent-1"}
+DAY = 86400.0
+
+
+def fsstore(*args: object, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    """Run the CLI exactly as a user would (``python -m fsstore``)."""
+    return subprocess.run(
+        [sys.executable, "-m", "fsstore", *map(str, args)],
+        capture_output=True, text=True, timeout=timeout,
+    )
+
+
+def fsstore_json(*args: object, rc: int = 0) -> Any:
+    proc = fsstore(*args, "--json")
+    assert proc.returncode == rc, proc.stdout + proc.stderr
+    return json.loads(proc.stdout)
+
+
+def tdir(root: Path, key: dict[str, str]) -> Path:
+    return root / _layout.rel(_layout.transcript_dirs(parse_key(key, "test")))
+
+
+def age(path: Path, seconds: float) -> None:
+    t = time.time() - seconds
+    os.utime(path, (t, t), follow_symlinks=False)
+
+
+def age_tree(path: Path, seconds: float) -> None:
+    for p in [path, *path.rglob("*")]:
+        age(p, seconds)
+
+
+def snapshot(root: Path) -> dict[str, tuple[int, int]]:
+    return {str(p.relative_to(root)): (p.lstat().st_size, p.lstat().st_mtime_ns)
+            for p in root.rglob("*")}
+
+
+# -- usage ---------------------------------------------------------------------------
+
+
+def test_usage_errors_exit_2(root: Path, store: SyncStore) -> None:
+    store.append(KEY, [entry(1)])
+    assert fsstore().returncode == 2
+    assert fsstore("ls").returncode == 2
+    assert fsstore("frobnicate", root).returncode == 2
+    assert fsstore("ls", root, "--bogus").returncode == 2
+    bad = fsstore("gc", root, "--older-than", "5x")
+    assert bad.returncode == 2 and "invalid duration" in bad.stderr
+    assert fsstore("prune", root).returncode == 2  # --older-than is required
+    assert fsstore("cat", root, P).returncode == 2
+    missing = fsstore("check", root.parent / "nowhere")
+    assert missing.returncode == 2 and "no store" in missing.stderr
+    assert fsstore("--version").returncode == 0
+    assert "exit codes" in fsstore("check", "--help").stdout
+
+
+# -- ls and cat -----------------------------------------------------------------------
+
+
+def test_ls_lists_projects_sessions_parts_bytes_subagents(root: Path, store: SyncStore) -> None:
+    store.append(KEY, [entry(1)])
+    store.append(KEY, [entry(2), entry(3)])
+    store.append(SUB, [entry(10)])
+    store.append({**SUB, "subpath": "subagents/workflows/run-1/agent-2"}, [entry(11)])
+    other = {"project_key": "-srv-other", "session_id": "s-2"}
+    store.append(other, [entry(20)])
+
+    proc = fsstore("ls", root)
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert lines[0].split() == ["PROJECT", "SESSION", "MODIFIED", "PARTS", "BYTES", "SUBAGENTS"]
+    row = next(line for line in lines if S in line).split()
+    assert row[0] == P and row[-1] == "2"  # two subagent transcripts
+    assert row[-4] == "4"  # 2 main parts + 1 + 1 subagent parts
+    assert "2 project(s), 2 session(s)" in proc.stdout
+
+    doc = fsstore_json("ls", root)
+    sess = next(s for s in doc["sessions"] if s["session_id"] == S)
+    assert sess["project_key"] == P and sess["subagents"] == 2 and sess["parts"] == 4
+    assert sess["bytes"] == sum(f.stat().st_size for f in tdir(root, KEY).parent.rglob("*.jsonl"))
+    assert {t["subpath"] for t in sess["transcripts"]} == {
+        None, "subagents/agent-1", "subagents/workflows/run-1/agent-2"}
+    assert abs(sess["mtime_ms"] / 1000 - time.time()) < 60
+
+    # A dash-leading project key works as an option value, with or without "=".
+    for args in (["--project", P], [f"--project={P}"]):
+        only = fsstore_json("ls", root, *args)
+        assert {s["project_key"] for s in only["sessions"]} == {P}
+
+
+def test_cat_prints_exactly_what_load_returns_for_dash_keys(root: Path, store: SyncStore) -> None:
+    store.append(KEY, [entry(1), entry(2, text="naïve ✓ \u2028 \"quoted\"")])
+    store.append(KEY, [entry(3), entry(1)])  # a uuid seen before: load() drops it
+    store.append(SUB, [entry(9)])
+
+    proc = fsstore("cat", root, P, S)
+    assert proc.returncode == 0, proc.stderr
+    assert [json.loads(line) for line in proc.stdout.splitlines()] == store.load(KEY)
+    # Options may come anywhere, before or after the dash-leading keys.
+    sub = fsstore("cat", "--subpath", "subagents/agent-1", root, P, S)
+    assert [json.loads(line) for line in sub.stdout.splitlines()] == store.load(SUB)
+    assert fsstore_json("cat", root, P, S) == store.load(KEY)
+    # "--" also works, for scripts that prefer it.
+    assert fsstore("cat", root, "--", P, S).stdout == proc.stdout
+
+    missing = fsstore("cat", root, P, "no-such-session")
+    assert missing.returncode == 1 and "no transcript" in missing.stderr and not missing.stdout
+
+
+def test_every_key_ls_prints_is_accepted_back(root: Path, store: SyncStore) -> None:
+    keys = [
+        {"project_key": "-home-user-my repo", "session_id": "a b"},
+        {"project_key": "-Users-Élodie-Projets", "session_id": "MixedCase"},
+        {"project_key": "-" + "x" * 200, "session_id": "--looks-like-an-option"},
+        {"project_key": "-p", "session_id": "-1"},
+    ]
+    for n, key in enumerate(keys):
+        store.append(key, [entry(n)])
+    proc = fsstore("ls", root)
+    assert proc.returncode == 0, proc.stderr
+    rows = proc.stdout.splitlines()[1:-1]
+    assert len(rows) == len(keys)
+    for row in rows:
+        # Copy the first two columns as a shell user would.
+        project, session = shlex.split(row)[:2]
+        out = fsstore("cat", root, project, session)
+        assert out.returncode == 0, (row, out.stderr)
+        key = {"project_key": project, "session_id": session}
+        assert key in keys
+        assert [json.loads(line) for line in out.stdout.splitlines()] == store.load(key)
+
+
+def test_cat_into_a_closed_pipe_exits_quietly(root: Path, store: SyncStore) -> None:
+    store.append(KEY, [entry(n, pad="x" * 500) for n in range(3000)])
+    proc = subprocess.Popen([sys.executable, "-m", "fsstore", "cat", root, P, S],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert proc.stdout is not None and proc.stderr is not None
+    assert json.loads(proc.stdout.readline())["uuid"] == "u-0"
+    proc.stdout.close()
+    rc = proc.wait(timeout=30)
+    assert rc == 141
+    assert b"Traceback" not in proc.stderr.read()
+
+
+# -- check ---------------------------------------------------------------------------
+
+
+def test_check_clean_store_exits_0(root: Path, store: SyncStore) -> None:
+    for n in range(5):
+        store.append(KEY, [entry(n)])
+    store.append(SUB, [entry(9)])
+    store.compact(KEY)
+    proc = fsstore("check", root)
+    assert proc.returncode == 0, proc.stdout
+    assert proc.stdout.strip().endswith(": ok")
+    doc = fsstore_json("check", root)
+    assert doc["ok"] and doc["transcripts"] == 2 and doc["entries"] == 6
+
+
+def _hold_lock_and_die(root: Path, key: dict[str, str]) -> int:
+    """A writer on this host that takes the lock and is killed while holding it."""
+    code = (
+        "import sys, time; from fsstore._store import SyncStore\n"
+        f"s = SyncStore({str(root)!r}, summaries=False)\n"
+        f"cm = s.locked({key!r}); cm.__enter__(); print('held', flush=True); time.sleep(60)\n"
+    )
+    child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    assert child.stdout is not None and child.stdout.readline().strip() == "held"
+    child.send_signal(signal.SIGKILL)
+    child.wait()
+    return child.pid
+
+
+def test_check_reports_every_kind_of_damage_with_file_and_line(
+    root: Path, store: SyncStore
+) -> None:
+    good = {"project_key": P, "session_id": "good"}
+    store.append(good, [entry(0)])
+    for n in range(1, 4):
+        store.append(KEY, [entry(n)])
+    store.append(SUB, [entry(7)])
+    main = tdir(root, KEY)
+    # A torn line in the middle of a committed part.
+    (main / _layout.part_name(2)).write_text('{"uuid":"u-2"}\n{"uuid": "u-2b", \n')
+    # A lost part: a sequence gap.
+    gap = {"project_key": P, "session_id": "gappy"}
+    for n in range(3):
+        store.append(gap, [entry(n)])
+    (tdir(root, gap) / _layout.part_name(2)).unlink()
+    # A part the store cannot read (a directory where a file belongs).
+    sub = tdir(root, SUB)
+    (sub / _layout.part_name(2)).mkdir()
+    # An orphaned temp file, two hours old.
+    orphan = main / ".tmp-4242-0123456789abcdef"
+    orphan.write_bytes(b'{"uuid":"lost"}\n')
+    age(orphan, 7200)
+    # A stale lock of a writer on another host, and one of a dead writer on this host.
+    lock = main / _layout.LOCK
+    lock.write_text("31337\nbuild-host-7\n12345\n")
+    age(lock, 3 * 3600)
+    dead_pid = _hold_lock_and_die(root, good)
+    # Names that do not decode, a hashed name without its .key, a symlink.
+    sessions = main.parent.parent
+    (sessions / "Not A Key").mkdir()
+    (sessions / ("x" * 90 + "~" + "0" * 32)).mkdir()
+    (sessions / "linked").symlink_to(main.parent)
+    (main / "notes.txt").write_text("stray")
+
+    proc = fsstore("check", root)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    out = proc.stdout
+    rel_main = main.relative_to(root)
+    assert f"ERROR    {rel_main}/{_layout.part_name(2)}:2  CORRUPT line 2 is not valid JSON" in out
+    assert "sequence gap: part 2 missing" in out
+    assert f"{sub.relative_to(root)}/{_layout.part_name(2)}" in out and "not a regular file" in out
+    assert f"{rel_main}/.tmp-4242-0123456789abcdef" in out and "orphaned temp file, 2h00m" in out
+    assert "stale lock of pid 31337 on build-host-7, 3h00m old" in out
+    assert f"stale lock of pid {dead_pid} on " in out and "no longer running on this host" in out
+    assert "Not A Key" in out and "does not decode" in out
+    assert "without its .key" in out
+    assert "symlink" in out and "linked" in out
+    assert "notes.txt" in out
+    assert out.rstrip().endswith("warning(s)")
+
+    doc = fsstore_json("check", root, rc=1)
+    corrupt = next(p for p in doc["problems"] if p["kind"] == "corrupt")
+    assert corrupt["line"] == 2 and corrupt["code"] == "CORRUPT"
+    assert corrupt["path"] == str(main / _layout.part_name(2))
+    kinds = {p["kind"] for p in doc["problems"] if p["severity"] != "info"}
+    assert {"corrupt", "gap", "unreadable", "orphaned-temp", "stale-lock", "bad-name",
+            "symlink", "unexpected"} <= kinds
+    stale = {lk["pid"]: lk for lk in doc["locks"]}
+    assert stale[31337]["status"] == "expired" and not stale[31337]["this_host"]
+    assert stale[dead_pid]["status"] == "dead" and stale[dead_pid]["this_host"]
+    # check changed nothing it found.
+    assert orphan.exists() and lock.exists()
+
+
+def test_young_temps_and_held_locks_are_in_flight_not_problems(
+    root: Path, store: SyncStore
+) -> None:
+    store.append(KEY, [entry(1)])
+    (tdir(root, KEY) / ".tmp-1-00000000000000aa").write_bytes(b"{}\n")
+    with store.locked(KEY):
+        proc = fsstore("check", root)
+        assert proc.returncode == 0, proc.stdout
+        assert f"lock held by pid {os.getpid()}" in proc.stdout
+        assert "a commit or compaction in flight" in proc.stdout
+        locks = fsstore_json("locks", root)["locks"]
+        assert [(lk["pid"], lk["status"], lk["this_host"]) for lk in locks] == [
+            (os.getpid(), "held", True)]
+        table = fsstore("locks", root)
+        assert table.returncode == 0 and f" {os.getpid()} " in table.stdout
+        assert "held (this host)" in table.stdout
+    assert fsstore_json("locks", root)["locks"] == []
+
+
+# -- gc ------------------------------------------------------------------------------
+
+
+def test_gc_removes_only_old_garbage_and_dry_run_changes_nothing(
+    root: Path, store: SyncStore
+) -> None:
+    store.append(KEY, [entry(1)])
+    store.append(SUB, [entry(2)])
+    other = {"project_key": P, "session_id": "doomed"}
+    store.append(other, [entry(3)])
+    main = tdir(root, KEY)
+    old_temp = main / ".tmp-77-00000000000000ab"
+    old_temp.write_bytes(b"half a batch")
+    age(old_temp, 7200)
+    sessions = main.parent.parent
+    old_tmp_dir = sessions / ".tmp-78-00000000000000cd-dir"
+    (old_tmp_dir / "sub").mkdir(parents=True)
+    lock = tdir(root, SUB) / _layout.LOCK
+    lock.write_text("999999\nother-host\n1\n")
+    age(lock, 7200)
+    recovery = main / f"lock.break.12.{'e' * 32}"
+    recovery.write_text("12\nh\n")
+    age(recovery, 7200)
+    # A delete whose tree was left behind, and one held by an open file on an NFS client.
+    trash = root / _layout.TRASH
+    (trash / ".tmp-5-00000000000000ef-deleted" / "main").mkdir(parents=True)
+    (trash / ".tmp-5-00000000000000ef-deleted" / "main" / _layout.part_name(1)).write_text("{}\n")
+    (trash / ".tmp-6-00000000000000f0-deleted").mkdir()
+    (trash / ".tmp-6-00000000000000f0-deleted" / ".nfs0000000000ab12cd00000001").write_text("x")
+    time.sleep(1.2)  # directories age by ctime, which only the clock can move
+    young_temp = main / ".tmp-79-00000000000000ee"
+    young_temp.write_bytes(b"in flight")
+    young_lock = tdir(root, other) / _layout.LOCK
+    young_lock.write_text("999998\nother-host\n1\n")
+
+    before = snapshot(root)
+    dry = fsstore("gc", root, "--older-than", "1s", "--dry-run")
+    assert dry.returncode == 0, dry.stdout + dry.stderr
+    assert snapshot(root) == before
+    assert "would remove" in dry.stdout and "would break lock" in dry.stdout
+    assert "nothing changed" in dry.stdout
+
+    doc = fsstore_json("gc", root, "--older-than", "1s")
+    done = {(a["action"], Path(a["path"]).name) for a in doc["actions"] if a["done"]}
+    assert done == {
+        ("remove-temp", old_temp.name),
+        ("remove-temp", old_tmp_dir.name),
+        ("remove-lock-recovery", recovery.name),
+        ("break-lock", _layout.LOCK),
+        ("remove-trash", ".tmp-5-00000000000000ef-deleted"),
+    }
+    kept = next(a for a in doc["actions"] if a["action"] == "keep")
+    assert ".nfs0000000000ab12cd00000001" in kept["detail"]
+    assert not old_temp.exists() and not old_tmp_dir.exists() and not lock.exists()
+    assert not recovery.exists() and young_temp.exists() and young_lock.exists()
+    assert (trash / ".tmp-6-00000000000000f0-deleted").exists()
+    assert store.load(KEY) == [entry(1)] and store.load(SUB) == [entry(2)]
+    # The broken lock is free again.
+    store.append(SUB, [entry(4)])
+
+
+# -- prune ---------------------------------------------------------------------------
+
+
+def test_prune_deletes_only_sessions_older_than_the_threshold(
+    root: Path, store: SyncStore
+) -> None:
+    old = {"project_key": P, "session_id": "old"}
+    old_other = {"project_key": "-srv-other", "session_id": "old-too"}
+    fresh = {"project_key": P, "session_id": "fresh"}
+    half = {"project_key": P, "session_id": "old-main-new-subagent"}
+    for key in (old, old_other, fresh, half):
+        store.append(key, [entry(1)])
+    store.append({**old, "subpath": "subagents/a"}, [entry(2)])
+    for key in (old, old_other, half):
+        age_tree(tdir(root, key).parent, 40 * DAY)
+    store.append({**half, "subpath": "subagents/a"}, [entry(3)])
+
+    before = snapshot(root)
+    dry = fsstore_json("prune", root, "--older-than", "30d", "--dry-run")
+    assert snapshot(root) == before
+    assert {Path(a["path"]).name for a in dry["actions"]} == {"old", "old-too"}
+    assert not any(a["done"] for a in dry["actions"])
+
+    proj = fsstore("prune", root, "--older-than", "30d", "--project", P)
+    assert proj.returncode == 0, proj.stdout + proj.stderr
+    assert "deleted" in proj.stdout and "old" in proj.stdout
+    assert store.load(old) is None and store.load({**old, "subpath": "subagents/a"}) is None
+    assert store.load(old_other) == [entry(1)]
+    assert store.load(fresh) == [entry(1)] and store.load(half) == [entry(1)]
+
+    assert fsstore("prune", root, "--older-than", "30d").returncode == 0
+    assert store.load(old_other) is None and store.load(fresh) == [entry(1)]
+    assert not any((root / _layout.TRASH).iterdir())
+    assert fsstore("check", root).returncode == 0
+
+
+# -- compact -------------------------------------------------------------------------
+
+
+def test_compact_merges_and_keeps_the_retention_clock(root: Path, store: SyncStore) -> None:
+    for n in range(6):
+        store.append(KEY, [entry(n)])
+    store.append(SUB, [entry(10)])
+    store.append(SUB, [entry(11)])
+    other = {"project_key": P, "session_id": "other"}
+    store.append(other, [entry(20)])
+    store.append(other, [entry(21)])
+    age_tree(tdir(root, KEY).parent, 10 * DAY)
+    expected = store.load(KEY)
+
+    dry = fsstore("compact", root, "--session", S, "--dry-run")
+    assert dry.returncode == 0 and "would compact" in dry.stdout
+    assert len(list(tdir(root, KEY).glob("*.jsonl"))) == 6
+
+    proc = fsstore("compact", root, "--project", P, "--session", S)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    files = sorted(p.name for p in tdir(root, KEY).glob("*.jsonl"))
+    assert files == [_layout.segment_name(1, 6)]
+    assert store.load(KEY) == expected
+    assert len(list(tdir(root, other).glob("*.jsonl"))) == 2  # not selected
+    # The segment keeps the time of the newest file it merged: prune still sees an old session.
+    assert time.time() - (tdir(root, KEY) / files[0]).stat().st_mtime > 9 * DAY
+    assert [a["path"] for a in fsstore_json("prune", root, "--older-than", "5d",
+                                            "--dry-run")["actions"]] == [
+        str(tdir(root, KEY).parent)]
+    ls = fsstore_json("ls", root, "--project", P)
+    assert next(s for s in ls["sessions"] if s["session_id"] == S)["segments"] == 2
+
+
+def test_compact_does_not_paper_over_a_gap(root: Path, store: SyncStore) -> None:
+    for n in range(3):
+        store.append(KEY, [entry(n)])
+    (tdir(root, KEY) / _layout.part_name(2)).unlink()
+    proc = fsstore("compact", root)
+    assert proc.returncode == 1 and "sequence gap" in proc.stdout
+    assert sorted(p.name for p in tdir(root, KEY).glob("*.jsonl")) == [
+        _layout.part_name(1), _layout.part_name(3)]
+
+
+# -- import and export ---------------------------------------------------------------
+
+
+def write_jsonl(path: Path, entries: list[dict[str, Any]], tail: str = "") -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(e) + "\n" for e in entries) + tail)
+
+
+def test_import_is_idempotent_and_keys_match_the_sdk(root: Path, tmp_path: Path) -> None:
+    from claude_agent_sdk._internal.session_store import file_path_to_session_key
+
+    projects = tmp_path / "projects"
+    proj = projects / P
+    main_entries = [entry(n) for n in range(5)]
+    write_jsonl(proj / f"{S}.jsonl", main_entries, tail='{"uuid": "u-5", "typ')  # being written
+    write_jsonl(proj / S / "subagents" / "agent-a.jsonl", [entry(10)])
+    (proj / S / "subagents" / "agent-a.meta.json").write_text('{"agentType": "Explore"}')
+    write_jsonl(proj / S / "subagents" / "workflows" / "run-1" / "agent-b.jsonl", [entry(11)])
+    write_jsonl(proj / "broken.jsonl", [entry(20)], tail="not json\n")
+    (proj / "notes.txt").write_text("ignored")
+
+    first = fsstore_json("import", root, projects, rc=1)  # broken.jsonl fails, the rest goes in
+    by_name = {Path(f["path"]).name: f for f in first["files"]}
+    assert by_name["broken.jsonl"]["failed"] and "line 2" in by_name["broken.jsonl"]["detail"]
+    assert by_name[f"{S}.jsonl"]["status"] == "new" and by_name[f"{S}.jsonl"]["added"] == 5
+    assert "no newline" in by_name[f"{S}.jsonl"]["detail"]
+    assert by_name["agent-a.jsonl"]["added"] == 2  # the entry and the .meta.json sidecar
+    for f in first["files"]:
+        assert f["key"] == dict(file_path_to_session_key(f["path"], str(projects)) or {})
+
+    store = SyncStore(root)
+    assert store.load(KEY) == main_entries
+    assert store.load({**KEY, "subpath": "subagents/agent-a"}) == [
+        entry(10), {"agentType": "Explore", "type": "agent_metadata"}]
+    assert store.load({**KEY, "subpath": "subagents/workflows/run-1/agent-b"}) == [entry(11)]
+
+    (proj / "broken.jsonl").unlink()
+    again = fsstore("import", root, projects)
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert "0 entries" in again.stdout and "up-to-date" in again.stdout
+    before = snapshot(root)
+    assert fsstore("import", root, projects).returncode == 0
+    assert snapshot(root) == before  # nothing appended, not even an empty part
+
+    # The local transcript grows: only the new entries go in.
+    write_jsonl(proj / f"{S}.jsonl", [entry(n) for n in range(8)])
+    grown = fsstore_json("import", root, projects)
+    assert {f["status"]: f["added"] for f in grown["files"]}["extended"] == 3
+    assert store.load(KEY) == [entry(n) for n in range(8)]
+
+
+def test_import_merges_a_diverged_transcript_once(root: Path, tmp_path: Path) -> None:
+    store = SyncStore(root)
+    store.append(KEY, [entry(1), entry(2), entry(99)])  # 99 came from another host
+    projects = tmp_path / "projects"
+    write_jsonl(projects / P / f"{S}.jsonl", [entry(1), entry(2), entry(3)])
+    doc = fsstore_json("import", root, projects)
+    assert [(f["status"], f["added"]) for f in doc["files"]] == [("merged", 1)]
+    assert store.load(KEY) == [entry(1), entry(2), entry(99), entry(3)]
+    doc = fsstore_json("import", root, projects)
+    assert [(f["status"], f["added"]) for f in doc["files"]] == [("up-to-date", 0)]
+
+
+def test_export_writes_the_local_layout_atomically_and_idempotently(
+    root: Path, store: SyncStore, tmp_path: Path
+) -> None:
+    store.append(KEY, [entry(1), entry(2)])
+    store.append(SUB, [entry(3), {"type": "agent_metadata", "agentType": "Plan"}])
+    store.append({**KEY, "subpath": "subagents/workflows/w/agent-2"}, [entry(4)])
+    out = tmp_path / "projects"
+
+    proc = fsstore("export", root, P, S, out)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    main = out / P / f"{S}.jsonl"
+    assert [json.loads(line) for line in main.read_text().splitlines()] == store.load(KEY)
+    sub = out / P / S / "subagents" / "agent-1.jsonl"
+    assert [json.loads(line) for line in sub.read_text().splitlines()] == [entry(3)]
+    assert json.loads((out / P / S / "subagents" / "agent-1.meta.json").read_text()) == {
+        "agentType": "Plan"}
+    assert (out / P / S / "subagents" / "workflows" / "w" / "agent-2.jsonl").exists()
+    assert oct(main.stat().st_mode & 0o777) == "0o600"
+    assert not [p for p in out.rglob("*") if ".tmp-" in p.name]
+
+    before = snapshot(out)
+    again = fsstore_json("export", root, P, S, out)
+    assert {f["status"] for f in again["files"]} == {"unchanged"}
+    assert snapshot(out) == before
+
+    # The store moves on: export extends the local copy.
+    store.append(KEY, [entry(5)])
+    assert fsstore("export", root, P, S, out).returncode == 0
+    assert [json.loads(line)["uuid"] for line in main.read_text().splitlines()] == [
+        "u-1", "u-2", "u-5"]
+
+    # The local copy diverged: refused without --force, overwritten with it.
+    write_jsonl(main, [entry(1), entry(42)])
+    refused = fsstore("export", root, P, S, out)
+    assert refused.returncode == 1 and "refused" in refused.stdout
+    assert "u-42" in main.read_text()
+    assert fsstore("export", root, P, S, out, "--force").returncode == 0
+    assert "u-42" not in main.read_text()
+
+    # And back: importing what was exported adds nothing.
+    assert "0 entries" in fsstore("import", root, out).stdout
+    assert fsstore("export", root, P, "no-such", out).returncode == 1
+
+
+# -- progress ------------------------------------------------------------------------
+
+
+def test_progress_bar_only_on_a_terminal(root: Path, store: SyncStore) -> None:
+    import pty
+
+    for n in range(3):
+        store.append({"project_key": P, "session_id": f"s{n}"}, [entry(n)])
+    plain = fsstore("check", root)
+    assert "\r" not in plain.stderr and plain.stderr == ""
+
+    master, slave = pty.openpty()
+    try:
+        proc = subprocess.run([sys.executable, "-m", "fsstore", "check", root],
+                              stdout=subprocess.PIPE, stderr=slave, timeout=60)
+        os.close(slave)
+        slave = -1
+        seen = b""
+        while True:
+            try:
+                chunk = os.read(master, 4096)
+            except OSError:
+                break
+            if not chunk:
+                break
+            seen += chunk
+    finally:
+        if slave >= 0:
+            os.close(slave)
+        os.close(master)
+    assert proc.returncode == 0
+    assert b"\rfsstore check [" in seen and b"3/3" in seen
+    assert b"\r" not in proc.stdout
+
+
+# -- concurrent writers -------------------------------------------------------------
+
+WRITER = """
+import sys, time
+from fsstore._store import SyncStore
+root, sid, n = sys.argv[1], sys.argv[2], int(sys.argv[3])
+store = SyncStore(root, summaries=False, compact_every=4)
+key = {"project_key": "-home-user-repo", "session_id": sid}
+sub = {**key, "subpath": "subagents/agent-1"}
+print("ready", flush=True)
+for i in range(n):
+    store.append(key, [{"uuid": f"{sid}-{i}", "i": i}, {"uuid": f"{sid}-{i}b", "i": i}])
+    if i % 5 == 0:
+        store.append(sub, [{"uuid": f"{sid}-sub-{i}"}])
+    time.sleep(0.002)
+print("done", flush=True)
+"""
+
+
+def test_every_command_is_safe_next_to_concurrent_writers(root: Path, tmp_path: Path) -> None:
+    SyncStore(root).append({"project_key": P, "session_id": "seed"}, [entry(0)])
+    n = 150
+    writers = [
+        subprocess.Popen([sys.executable, "-c", WRITER, str(root), f"w{k}", str(n)],
+                         stdout=subprocess.PIPE, text=True)
+        for k in range(3)
+    ]
+    for w in writers:
+        assert w.stdout is not None and w.stdout.readline().strip() == "ready"
+    rounds = 0
+    try:
+        while any(w.poll() is None for w in writers) or rounds < 2:
+            rounds += 1
+            check = fsstore("check", root)
+            assert check.returncode == 0, check.stdout  # in-flight work is never a problem
+            assert fsstore("ls", root).returncode == 0
+            assert fsstore("locks", root, "--json").returncode in (0, 1)
+            gc = fsstore_json("gc", root)  # 1h threshold: nothing of the writers' is old
+            assert not [a for a in gc["actions"] if a["done"]]
+            compact = fsstore("compact", root)
+            assert compact.returncode == 0, compact.stdout + compact.stderr
+            prune = fsstore_json("prune", root, "--older-than", "30d")
+            assert prune["actions"] == []
+            cat = fsstore("cat", root, P, "w0")
+            assert cat.returncode in (0, 1)  # 1 only before the first commit
+            uuids = [json.loads(line)["uuid"] for line in cat.stdout.splitlines()]
+            assert uuids == [f"w0-{i // 2}{'b' if i % 2 else ''}" for i in range(len(uuids))]
+    finally:
+        for w in writers:
+            w.wait(timeout=120)
+    assert all(w.returncode == 0 for w in writers)
+    store = SyncStore(root, summaries=False)
+    for k in range(3):
+        key = {"project_key": P, "session_id": f"w{k}"}
+        got = store.load(key)
+        assert got is not None and len(got) == 2 * n
+        assert [e["i"] for e in got] == [i for i in range(n) for _ in (0, 1)]
+        assert len(store.load({**key, "subpath": "subagents/agent-1"}) or []) == n // 5
+    final = fsstore("check", root)
+    assert final.returncode == 0, final.stdout
+    assert rounds >= 2
