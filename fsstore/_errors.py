@@ -95,9 +95,9 @@ def translating(operation: str, path: str | None) -> Iterator[None]:
         _log(err)
         raise
     except OSError as exc:
-        err = from_oserror(exc, operation, path)
-        _log(err)
-        raise err from exc
+        wrapped = from_oserror(exc, operation, path)
+        _log(wrapped)
+        raise wrapped from exc
 
 
 def _log(err: FsStoreError) -> None:

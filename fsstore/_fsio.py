@@ -17,6 +17,7 @@ import os
 import secrets
 import stat
 from collections.abc import Sequence
+from typing import Any
 
 from ._errors import FsStoreError
 
@@ -88,6 +89,7 @@ _DIR_HOW = _OpenHow(
     os.O_RDONLY | os.O_DIRECTORY | _CLOEXEC, 0,
     _RESOLVE_NO_MAGICLINKS | _RESOLVE_NO_SYMLINKS | _RESOLVE_BENEATH,
 )
+_syscall: Any = None
 try:
     _syscall = ctypes.CDLL(None, use_errno=True).syscall
     _syscall.restype = ctypes.c_long
@@ -274,7 +276,7 @@ def unlink_quiet(dir_fd: int, name: str) -> None:
 # -- the no-replace move -------------------------------------------------------
 
 _RENAME_NOREPLACE = 1
-_renameat2 = None
+_renameat2: Any = None
 try:
     _renameat2 = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True).renameat2
     _renameat2.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]

@@ -424,17 +424,16 @@ class SyncStore:
         else:
             comps = _layout.transcript_dirs(tk)
         path = self._path(comps)
-        with translating(op, path):
-            with self._open_root(create=False) as rfd:
-                if rfd is None:
-                    return
-                parent = self._open(rfd, comps[:-1], op)
-                if parent is None:
-                    return
-                try:
-                    self._move_to_trash(rfd, parent, comps[-1][0], path)
-                finally:
-                    os.close(parent)
+        with translating(op, path), self._open_root(create=False) as rfd:
+            if rfd is None:
+                return
+            parent = self._open(rfd, comps[:-1], op)
+            if parent is None:
+                return
+            try:
+                self._move_to_trash(rfd, parent, comps[-1][0], path)
+            finally:
+                os.close(parent)
 
     def _move_to_trash(self, rfd: int, parent: int, name: str, path: str) -> None:
         """Rename ``parent/name`` into ``.trash`` (atomic: readers see all or None), then remove it."""
