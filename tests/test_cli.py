@@ -14,8 +14,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-import pytest
-
 from fsstore import _layout
 from fsstore._keys import parse_key
 from fsstore._store import SyncStore
@@ -32,7 +30,7 @@ def fsstore(*args: object, timeout: float = 60) -> subprocess.CompletedProcess[s
     """Run the CLI exactly as a user would (``python -m fsstore``)."""
     return subprocess.run(
         [sys.executable, "-m", "fsstore", *map(str, args)],
-        capture_output=True, text=True, timeout=timeout,
+        check=False, capture_output=True, text=True, timeout=timeout,
     )
 
 
@@ -541,7 +539,7 @@ def test_progress_bar_only_on_a_terminal(root: Path, store: SyncStore) -> None:
 
     master, slave = pty.openpty()
     try:
-        proc = subprocess.run([sys.executable, "-m", "fsstore", "check", root],
+        proc = subprocess.run([sys.executable, "-m", "fsstore", "check", root], check=False,
                               stdout=subprocess.PIPE, stderr=slave, timeout=60)
         os.close(slave)
         slave = -1
