@@ -1,0 +1,78 @@
+"""The append path, seen from the kernel: no directory listing, and a flat cost."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+import sys
+import textwrap
+from collections import Counter
+from pathlib import Path
+
+import anyio
+import pytest
+
+from fsstore import FsSessionStore
+
+from .conftest import KEY, entry
+
+pytestmark = pytest.mark.skipif(shutil.which("strace") is None, reason="needs strace")
+
+_SCRIPT = """
+import os, sys
+sys.path.insert(0, {repo!r})
+from fsstore._store import SyncStore
+s = SyncStore({root!r}, compact_every={compact_every})
+for i in range(1, {n} + 1):
+    if i in {marks!r}:
+        try: os.stat(f"/MARK-begin-{{i}}")
+        except OSError: pass
+    s.append({key!r}, [{{"type": "x", "uuid": f"{{i}}-{{j}}", "t": "y" * 300}} for j in range(5)])
+    if i in {marks!r}:
+        try: os.stat(f"/MARK-end-{{i}}")
+        except OSError: pass
+"""
+
+
+def traced_appends(root: Path, n: int, marks: tuple[int, ...], compact_every: int) -> dict[int, Counter[str]]:
+    script = _SCRIPT.format(repo=str(Path(__file__).parent.parent), root=str(root), n=n,
+                            marks=marks, key=KEY, compact_every=compact_every)
+    out = subprocess.run(["strace", "-f", "-qq", "-o", "/dev/stdout", sys.executable, "-c",
+                          textwrap.dedent(script)], capture_output=True, text=True, check=True).stdout
+    lines = out.splitlines()
+    calls: dict[int, Counter[str]] = {}
+    for i in marks:
+        s = next(k for k, ln in enumerate(lines) if f"/MARK-begin-{i}\"" in ln)
+        e = next(k for k, ln in enumerate(lines) if f"/MARK-end-{i}\"" in ln)
+        calls[i] = Counter(m.group(1) for ln in lines[s + 1:e]
+                           if (m := re.match(r"(?:\d+\s+)?(\w+)\(", ln)))
+    return calls
+
+
+def test_append_never_lists_a_directory_and_its_syscalls_do_not_grow(root: Path) -> None:
+    calls = traced_appends(root, 1500, (10, 1500), compact_every=0)
+    assert calls[10]["getdents64"] == calls[1500]["getdents64"] == 0
+    assert calls[1500] == calls[10]  # same calls, same counts: no O(parts) work
+
+
+def test_automatic_compaction_keeps_ordinary_appends_listing_free(root: Path) -> None:
+    # 64 is the compaction cadence: append 128 compacts, 131 is ordinary again.
+    calls = traced_appends(root, 131, (10, 128, 131), compact_every=64)
+    assert calls[128]["getdents64"] > 0  # the compaction itself lists, once per 64
+    assert calls[131]["getdents64"] == 0 and calls[131] == calls[10]
+
+
+@pytest.mark.anyio
+async def test_cancelled_append_commits_whole_or_not_at_all(root: Path) -> None:
+    store = FsSessionStore(root)
+    for i in range(30):
+        with anyio.move_on_after(0.0005 * (i % 5)):
+            await store.append(KEY, [entry(2 * i), entry(2 * i + 1)])
+    loaded = await store.load(KEY) or []
+    uuids = [e["uuid"] for e in loaded]
+    # Each batch is there with both entries, or absent; never half.
+    for a, b in zip(uuids[::2], uuids[1::2]):
+        assert int(b[2:]) == int(a[2:]) + 1
+    assert len(uuids) % 2 == 0
+    assert not [p for p in root.rglob(".tmp-*")]
