@@ -1,0 +1,111 @@
+"""Fixtures of the reliability tests: real processes, mounts, and the run's figures.
+
+* ``procs``: a multiprocessing context whose children are real processes forked
+  from a warm server (``forkserver``, with fsstore and claude-agent-sdk preloaded,
+  so a child starts in milliseconds instead of ~0.6 s of imports).
+* ``figures``: counters every test adds to (appends, writer processes, crash
+  points, faults injected, entries lost); printed at the end of the run and, with
+  ``FSSTORE_RELIABILITY_FIGURES=path``, written there as JSON (docs/reliability.md
+  quotes them).
+* Mount fixtures skip with the reason when root, /dev/fuse or the binaries are
+  missing, and always unmount, also when a test fails.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import multiprocessing
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from . import _mounts
+
+FIGURES: collections.Counter[str] = collections.Counter()
+CRASH_POINTS: set[str] = set()
+FAULT_KINDS: set[str] = set()
+
+
+class Figures:
+    def add(self, name: str, n: int = 1) -> None:
+        FIGURES[name] += n
+
+    def crash_point(self, name: str) -> None:
+        CRASH_POINTS.add(name)
+        FIGURES["crash rounds (kill -9)"] += 1
+
+    def maximum(self, name: str, value: int) -> None:
+        FIGURES[name] = max(FIGURES[name], value)
+
+    def fault(self, kind: str, n: int = 1) -> None:
+        FAULT_KINDS.add(kind)
+        FIGURES["faults injected"] += n
+
+
+@pytest.fixture(scope="session")
+def figures() -> Figures:
+    return Figures()
+
+
+@pytest.fixture(scope="session")
+def procs() -> Any:
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(["tests.reliability._children"])
+    return ctx
+
+
+@pytest.fixture
+def tmpfs_dir(tmp_path: Path) -> Iterator[Path]:
+    """Skips without root/mount; yields a directory for size-limited tmpfs mounts."""
+    if reason := _mounts.tmpfs_unavailable():
+        pytest.skip(reason)
+    yield tmp_path
+
+
+@pytest.fixture(scope="module")
+def fault_mount(tmp_path_factory: pytest.TempPathFactory, figures: Figures) -> Iterator[_mounts.FaultFs]:
+    if reason := _mounts.faultfs_unavailable():
+        pytest.skip(reason)
+    with _mounts.faultfs(tmp_path_factory.mktemp("faultfs")) as ffs:
+        yield ffs
+
+
+@pytest.fixture(scope="module")
+def bindfs_mount(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    if reason := _mounts.bindfs_unavailable():
+        pytest.skip(reason)
+    base = tmp_path_factory.mktemp("bindfs")
+    with _mounts.bindfs(base / "src", base / "mnt") as mnt:
+        yield Path(mnt)
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    for path in list(reversed(_mounts.MOUNTED)):
+        _mounts.unmount(path)
+
+
+def summary() -> dict[str, Any]:
+    out: dict[str, Any] = dict(FIGURES)
+    out["distinct crash points"] = len(CRASH_POINTS)
+    out["crash points"] = sorted(CRASH_POINTS)
+    out["fault kinds"] = sorted(FAULT_KINDS)
+    out.setdefault("entries lost", 0)
+    return out
+
+
+def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pytest.Config) -> None:
+    if not FIGURES:
+        return
+    data = summary()
+    terminalreporter.section("fsstore reliability figures")
+    for name in sorted(data):
+        if isinstance(data[name], list):
+            terminalreporter.write_line(f"{name}: {', '.join(map(str, data[name]))}")
+        else:
+            terminalreporter.write_line(f"{name}: {data[name]}")
+    if target := os.environ.get("FSSTORE_RELIABILITY_FIGURES"):
+        Path(target).write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")

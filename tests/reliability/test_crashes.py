@@ -1,0 +1,258 @@
+"""kill -9 at every step of the commit, of compaction, of delete and of a summary update.
+
+A child process runs one store operation with its filesystem-changing system calls
+traced (tests/reliability/_children.py) and stops at a chosen point; the test
+SIGKILLs it there, reaps it, and then checks the promises:
+
+* ``load`` works and returns exactly the batches committed so far, each whole, none
+  twice, in commit order; the killed batch is there if and only if the child's
+  trace shows the move of its temp file to a part name (the commit point);
+* a delete is all or nothing: the session is gone if and only if the trace shows
+  its rename into ``.trash``;
+* every summary the store reports agrees with a fold of the transcript;
+* ``list_sessions`` / ``list_subkeys`` report exactly the transcripts that load;
+* a new writer gets the lock within ``stale_lock_seconds`` plus a small margin,
+  and its batch lands after everything else.
+
+The named points run in every test run; the random campaign picks operation,
+batch, fsync, compaction and the k-th system call from a seed, printed so that a
+failure replays with ``FSSTORE_CRASH_SEED=<seed>`` (``FSSTORE_CRASH_ROUNDS`` sets
+the rounds per seed).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from fsstore._store import SyncStore
+
+from . import _children
+from ._check import assert_summaries_consistent, assert_transcript, batch, temp_files
+
+STALE = 2.0
+MARGIN = 2.0  # seconds on top of stale_lock_seconds a new writer may need
+PROJECT = "-crash-project"
+MAIN = {"project_key": PROJECT, "session_id": "s-main"}
+SUB = {**MAIN, "subpath": "subagents/agent-1"}
+
+
+def kj(key: dict[str, str]) -> str:
+    return json.dumps(key, sort_keys=True)
+
+
+@dataclass
+class Model:
+    """What must be in the store: each transcript's batches, in commit order."""
+
+    root: str
+    opts: dict[str, Any]
+    batches: dict[str, list[tuple[Any, int]]] = field(default_factory=dict)
+    rounds: int = 0
+
+    def store(self, **over: Any) -> SyncStore:
+        return SyncStore(self.root, **{**self.opts, **over})
+
+    def append(self, key: dict[str, str], w: Any, b: int, n: int) -> None:
+        self.store().append(key, batch(w, b, n))
+        self.batches.setdefault(kj(key), []).append((w, b))
+
+    def check(self) -> None:
+        store = self.store()
+        for k, expected in self.batches.items():
+            key = json.loads(k)
+            loaded = store.load(key)
+            if not expected:
+                assert loaded is None, f"{key} should be gone"
+                continue
+            v = assert_transcript(loaded, expected)
+            assert v.batches == expected, f"{key}: commit order changed"
+        # listings report exactly what loads
+        sessions = {s["session_id"] for s in store.list_sessions(PROJECT)}
+        want = {json.loads(k)["session_id"] for k, b in self.batches.items() if b and "subpath" not in json.loads(k)}
+        assert sessions == want
+        for k, b in self.batches.items():
+            key = json.loads(k)
+            if "subpath" in key:
+                subs = store.list_subkeys({"project_key": key["project_key"], "session_id": key["session_id"]})
+                assert (key["subpath"] in subs) == bool(b)
+        assert_summaries_consistent(store, PROJECT)
+
+    def forget(self, key: dict[str, str]) -> None:
+        """delete(key): a main key takes its whole session (subpaths too), a subpath itself."""
+        if key.get("subpath"):
+            self.batches[kj(key)] = []
+            return
+        for k in self.batches:
+            other = json.loads(k)
+            if other["project_key"] == key["project_key"] and other["session_id"] == key["session_id"]:
+                self.batches[k] = []
+
+
+def run_child(procs: Any, root: str, spec: dict[str, Any]) -> tuple[str, Any]:
+    """Start the crash child; kill -9 it when it reports its point. Returns (kind, msg)."""
+    parent, child = procs.Pipe(duplex=False)
+    p = procs.Process(target=_children.crash_child, args=(root, spec, child))
+    p.start()
+    child.close()
+    try:
+        assert parent.poll(60), "crash child neither stopped nor finished in 60 s"
+        msg = parent.recv()
+    finally:
+        if p.is_alive():
+            p.kill()  # SIGKILL
+        p.join(30)
+        parent.close()
+    assert p.exitcode is not None, "crash child not reaped"
+    if msg[0] == "reached":
+        assert p.exitcode == -9, p.exitcode
+    assert msg[0] in ("reached", "completed"), msg
+    return msg[0], msg
+
+
+def committed(events: list[Any]) -> bool:
+    """Did the trace move a temp file to a part name (the commit point)?"""
+    return any(
+        c in ("renameat2", "link") and o == "ok" and _children.PART.match(n[1]) and n[0].startswith(".tmp-")
+        for c, n, o in events
+    )
+
+
+def deleted(events: list[Any]) -> bool:
+    return any(c == "rename" and o == "ok" and n[1].endswith("-deleted") for c, n, o in events)
+
+
+def recover(model: Model, key: dict[str, str], figures: Any) -> float:
+    """A new writer's append; returns how long it took (lock reclaim included)."""
+    model.rounds += 1
+    t0 = time.monotonic()
+    model.append(key, "recovery", model.rounds, 2)
+    elapsed = time.monotonic() - t0
+    figures.add("appends")
+    assert elapsed < STALE + MARGIN, f"new writer needed {elapsed:.2f}s for the lock (stale {STALE}s)"
+    return elapsed
+
+
+def crash_round(
+    procs: Any, model: Model, figures: Any, *, op: str, key: dict[str, str], spec: dict[str, Any], label: str
+) -> tuple[str, int]:
+    """One kill -9 round and its checks; returns ('reached' or 'completed', syscalls made)."""
+    model.rounds += 1
+    n = spec.pop("n", 3)
+    victim = ("crash", model.rounds)
+    full = {
+        "op": op,
+        "key": key,
+        "batch": batch(victim[0], victim[1], n),
+        "opts": {**model.opts, **spec.pop("opts", {})},
+        **spec,
+    }
+    kind, msg = run_child(procs, model.root, full)
+    events, count = (msg[4], msg[5]) if kind == "reached" else (msg[1], msg[2])
+    if kind == "reached":
+        figures.crash_point(label)
+    if op.startswith("append"):
+        figures.add("appends")
+        if kind == "completed" or committed(events):
+            model.batches.setdefault(kj(key), []).append(victim)
+        else:
+            model.batches.setdefault(kj(key), [])
+    elif op == "delete" and (kind == "completed" or deleted(events)):
+        model.forget(key)
+    model.check()
+    # the killed process's temp files are garbage for `fsstore gc`, never entries
+    figures.add("temp files left by killed writers", len(temp_files(model.root)))
+    elapsed = recover(model, key, figures)
+    figures.maximum("slowest new writer after kill -9 (ms)", int(elapsed * 1000))
+    model.check()
+    return kind, count
+
+
+def fresh_model(root: Path, **opts: Any) -> Model:
+    model = Model(str(root), {"stale_lock_seconds": STALE, "lock_timeout_seconds": STALE + 10, **opts})
+    model.append(MAIN, "warmup", 0, 2)
+    model.append(SUB, "warmup", 1, 2)
+    return model
+
+
+@pytest.mark.parametrize("point", sorted(_children.POINTS))
+def test_kill_9_at_named_point_leaves_store_consistent(
+    point: str, procs: Any, tmp_path: Path, figures: Any
+) -> None:
+    op, fsync, _cond = _children.POINTS[point]
+    opts: dict[str, Any] = {"fsync": fsync}
+    if op == "append_compacting":
+        opts["compact_every"] = 4
+    model = fresh_model(tmp_path / "store", **opts)
+    key = MAIN
+    if op == "append_compacting":
+        model.append(MAIN, "warmup", 2, 1)  # parts 1, 2 (+ this) ... the child's is the 4th
+        model.append(MAIN, "warmup", 3, 1)
+        op = "append"
+    elif op == "append_new_hashed":
+        key = {"project_key": PROJECT, "session_id": "h" * 300}
+    elif op == "append_new":
+        key = {"project_key": PROJECT, "session_id": "s-new"}
+    kind, _count = crash_round(
+        procs, model, figures, op="append" if op.startswith("append") else op,
+        key=key, spec={"point": point}, label=point,
+    )
+    assert kind == "reached", f"{point}: the child finished without reaching the point"
+
+
+def _campaign(procs: Any, root: Path, seed: int, rounds: int, figures: Any) -> None:
+    rng = random.Random(seed)
+    model = fresh_model(root / f"seed-{seed}", compact_every=rng.choice([0, 3, 5]))
+    estimate: dict[str, int] = {}
+    for r in range(rounds):
+        roll = rng.random()
+        if roll < 0.55:
+            op, key = "append", MAIN
+        elif roll < 0.75:
+            op, key = "append", SUB
+        elif roll < 0.82:
+            op, key = "append", {"project_key": PROJECT, "session_id": rng.choice(["s-b", "s" * 200])}
+        elif roll < 0.92:
+            op, key = "delete", rng.choice([MAIN, SUB])
+        else:
+            op, key = "compact", rng.choice([MAIN, SUB])
+        est = estimate.get(op, 30)
+        spec = {
+            "k": rng.randint(1, est),
+            "phase": rng.choice(["before", "after"]),
+            "n": rng.randint(1, 6),
+            "opts": {"fsync": rng.random() < 0.3},
+        }
+        label = f"{op}:{spec['phase']}#{spec['k']}"
+        print(f"seed {seed} round {r}: {op} {key} {spec}")
+        kind, count = crash_round(procs, model, figures, op=op, key=key, spec=dict(spec), label=label)
+        if kind == "completed":
+            # k was past the end: aim inside this operation's calls from now on
+            estimate[op] = max(2, count)
+
+
+def _seeds(default: list[int]) -> list[int]:
+    env = os.environ.get("FSSTORE_CRASH_SEED")
+    return [int(s) for s in env.split(",")] if env else default
+
+
+@pytest.mark.parametrize("seed", _seeds([20250101, 7]))
+def test_kill_9_at_random_syscall_keeps_every_promise(seed: int, procs: Any, tmp_path: Path, figures: Any) -> None:
+    rounds = int(os.environ.get("FSSTORE_CRASH_ROUNDS", "12"))
+    print(f"crash campaign seed={seed} rounds={rounds} (replay: FSSTORE_CRASH_SEED={seed})")
+    _campaign(procs, tmp_path, seed, rounds, figures)
+
+
+@pytest.mark.soak
+@pytest.mark.parametrize("seed", _seeds(list(range(1000, 1020))))
+def test_soak_kill_9_campaign(seed: int, procs: Any, tmp_path: Path, figures: Any) -> None:
+    rounds = int(os.environ.get("FSSTORE_CRASH_ROUNDS", "60"))
+    print(f"crash campaign seed={seed} rounds={rounds} (replay: FSSTORE_CRASH_SEED={seed})")
+    _campaign(procs, tmp_path, seed, rounds, figures)
