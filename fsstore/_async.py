@@ -22,6 +22,9 @@ from ._store import SyncStore
 class FsSessionStore:
     """A ``SessionStore`` on a directory, typically on a shared mount.
 
+    Entries and listings are typed ``list[Any]`` so that the class matches the
+    SDKs' ``SessionStore`` protocols (whose TypedDicts fsstore does not import).
+
     Args:
         root: the store directory; created on first write.
         fsync: fsync each part before it becomes visible and the directory after
@@ -66,16 +69,16 @@ class FsSessionStore:
     def __repr__(self) -> str:
         return f"FsSessionStore(root={self.root!r})"
 
-    async def append(self, key: Mapping[str, Any], entries: list[dict[str, Any]]) -> None:
+    async def append(self, key: Mapping[str, Any], entries: list[Any]) -> None:
         await to_thread.run_sync(self.sync.append, key, entries)
 
-    async def load(self, key: Mapping[str, Any]) -> list[dict[str, Any]] | None:
+    async def load(self, key: Mapping[str, Any]) -> list[Any] | None:
         return await to_thread.run_sync(self.sync.load, key)
 
-    async def list_sessions(self, project_key: str) -> list[dict[str, Any]]:
+    async def list_sessions(self, project_key: str) -> list[Any]:
         return await to_thread.run_sync(self.sync.list_sessions, project_key)
 
-    async def list_session_summaries(self, project_key: str) -> list[dict[str, Any]]:
+    async def list_session_summaries(self, project_key: str) -> list[Any]:
         return await to_thread.run_sync(self.sync.list_session_summaries, project_key)
 
     async def delete(self, key: Mapping[str, Any]) -> None:

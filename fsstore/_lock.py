@@ -26,7 +26,7 @@ from collections.abc import Iterator
 
 import filelock
 
-from ._errors import FsStoreError
+from ._errors import FsStoreError, log
 
 _IDLE_LOCKS = 256
 
@@ -118,7 +118,14 @@ class Locks:
                 try:
                     yield Held(lock_path, time.monotonic(), self.stale / 2)
                 finally:
-                    soft.release()
+                    try:
+                        soft.release()
+                    except OSError as exc:
+                        # The work under the lock is done (a commit may be visible);
+                        # failing now would make the caller retry it. A marker left
+                        # behind is reclaimed like a crashed holder's.
+                        log.warning("lock release failed: %s", exc, extra={
+                            "code": "LOCK_RELEASE_FAILED", "operation": operation, "path": lock_path})
             finally:
                 local.release()
         finally:

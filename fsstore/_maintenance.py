@@ -327,6 +327,10 @@ class _Changed(Exception):
     """The transcript changed under the walker (a compaction or a commit): list again."""
 
 
+class _Deleted(Exception):
+    """The transcript directory was moved away (a delete) while the walker read it."""
+
+
 class Walker:
     """Walks one store; collects problems and garbage as it goes.
 
@@ -610,10 +614,19 @@ class Walker:
             mark = len(self.problems)
             try:
                 return self._inspect(fd, ref, verify=verify, last_try=attempt == _ATTEMPTS - 1)
+            except OSError as exc:
+                del self.problems[mark:]
+                if not _gone(exc):
+                    self.problem("error", "unreadable", self.path(ref.comps),
+                                 f"cannot read the transcript: {exc.strerror}", code=_code(exc))
+                return None
             except _Changed:
                 del self.problems[mark:]  # findings of the stale listing do not count
                 time.sleep(0.005 * attempt)
                 continue
+            except _Deleted:
+                del self.problems[mark:]
+                return None
             finally:
                 os.close(fd)
         return None  # unreachable: the last try never raises _Changed
@@ -674,6 +687,16 @@ class Walker:
             if state is not None and state.seq > info.last_seq:
                 self._state_ahead(fd, info, state.seq, last_try)
             self._verify(fd, info, last_try)
+        try:
+            moved = not _fsio.same_dir(fd, self.rfd, ref.comps)
+        except OSError as exc:  # ESTALE: replaced on another host
+            moved = True
+            if not _gone(exc):
+                raise
+        if moved:
+            # Deleted (renamed into .trash) while we looked: whatever a half-removed
+            # directory seemed to lack is not damage.
+            raise _Deleted(path)
         return info
 
     def _exists(self, fd: int, name: str) -> bool:

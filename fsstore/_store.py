@@ -17,7 +17,7 @@ from ._errors import FsStoreError, log, translating
 from ._fsio import Fs
 from ._keys import TranscriptKey
 from ._layout import Component
-from ._lock import Locks
+from ._lock import Held, Locks
 from ._transcript import (
     State,
     Vanished,
@@ -101,7 +101,7 @@ class SyncStore:
 
     # -- append --------------------------------------------------------------------
 
-    def append(self, key: Mapping[str, Any], entries: list[dict[str, Any]]) -> None:
+    def append(self, key: Mapping[str, Any], entries: list[Any]) -> None:
         op = "append"
         tk = _keys.parse_key(key, op)
         if isinstance(entries, list) and not entries:
@@ -151,21 +151,48 @@ class SyncStore:
                         held.check(op)
                         seq = commit(self._fs, dfd, tmp, state.seq)
                         committed = True
-                        self._fs.sync_dir(dfd)
-                        new = self._after_commit(tk, dfd, path, state, seq, entries)
-                        try:
-                            write_state(self._fs, dfd, new)
-                        except OSError as exc:
-                            log_state_failure(exc, path)
-                        if self._compact_every and seq - new.compacted >= self._compact_every:
-                            self._auto_compact(dfd, path, held, new)
+                        self._finish_commit(tk, dfd, path, held, state, seq, entries)
                 finally:
                     if not committed:
                         _fsio.unlink_quiet(dfd, tmp)
             finally:
                 os.close(dfd)
 
-    def _auto_compact(self, dfd: int, path: str, held: Any, state: State) -> None:
+    def _finish_commit(
+        self,
+        tk: TranscriptKey,
+        dfd: int,
+        path: str,
+        held: Held,
+        state: State,
+        seq: int,
+        entries: list[dict[str, Any]],
+    ) -> None:
+        """Everything after the commit point. Nothing here fails the append.
+
+        The batch is visible from the moment it got its name; raising now would make
+        the SDK retry it, and a retried batch is stored twice (entries without a
+        uuid are not de-duplicated). So failures here are logged: the state file
+        and summary heal, and a failed directory fsync is the operator's to see.
+        """
+        try:
+            self._fs.sync_dir(dfd)
+        except OSError as exc:
+            code = errno.errorcode.get(exc.errno or 0, "EIO")
+            log.error(
+                "batch committed and visible, but the directory fsync failed (%s): it may not "
+                "survive a power loss", exc,
+                extra={"code": code, "operation": "append", "path": path, "errno": exc.errno},
+            )
+        new = self._after_commit(tk, dfd, path, state, seq, entries)
+        try:
+            write_state(self._fs, dfd, new)
+        except OSError as exc:
+            log_state_failure(exc, path)
+        if self._compact_every and seq - new.compacted >= self._compact_every:
+            self._auto_compact(dfd, path, held, new)
+
+    def _auto_compact(self, dfd: int, path: str, held: Held, state: State) -> None:
         try:
             _compact.compact(self._fs, dfd, path, held, state, everything=False, operation="compact")
         except (OSError, FsStoreError) as exc:
@@ -241,7 +268,7 @@ class SyncStore:
 
     # -- load ----------------------------------------------------------------------
 
-    def load(self, key: Mapping[str, Any]) -> list[dict[str, Any]] | None:
+    def load(self, key: Mapping[str, Any]) -> list[Any] | None:
         op = "load"
         tk = _keys.parse_key(key, op)
         comps = _layout.transcript_dirs(tk)

@@ -593,3 +593,28 @@ def test_public_surface_is_small() -> None:
     import fsstore
 
     assert sorted(fsstore.__all__) == ["FsSessionStore", "FsStoreError"]
+
+
+def test_failure_after_the_commit_point_does_not_fail_the_append(
+    root: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A raise after commit would make the SDK retry, storing uuid-less entries twice."""
+    import stat as stat_mod
+
+    real = os.fsync
+
+    def dir_fsync_eio(fd: int) -> None:
+        if stat_mod.S_ISDIR(os.fstat(fd).st_mode):
+            raise OSError(errno.EIO, "Input/output error")
+        real(fd)
+
+    store = SyncStore(root, fsync=True)
+    store.append(KEY, [entry(1)])
+    monkeypatch.setattr(os, "fsync", dir_fsync_eio)
+    with caplog.at_level(logging.ERROR, logger="fsstore"):
+        store.append(KEY, [{"type": "last-prompt", "lastPrompt": "no uuid"}])
+    monkeypatch.undo()
+    assert store.load(KEY) == [entry(1), {"type": "last-prompt", "lastPrompt": "no uuid"}]
+    [record] = [r for r in caplog.records if r.levelno >= logging.ERROR]
+    assert record.code == "EIO" and record.operation == "append"  # type: ignore[attr-defined]
+
