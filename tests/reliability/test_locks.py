@@ -1,0 +1,174 @@
+"""Who may break a transcript lock, and when.
+
+* A dead holder on this host: at once.
+* A live holder: never before ``stale_lock_seconds`` (its marker's age), then yes.
+* A holder recorded on another host (a real process in its own UTS namespace with
+  another hostname, then killed): by age only, never because its pid is not
+  running here.
+
+"When" is measured on the marker itself: a thread polls the lock file's inode,
+and the last time it still saw the holder's marker bounds from below the moment
+it was broken.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from fsstore import FsStoreError
+from fsstore._store import SyncStore
+
+from . import _children, _mounts
+from ._check import batch
+
+STALE = 2.0
+SLACK = 0.15  # filelock compares time.time() with the marker mtime; polls every 50 ms
+MARGIN = 2.0
+KEY = {"project_key": "-locks", "session_id": "s"}
+REPO = Path(__file__).resolve().parents[2]
+
+
+def lock_file(root: str) -> Path:
+    found = [Path(d, "lock") for d, _dirs, files in os.walk(root) if "lock" in files]
+    assert len(found) == 1, found
+    return found[0]
+
+
+class MarkerWatch:
+    """Polls the lock path; remembers until when the original marker was still there."""
+
+    def __init__(self, path: Path) -> None:
+        st = path.stat()
+        self.path = path
+        self.ino = st.st_ino
+        self.mtime = st.st_mtime
+        self.last_seen = time.time()
+        self.first_gone: float | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while True:
+            stopping = self._stop.is_set()  # poll once more after stop(): see the final state
+            now = time.time()
+            try:
+                same = os.lstat(self.path).st_ino == self.ino
+            except FileNotFoundError:
+                same = False
+            if same:
+                self.last_seen = now
+            elif self.first_gone is None:
+                self.first_gone = now
+                return
+            if stopping:
+                return
+            time.sleep(0.005)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(5)
+
+
+def contend(root: str, timeout: float, b: int) -> tuple[float, FsStoreError | None]:
+    store = SyncStore(root, stale_lock_seconds=STALE, lock_timeout_seconds=timeout)
+    t0 = time.monotonic()
+    try:
+        store.append(KEY, batch("contender", b, 1))
+    except FsStoreError as exc:
+        return time.monotonic() - t0, exc
+    return time.monotonic() - t0, None
+
+
+def test_dead_holder_on_this_host_is_reclaimed_at_once(procs: Any, tmp_path: Path, figures: Any) -> None:
+    root = str(tmp_path / "store")
+    parent, child = procs.Pipe(duplex=False)
+    p = procs.Process(target=_children.hold_lock, args=(root, KEY, {"stale_lock_seconds": STALE}, child))
+    p.start()
+    child.close()
+    assert parent.poll(30) and parent.recv()[0] == "locked"
+    p.kill()
+    p.join(10)
+    figures.crash_point("lock_holder_idle")
+    elapsed, err = contend(root, 10, 0)
+    assert err is None
+    assert elapsed < 1.0, f"a dead local holder's lock took {elapsed:.2f}s to reclaim"
+    figures.add("appends")
+
+
+def test_live_holder_is_never_broken_before_stale_lock_seconds(procs: Any, tmp_path: Path, figures: Any) -> None:
+    root = str(tmp_path / "store")
+    SyncStore(root).append(KEY, batch("first", 0, 1))
+    parent, child = procs.Pipe(duplex=False)
+    p = procs.Process(target=_children.hold_lock, args=(root, KEY, {"stale_lock_seconds": STALE}, child))
+    p.start()
+    child.close()
+    try:
+        assert parent.poll(30) and parent.recv()[0] == "locked"
+        watch = MarkerWatch(lock_file(root))
+        # a contender that gives up before the marker is stale_lock_seconds old
+        elapsed, err = contend(root, STALE - 1.0, 1)
+        assert err is not None and err.code == "LOCK_TIMEOUT", err
+        assert watch.first_gone is None, "a live holder's lock was broken early"
+        # one that waits long enough gets it, by age, while the holder still lives
+        elapsed, err = contend(root, 10, 2)
+        assert err is None, err
+        watch.stop()
+        assert p.is_alive(), "the holder should still be running"
+        broken_after = watch.last_seen - watch.mtime
+        assert broken_after >= STALE - SLACK, f"live holder's lock broken {broken_after:.2f}s after it was taken"
+        assert watch.first_gone is not None and watch.first_gone - watch.mtime < STALE + MARGIN
+        figures.add("appends", 2)
+        loaded = SyncStore(root).load(KEY)
+        assert [e["w"] for e in loaded or []] == ["first", "contender"]  # the timed-out batch is absent
+    finally:
+        p.kill()
+        p.join(10)
+
+
+def test_holder_on_another_host_is_reclaimed_by_age_only(tmp_path: Path, figures: Any) -> None:
+    if reason := _mounts.unshare_uts_unavailable():
+        pytest.skip(reason)
+    root = str(tmp_path / "store")
+    SyncStore(root).append(KEY, batch("first", 0, 1))
+    other = "fsstore-other-host"
+    cmd = [
+        "unshare", "--uts", "sh", "-c", f'hostname {other} && exec "$0" "$@"',
+        sys.executable, "-m", "tests.reliability._children", "hold-lock",
+        root, json.dumps(KEY), json.dumps({"stale_lock_seconds": STALE}),
+    ]
+    env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        line = proc.stdout.readline() if proc.stdout else ""
+        assert line.startswith("locked"), (line, proc.stderr.read() if proc.stderr else "")
+        _word, pid, host = line.split()
+        assert host == other and int(pid) == proc.pid
+        marker = lock_file(root)
+        assert f"\n{other}\n" in marker.read_text(), marker.read_text()
+        watch = MarkerWatch(marker)
+        proc.kill()  # SIGKILL: its pid is now dead *here*, which must not matter
+        proc.wait(10)
+        figures.crash_point("lock_holder_on_other_host")
+        assert not os.path.exists(f"/proc/{pid}")
+        elapsed, err = contend(root, STALE - 1.0, 1)
+        assert err is not None and err.code == "LOCK_TIMEOUT", "reclaimed by a local pid check"
+        elapsed, err = contend(root, 10, 2)
+        assert err is None, err
+        watch.stop()
+        assert watch.last_seen - watch.mtime >= STALE - SLACK, "reclaimed before its age said so"
+        assert watch.first_gone is not None and watch.first_gone - watch.mtime < STALE + MARGIN
+        figures.add("appends", 2)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
