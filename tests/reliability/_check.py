@@ -22,6 +22,10 @@ SEGMENT = re.compile(r"^[0-9]{20}-[0-9]{20}\.jsonl$")
 
 BatchId = tuple[Any, int]  # (writer, batch number)
 
+#: Totals over the run (the conftest prints them): entries that were acknowledged and
+#: then checked, and entries that were acknowledged but not found (must stay 0).
+TOTALS = {"entries verified (cumulative over checks)": 0, "entries lost": 0}
+
 
 def batch(w: Any, b: int, n: int, *, pad: int = 0) -> list[dict[str, Any]]:
     """Batch ``b`` of writer ``w``: ``n`` user entries that also drive the summary fold."""
@@ -90,10 +94,19 @@ def verify(entries: Sequence[Mapping[str, Any]] | None) -> Verdict:
 
 
 def assert_transcript(
-    entries: Sequence[Mapping[str, Any]] | None, expected: Iterable[BatchId]
+    entries: Sequence[Mapping[str, Any]] | None,
+    expected: Iterable[BatchId],
+    expected_entries: int | None = None,
 ) -> Verdict:
-    """``verify`` and compare with the batches that must be there (order-free)."""
+    """``verify`` and compare with the batches that must be there (order-free).
+
+    ``expected_entries``: how many entries those batches hold; the shortfall, if any,
+    is added to ``TOTALS["entries lost"]`` before the assertions fail.
+    """
     v = verify(entries)
+    if expected_entries is not None:
+        TOTALS["entries verified (cumulative over checks)"] += expected_entries
+        TOTALS["entries lost"] += max(0, expected_entries - v.entries)
     assert v.ok(), v.problems[:10]
     want = set(expected)
     got = set(v.batches)

@@ -32,15 +32,12 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
-import claude_agent_sdk  # noqa: F401 - preloaded: the store folds summaries with it
+import claude_agent_sdk  # preloaded in the forkserver: the store folds summaries with it
 
-import fsstore
 from fsstore import FsStoreError
 from fsstore._store import SyncStore
 
 from ._check import PART, SEGMENT, batch, verify
-
-_ = fsstore
 
 # -- workers ---------------------------------------------------------------------------
 
@@ -60,14 +57,16 @@ def writer(
         store = SyncStore(root, **opts)
         rng = random.Random(seed)
         start.wait(60)
-        done = 0
+        done = entries = 0
         for b in range(nbatches):
             if stop is not None and stop.is_set():
                 break
-            store.append(key, batch(wid, b, rng.randint(1, 5)))
+            n = rng.randint(1, 5)
+            store.append(key, batch(wid, b, n))
             done += 1
-        conn.send(("ok", done))
-    except BaseException:  # reported to the parent, which fails the test
+            entries += n
+        conn.send(("ok", done, entries))
+    except BaseException:  # noqa: BLE001 - reported to the parent, which fails the test
         conn.send(("error", traceback.format_exc()))
 
 
@@ -111,7 +110,7 @@ def reader(
                 if problems and halt_on_problem:
                     stop.set()
         conn.send(("ok", loads, problems, {k: prev.get(k, []) for k in range(len(keys))}))
-    except BaseException:
+    except BaseException:  # noqa: BLE001 - reported to the parent, which fails the test
         conn.send(("error", traceback.format_exc()))
 
 
@@ -364,7 +363,7 @@ def crash_child(root: str, spec: dict[str, Any], conn: Any) -> None:
         conn.send(("completed", tracer.events, tracer.count))
     except FsStoreError as exc:
         conn.send(("fsstore_error", repr(exc), traceback.format_exc()))
-    except BaseException:
+    except BaseException:  # noqa: BLE001 - reported to the parent, which fails the test
         conn.send(("error", traceback.format_exc()))
 
 
@@ -393,7 +392,7 @@ def hold_lock(root: str, key: dict[str, str], opts: dict[str, Any], conn: Any) -
             conn.send(("locked", os.getpid()))
             while True:
                 time.sleep(3600)
-    except BaseException:
+    except BaseException:  # noqa: BLE001 - reported to the parent, which fails the test
         conn.send(("error", traceback.format_exc()))
 
 

@@ -141,8 +141,8 @@ class FaultFs:
         self.proc = proc
         self.total_injected = 0
 
-    def set(self, *rules: dict[str, Any], readdir_pause: dict[str, float] | None = None) -> None:
-        doc = {"rules": list(rules), "readdir_pause": readdir_pause or {}}
+    def set(self, *rules: dict[str, Any]) -> None:
+        doc = {"rules": list(rules)}
         tmp = f"{self.control}.{os.getpid()}.tmp"
         with open(tmp, "w", encoding="utf-8") as fh:
             json.dump(doc, fh)

@@ -89,16 +89,20 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
 
 
 def summary() -> dict[str, Any]:
+    from ._check import TOTALS
+
     out: dict[str, Any] = dict(FIGURES)
+    out.update(TOTALS)
     out["distinct crash points"] = len(CRASH_POINTS)
     out["crash points"] = sorted(CRASH_POINTS)
     out["fault kinds"] = sorted(FAULT_KINDS)
-    out.setdefault("entries lost", 0)
     return out
 
 
 def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pytest.Config) -> None:
-    if not FIGURES:
+    from ._check import TOTALS
+
+    if not FIGURES and not any(TOTALS.values()):
         return
     data = summary()
     terminalreporter.section("fsstore reliability figures")

@@ -8,8 +8,7 @@ Every path under MOUNTPOINT is BACKING's path, passed straight through, except
 where a rule in CONTROL (a JSON file, re-read whenever it is replaced) says to
 fail::
 
-    {"rules": [{"op": "write", "path": "/\\\\.tmp-[^/]*$", "errno": "ENOSPC", "times": null}],
-     "readdir_pause": {"every": 0, "seconds": 0}}
+    {"rules": [{"op": "write", "path": "/\\\\.tmp-[^/]*$", "errno": "ENOSPC", "times": null}]}
 
 * ``op``: the FUSE operation (``getattr`` also answers kernel lookups, ``create``,
   ``open``, ``read``, ``write``, ``fsync``, ``fsyncdir``, ``mkdir``, ``rename``,
@@ -21,10 +20,8 @@ fail::
 * ``times``: how many calls fail (``null``: every call while the rule is there).
 
 Each injected fault is appended to LOG as ``op errno path``, so a test can prove its
-fault really fired. ``readdir_pause`` makes directory listings slow and non-atomic
-(a pause every ``every`` entries while the backing directory is being read), the
-way NFS and large directories behave; it needs ``--threads`` so that other
-operations run during a listing.
+fault really fired. ``--threads`` runs libfuse multi-threaded (default: one thread,
+so faults land deterministically).
 
 The filesystem is mounted with entry/attr/negative timeouts of 0, ``direct_io``,
 ``use_ino`` and ``hard_remove``, so every lookup, read and write reaches it.
@@ -37,13 +34,11 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import errno
-import hashlib
 import json
 import os
 import re
 import sys
 import threading
-import time
 from typing import Any
 
 import mfusepy
@@ -89,8 +84,6 @@ class FaultFS(mfusepy.Operations):
         self._lock = threading.Lock()
         self._stamp: tuple[int, int, int] | None = None
         self._rules: list[dict[str, Any]] = []
-        self._pause_every = 0
-        self._pause_seconds = 0.0
 
     # -- rules ---------------------------------------------------------------------
 
@@ -119,9 +112,6 @@ class FaultFS(mfusepy.Operations):
                 }
             )
         self._rules = rules
-        pause = doc.get("readdir_pause") or {}
-        self._pause_every = int(pause.get("every", 0))
-        self._pause_seconds = float(pause.get("seconds", 0.0))
 
     def _check(self, op: str, *paths: str) -> None:
         with self._lock:
@@ -277,42 +267,18 @@ class FaultFS(mfusepy.Operations):
 
     def readdir(self, path: str, fh: int) -> Any:
         self._check("readdir", path)
-        every, pause = self._pause_every, self._pause_seconds
         full = self._full(path)
         # use_ino: the kernel needs real inode numbers (glibc hides d_ino == 0).
         own = os.stat(full).st_ino
         yield (".", {"st_ino": own, "st_mode": 0o040000}, 0)
         yield ("..", {"st_ino": own, "st_mode": 0o040000}, 0)
-        if not every:
-            with os.scandir(full) as it:
-                for entry in it:
-                    item = self._dirent(full, entry.name)
-                    if item is not None:
-                        yield item
-            return
-        # NFS- and ext4-htree-like listing: entries come in hash order, a chunk at a
-        # time, each chunk read afresh after the last hash returned (the "cookie").
-        # A name added behind the cookie is missed, one added ahead of it is seen.
-        cookie: tuple[bytes, str] | None = None
-        while True:
-            keyed = sorted((hashlib.md5(n.encode()).digest(), n) for n in os.listdir(full))
-            chunk = [kn for kn in keyed if cookie is None or kn > cookie][:every]
-            if not chunk:
-                return
-            for kn in chunk:
-                item = self._dirent(full, kn[1])
-                if item is not None:
-                    yield item
-            cookie = chunk[-1]
-            time.sleep(pause)
-
-    @staticmethod
-    def _dirent(full: str, name: str) -> Any:
-        try:
-            st = os.lstat(os.path.join(full, name))
-        except FileNotFoundError:
-            return None
-        return (name, {"st_ino": st.st_ino, "st_mode": st.st_mode & 0o170000}, 0)
+        with os.scandir(full) as it:
+            for entry in it:
+                try:
+                    st = entry.stat(follow_symlinks=False)
+                except FileNotFoundError:
+                    continue
+                yield (entry.name, {"st_ino": st.st_ino, "st_mode": st.st_mode & 0o170000}, 0)
 
     def releasedir(self, path: str, fh: int) -> int:
         os.close(fh)

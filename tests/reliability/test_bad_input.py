@@ -90,12 +90,18 @@ def call(store: SyncStore, op: str, key: Any) -> Any:
     raise AssertionError(op)
 
 
-@pytest.mark.parametrize("op", ["append", "load", "delete", "list_subkeys", "lock"])
-@pytest.mark.parametrize("name", list(BAD_KEYS))
+# list_subkeys(key) ignores key["subpath"] (it lists them), so it only sees the other shapes
+KEY_CASES = [
+    (name, op)
+    for name in BAD_KEYS
+    for op in ("append", "load", "delete", "list_subkeys", "lock")
+    if not (op == "list_subkeys" and "subpath" in name)
+]
+
+
+@pytest.mark.parametrize(("name", "op"), KEY_CASES)
 def test_malformed_key_is_invalid_key_and_writes_nothing(tmp_path: Path, name: str, op: str) -> None:
     key = BAD_KEYS[name]
-    if op == "list_subkeys" and "subpath" in name:
-        pytest.skip("list_subkeys ignores a subpath (it lists them)")
     store, root = populated(tmp_path)
     before = snapshot(root)
     with pytest.raises(FsStoreError) as info:

@@ -174,7 +174,7 @@ class Scene:
         for which, key in self.keys.items():
             loaded = store.load(key)
             if self.expected[which]:
-                v = assert_transcript(loaded, self.expected[which])
+                v = assert_transcript(loaded, self.expected[which], 2 * len(self.expected[which]))
                 assert v.batches == self.expected[which]
             else:
                 assert loaded is None, (which, loaded)

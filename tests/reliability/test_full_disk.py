@@ -72,6 +72,7 @@ class Book:
         self.root = root
         self.store = SyncStore(root, **opts)
         self.expected: dict[str, list[tuple[Any, int]]] = {"main": [], "sub": []}
+        self.sizes: dict[tuple[Any, int], int] = {}
         self.keys = {"main": KEY, "sub": SUB}
         self.n = 0
 
@@ -82,13 +83,14 @@ class Book:
         except FsStoreError as exc:
             return exc
         self.expected[which].append((which, self.n))
+        self.sizes[(which, self.n)] = n
         return None
 
     def check(self) -> None:
         for which, key in self.keys.items():
             loaded = self.store.load(key)
             if self.expected[which]:
-                v = assert_transcript(loaded, self.expected[which])
+                v = assert_transcript(loaded, self.expected[which], sum(self.sizes[b] for b in self.expected[which]))
                 assert v.batches == self.expected[which]
             else:
                 assert loaded is None

@@ -116,11 +116,11 @@ def test_live_holder_is_never_broken_before_stale_lock_seconds(procs: Any, tmp_p
         assert parent.poll(30) and parent.recv()[0] == "locked"
         watch = MarkerWatch(lock_file(root))
         # a contender that gives up before the marker is stale_lock_seconds old
-        elapsed, err = contend(root, STALE - 1.0, 1)
+        _elapsed, err = contend(root, STALE - 1.0, 1)
         assert err is not None and err.code == "LOCK_TIMEOUT", err
         assert watch.first_gone is None, "a live holder's lock was broken early"
         # one that waits long enough gets it, by age, while the holder still lives
-        elapsed, err = contend(root, 10, 2)
+        _elapsed, err = contend(root, 10, 2)
         assert err is None, err
         watch.stop()
         assert p.is_alive(), "the holder should still be running"
@@ -160,9 +160,9 @@ def test_holder_on_another_host_is_reclaimed_by_age_only(tmp_path: Path, figures
         proc.wait(10)
         figures.crash_point("lock_holder_on_other_host")
         assert not os.path.exists(f"/proc/{pid}")
-        elapsed, err = contend(root, STALE - 1.0, 1)
+        _elapsed, err = contend(root, STALE - 1.0, 1)
         assert err is not None and err.code == "LOCK_TIMEOUT", "reclaimed by a local pid check"
-        elapsed, err = contend(root, 10, 2)
+        _elapsed, err = contend(root, 10, 2)
         assert err is None, err
         watch.stop()
         assert watch.last_seen - watch.mtime >= STALE - SLACK, "reclaimed before its age said so"

@@ -411,8 +411,8 @@ def test_everything_the_store_creates_is_0700_or_0600(tmp_path: Path, umask: str
 def test_missing_parents_of_root_are_created_0700_too(tmp_path: Path) -> None:
     root = tmp_path / "a" / "b" / "store"
     out = subprocess.run(
-        [sys.executable, "-c", "import os,sys; os.umask(0o022); from fsstore._store import SyncStore; "
-         "SyncStore(sys.argv[1]).append({'project_key':'p','session_id':'s'}, [{}])", str(root)],
+        [sys.executable, "-c", ("import os,sys; os.umask(0o022); from fsstore._store import SyncStore; "
+         "SyncStore(sys.argv[1]).append({'project_key':'p','session_id':'s'}, [{}])"), str(root)],
         capture_output=True, text=True, timeout=60, check=False)
     assert out.returncode == 0, out.stderr
     for p in (tmp_path / "a", tmp_path / "a" / "b", root):
