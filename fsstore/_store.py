@@ -274,7 +274,7 @@ class SyncStore:
         comps = _layout.transcript_dirs(tk)
         path = self._path(comps)
         with translating(op, path):
-            for _attempt in range(_LOAD_ATTEMPTS):
+            for attempt in range(_LOAD_ATTEMPTS):
                 with self._open_root(create=False) as rfd:
                     if rfd is None:
                         return None
@@ -283,7 +283,9 @@ class SyncStore:
                         return None
                     try:
                         try:
-                            batches = read_batches(dfd, path, op)
+                            # A gap seen in three listings in a row is damage (a part
+                            # deleted by hand), not a race: load what is there.
+                            batches = read_batches(dfd, path, op, gaps_are_races=attempt < 3)
                         except Vanished:
                             continue
                         if not _fsio.same_dir(dfd, rfd, [n for n, _ in comps]):

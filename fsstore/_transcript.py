@@ -235,12 +235,32 @@ def parse(data: bytes, path: str, operation: str) -> list[dict[str, Any]]:
     raise FsStoreError("CORRUPT", "line structure is damaged", operation=operation, path=path)
 
 
-def read_batches(dir_fd: int, path: str, operation: str) -> list[tuple[int, list[dict[str, Any]]]]:
-    """``(last sequence, raw entries)`` of every committed file in order; Vanished on a race."""
+def has_gap(chosen: list[tuple[int, int, str]]) -> bool:
+    """Whether the chosen files skip a sequence number (fsstore itself never leaves one)."""
+    expected = 1
+    for first, last, _name in chosen:
+        if first != expected:
+            return True
+        expected = last + 1
+    return False
+
+
+def read_batches(
+    dir_fd: int, path: str, operation: str, *, gaps_are_races: bool = False
+) -> list[tuple[int, list[dict[str, Any]]]]:
+    """``(last sequence, raw entries)`` of every committed file in order; Vanished on a race.
+
+    With ``gaps_are_races``, a listing that skips a sequence number also counts as a
+    race: a directory listing is not atomic once it takes more than one getdents
+    call, so a part committed (or a segment made) while it ran can be missing while a
+    later part is present. Listing again settles it; a gap that stays is damage.
+    """
     try:
         chosen = plan(scan_items(dir_fd))
     except ValueError as exc:
         raise FsStoreError("CORRUPT", str(exc), operation=operation, path=path) from exc
+    if gaps_are_races and has_gap(chosen):
+        raise Vanished("a sequence number is missing from the listing")
     batches = []
     for _first, last, name in chosen:
         try:
