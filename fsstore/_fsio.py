@@ -97,10 +97,17 @@ except (OSError, AttributeError):  # pragma: no cover - not glibc/musl
     _syscall = None
 
 
-def _openat2_dir(base_fd: int, relpath: bytes) -> int:
+_O_PATH = getattr(os, "O_PATH", 0)
+_PATH_HOW = _OpenHow(
+    _O_PATH | os.O_NOFOLLOW | _CLOEXEC, 0,
+    _RESOLVE_NO_MAGICLINKS | _RESOLVE_NO_SYMLINKS | _RESOLVE_BENEATH,
+)
+
+
+def _openat2_dir(base_fd: int, relpath: bytes, how: _OpenHow = _DIR_HOW) -> int:
     """fd of ``base/relpath`` resolved without symlinks; OSError as openat2 reports it."""
     fd = _syscall(_SYS_OPENAT2, ctypes.c_int(base_fd), relpath,
-                  ctypes.byref(_DIR_HOW), ctypes.c_size_t(ctypes.sizeof(_DIR_HOW)))
+                  ctypes.byref(how), ctypes.c_size_t(ctypes.sizeof(how)))
     if fd < 0:
         err = ctypes.get_errno()
         raise OSError(err, os.strerror(err))
@@ -174,6 +181,35 @@ class Fs:
             if fd >= 0:
                 os.close(fd)
 
+    def stat_beneath(self, base_fd: int, relpath: str) -> os.stat_result:
+        """``lstat`` of ``base/relpath`` without following a symlink in any component.
+
+        Raises FileNotFoundError, or NotADirectoryError / an ELOOP OSError where a
+        component is not a real directory.
+        """
+        if self.openat2_ok and _O_PATH:
+            try:
+                fd = _openat2_dir(base_fd, os.fsencode(relpath), _PATH_HOW)
+            except OSError as exc:
+                if exc.errno not in (errno.ENOSYS, errno.E2BIG, errno.EPERM):
+                    raise
+                self.openat2_ok = False
+            else:
+                try:
+                    return os.fstat(fd)
+                finally:
+                    os.close(fd)
+        *dirs, last = relpath.split("/")
+        fd = os.dup(base_fd)
+        try:
+            for name in dirs:
+                nfd = os.open(name, DIR_FLAGS, dir_fd=fd)
+                os.close(fd)
+                fd = nfd
+            return os.stat(last, dir_fd=fd, follow_symlinks=False)
+        finally:
+            os.close(fd)
+
     def make_dir(self, parent_fd: int, name: str, original: str | None) -> None:
         """Create a directory; hashed names appear atomically with their ``.key`` file."""
         if original is None:
@@ -204,6 +240,18 @@ class Fs:
                 if tmp:
                     remove_tree(parent_fd, tmp)
         self.sync_dir(parent_fd)
+
+    def make_dirs(self, path: str) -> None:
+        """``mkdir -p`` where every directory created gets ``dir_mode`` (not 0777 & ~umask)."""
+        parent, _name = os.path.split(path)
+        if parent and parent != path and not os.path.isdir(parent):
+            self.make_dirs(parent)
+        try:
+            os.mkdir(path, self.dir_mode)
+        except FileExistsError:
+            return
+        if self._fchmod_dirs:
+            os.chmod(path, self.dir_mode)
 
     def _fix_dir_mode(self, parent_fd: int, name: str) -> None:
         if self._fchmod_dirs:

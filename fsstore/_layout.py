@@ -3,6 +3,7 @@
     <root>/projects/<P>/sessions/<S>/main/            the main transcript
     <root>/projects/<P>/sessions/<S>/subkeys/<SP>/    one subagent transcript
     <root>/.trash/                                    deletes in progress
+    <root>/.locks/<hash>.lock                         commit locks, while held
 
 ``P``, ``S`` and ``SP`` are encoded key parts (:mod:`fsstore._keys`). Inside a
 transcript directory:
@@ -10,12 +11,12 @@ transcript directory:
     00000000000000000001.jsonl                        a part: one committed batch
     00000000000000000001-00000000000000000300.jsonl   a segment: parts 1..300 merged
     state.json                                        last sequence, summary (a hint)
-    lock                                              the commit lock, while held
     .tmp-*                                            temp files (garbage once old)
 """
 
 from __future__ import annotations
 
+import hashlib
 import re
 
 from . import _keys
@@ -26,8 +27,9 @@ SESSIONS = "sessions"
 MAIN = "main"
 SUBKEYS = "subkeys"
 TRASH = ".trash"
+LOCKS = ".locks"
+LOCK = "lock"  # format 0 location (inside the transcript directory); kept until the CLI moves
 STATE = "state.json"
-LOCK = "lock"
 
 Component = tuple[str, "str | None"]
 
@@ -58,6 +60,11 @@ def transcript_dirs(key: TranscriptKey) -> list[Component]:
 
 def rel(components: list[Component]) -> str:
     return "/".join(name for name, _ in components)
+
+
+def lock_name(transcript: list[Component]) -> str:
+    """``.locks/`` entry of a transcript: SHA-256 of its relative path, 40 hex digits."""
+    return hashlib.sha256(rel(transcript).encode("ascii")).hexdigest()[:40] + ".lock"
 
 
 def part_name(seq: int) -> str:

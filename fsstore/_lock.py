@@ -1,10 +1,21 @@
 """The per-transcript commit lock: an in-process lock, then filelock's SoftFileLock.
 
-The lock file is ``<transcript dir>/lock``, created by filelock with ``O_CREAT |
-O_EXCL | O_NOFOLLOW`` and holding ``pid\\nhost\\nstart-token\\n``. filelock reclaims
-it when the recorded holder is on this host and dead, or when the marker is older
-than ``stale_lock_seconds`` (``lifetime``) whoever holds it: a holder on another host
-is reclaimed by age only, never by a local pid check.
+The lock file is ``<root>/.locks/<hash of the transcript path>.lock`` (see
+:func:`fsstore._layout.lock_name`), created by filelock with ``O_CREAT | O_EXCL |
+O_NOFOLLOW`` and holding ``pid\\nhost\\nstart-token\\n``. It lives in one flat directory
+right under root, not in the transcript directory, because filelock works by path:
+it resolves every component of the lock path and ``mkdir -p``'s missing ones, so a
+lock inside a transcript directory would follow a directory swapped for a symlink,
+and would recreate a directory that a concurrent delete just moved away.
+
+filelock reclaims a marker when the recorded holder is on this host and dead, or
+when it is older than ``stale_lock_seconds`` (``lifetime``) whoever holds it: a
+holder on another host is reclaimed by age only, never by a local pid check.
+filelock 4.3 takes a stale marker over with ``renameat2(RENAME_EXCHANGE)`` and gives
+up when the filesystem lacks it (NFS, most FUSE filesystems), which would leave a
+crashed writer's lock in place forever. So while waiting, fsstore applies the same
+two rules itself (:meth:`Locks._reclaim_if_stale`): rename the marker aside, check
+it is the one judged stale, remove it.
 
 Age-based expiry can admit a second holder while a stalled first one still runs
 (filelock warns about exactly this). fsstore is built so that this costs ordering
@@ -20,6 +31,10 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import os
+import secrets
+import socket
+import stat
 import threading
 import time
 from collections.abc import Iterator
@@ -29,6 +44,16 @@ import filelock
 from ._errors import FsStoreError, log
 
 _IDLE_LOCKS = 256
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # exists, owned by someone else
+        return True
+    return True
 
 
 class _SoftLock(filelock.SoftFileLock):
@@ -111,10 +136,7 @@ class Locks:
                     soft = entry.soft = _SoftLock(
                         lock_path, mode=self.mode, thread_local=False, lifetime=self.stale
                     )
-                try:
-                    soft.acquire(timeout=max(deadline - time.monotonic(), 0))
-                except filelock.Timeout as exc:
-                    raise self._timeout(lock_path, operation, exc) from exc
+                self._acquire(soft, lock_path, operation, deadline)
                 try:
                     yield Held(lock_path, time.monotonic(), self.stale / 2)
                 finally:
@@ -137,6 +159,62 @@ class Locks:
                         self._idle[lock_path] = entry.soft
                         while len(self._idle) > _IDLE_LOCKS:
                             self._idle.popitem(last=False)
+
+    def _acquire(
+        self, soft: filelock.SoftFileLock, lock_path: str, operation: str, deadline: float
+    ) -> None:
+        """Acquire, checking about once a second for a stale marker filelock cannot break."""
+        poll = min(1.0, max(self.stale / 4, 0.05))
+        while True:
+            remaining = deadline - time.monotonic()
+            try:
+                soft.acquire(timeout=max(min(remaining, poll), 0))
+                return
+            except filelock.Timeout as exc:
+                if time.monotonic() >= deadline:
+                    raise self._timeout(lock_path, operation, exc) from exc
+            self._reclaim_if_stale(lock_path, operation)
+
+    def _reclaim_if_stale(self, lock_path: str, operation: str) -> None:
+        """Remove the marker if its holder is provably dead here, or it is past its lifetime."""
+        try:
+            before = os.lstat(lock_path)
+            fd = os.open(lock_path, os.O_RDONLY | os.O_NOFOLLOW)
+            try:
+                content = os.read(fd, 4096).decode("utf-8", "replace")
+            finally:
+                os.close(fd)
+        except OSError:  # gone (released meanwhile), or not ours to read: nothing to reclaim
+            return
+        if not stat.S_ISREG(before.st_mode):
+            return
+        age = time.time() - before.st_mtime
+        lines = content.split("\n")
+        pid = int(lines[0]) if lines[0].isdigit() else None
+        host = lines[1] if len(lines) > 2 else None
+        dead_here = pid is not None and host == socket.gethostname() and not _alive(pid)
+        if not (age >= self.stale or dead_here):
+            return
+        aside = f"{lock_path}.stale-{os.getpid()}-{secrets.token_hex(8)}"
+        try:
+            os.rename(lock_path, aside)
+        except OSError:  # someone else reclaimed or released it first
+            return
+        try:
+            after = os.lstat(aside)
+            if (after.st_ino, after.st_mtime_ns) != (before.st_ino, before.st_mtime_ns):
+                # A new holder took the lock since we looked: put its marker back,
+                # unless yet another one is there already (link refuses to replace).
+                with contextlib.suppress(FileExistsError):
+                    os.link(aside, lock_path)
+                return
+            log.warning(
+                "reclaimed a stale lock (holder pid %s on %s, %.0fs old)", pid, host, age,
+                extra={"code": "LOCK_RECLAIMED", "operation": operation, "path": lock_path},
+            )
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(aside)
 
     def _timeout(self, path: str, operation: str, exc: filelock.Timeout | None) -> FsStoreError:
         # Deliberately not a TimeoutError: the SDK does not retry those, and a lock

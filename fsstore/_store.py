@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import stat
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -82,7 +83,7 @@ class SyncStore:
             if not create:
                 yield None
                 return
-            os.makedirs(self.root, mode=self._fs.dir_mode, exist_ok=True)
+            self._fs.make_dirs(self.root)
             fd = os.open(self.root, flags)
         try:
             yield fd
@@ -98,6 +99,21 @@ class SyncStore:
 
     def _path(self, comps: list[Component]) -> str:
         return f"{self.root}/{_layout.rel(comps)}"
+
+    def _lock_path(self, rfd: int, comps: list[Component], operation: str) -> str:
+        """Path of a transcript's lock file, after checking ``<root>/.locks`` is a real directory.
+
+        filelock opens the lock by path; this check (and creating the directory with
+        ``dir_mode``, which filelock would create 0777 & ~umask) keeps that path inside root.
+        """
+        try:
+            st = os.lstat(_layout.LOCKS, dir_fd=rfd)
+        except FileNotFoundError:
+            self._fs.make_dir(rfd, _layout.LOCKS, None)
+            st = os.lstat(_layout.LOCKS, dir_fd=rfd)
+        if not stat.S_ISDIR(st.st_mode):
+            raise _fsio.unsafe(f"{self.root}/{_layout.LOCKS}", operation)
+        return f"{self.root}/{_layout.LOCKS}/{_layout.lock_name(comps)}"
 
     # -- append --------------------------------------------------------------------
 
@@ -144,7 +160,7 @@ class SyncStore:
                 self._fs.write_new(dfd, tmp, payload)
                 committed = False
                 try:
-                    with self._locks.hold(f"{path}/{_layout.LOCK}", op) as held:
+                    with self._locks.hold(self._lock_path(rfd, comps, op), op) as held:
                         state, _mtime = read_state(dfd)
                         if state is None:
                             state = rebuild_state(dfd)
@@ -327,14 +343,21 @@ class SyncStore:
         last commit by the storage's own clock; the summary uses the same stat.
         """
         try:
-            st = os.stat(f"{name}/{_layout.STATE}", dir_fd=parent_fd, follow_symlinks=False)
+            st = self._fs.stat_beneath(parent_fd, f"{name}/{_layout.STATE}")
             return st.st_mtime_ns // 1_000_000
         except (FileNotFoundError, NotADirectoryError):
             pass
+        except OSError as exc:
+            if exc.errno not in (errno.ELOOP, errno.EXDEV):
+                raise
+            return None  # a symlink inside the transcript path: not ours to report
         # No state file: a first commit whose writer died before writing it.
         try:
-            fd = os.open(name, _fsio.DIR_FLAGS, dir_fd=parent_fd)
-        except (FileNotFoundError, NotADirectoryError):
+            fd = self._fs.open_dir(parent_fd, [(n, None) for n in name.split("/")],
+                                   create=False, base_path=self.root, operation="list")
+        except (FsStoreError, NotADirectoryError):  # a symlink or a file where a directory should be
+            return None
+        if fd is None:
             return None
         try:
             if not scan_items(fd):
@@ -373,10 +396,14 @@ class SyncStore:
             # a project each time the SDK lists them.
             for pfd, entry, session_id in self._children(comps, op):
                 try:
-                    st = os.stat(entry.name + state_rel, dir_fd=pfd, follow_symlinks=False)
+                    st = self._fs.stat_beneath(pfd, entry.name + state_rel)
                     mtime: int | None = st.st_mtime_ns // 1_000_000
                 except (FileNotFoundError, NotADirectoryError):
                     mtime = self._has_transcript(pfd, f"{entry.name}/{_layout.MAIN}")
+                except OSError as exc:
+                    if exc.errno not in (errno.ELOOP, errno.EXDEV):
+                        raise
+                    continue  # a symlink where the session's transcript should be: not ours
                 if mtime is not None:
                     out.append({"session_id": session_id, "mtime": mtime})
         return out
@@ -500,7 +527,7 @@ class SyncStore:
             if dfd is None:
                 return 0
             try:
-                with self._locks.hold(f"{path}/{_layout.LOCK}", op) as held:
+                with self._locks.hold(self._lock_path(rfd, comps, op), op) as held:
                     state, _mtime = read_state(dfd)
                     if state is None:
                         state = rebuild_state(dfd)
@@ -512,7 +539,7 @@ class SyncStore:
 
     @contextlib.contextmanager
     def locked(self, key: Mapping[str, Any]) -> Iterator[None]:
-        """Hold the transcript's commit lock (creating its directory if needed)."""
+        """Hold the transcript's commit lock (the transcript need not exist)."""
         op = "lock"
         tk = _keys.parse_key(key, op)
         comps = _layout.transcript_dirs(tk)
@@ -520,10 +547,8 @@ class SyncStore:
         with translating(op, path):
             with self._open_root(create=True) as rfd:
                 assert rfd is not None
-                dfd = self._open(rfd, comps, op, create=True)
-                assert dfd is not None
-                os.close(dfd)
-            hold = self._locks.hold(f"{path}/{_layout.LOCK}", op)
+                lock_path = self._lock_path(rfd, comps, op)
+            hold = self._locks.hold(lock_path, op)
             hold.__enter__()
         # The caller's own errors pass through untranslated.
         try:

@@ -31,6 +31,12 @@ def tdir(root: Path, key: dict[str, Any]) -> Path:
     return root / _layout.rel(_layout.transcript_dirs(parse_key(key, "test")))
 
 
+def lock_file(root: Path, key: dict[str, Any]) -> Path:
+    from fsstore._keys import parse_key
+
+    return root / _layout.LOCKS / _layout.lock_name(_layout.transcript_dirs(parse_key(key, "test")))
+
+
 def parts_of(root: Path, key: dict[str, Any]) -> list[str]:
     return sorted(p.name for p in tdir(root, key).iterdir() if _layout.parse_item(p.name))
 
@@ -471,7 +477,7 @@ def test_lock_timeout_is_retryable_not_a_timeout_error(root: Path) -> None:
 def test_lock_of_a_dead_holder_on_another_host_is_reclaimed_by_age(root: Path) -> None:
     store = SyncStore(root, stale_lock_seconds=1.0, lock_timeout_seconds=10)
     store.append(KEY, [entry(1)])
-    lock = tdir(root, KEY) / _layout.LOCK
+    lock = lock_file(root, KEY)
     lock.write_text("4242\nsome-other-host\n")
     old = time.time() - 5
     os.utime(lock, (old, old))
