@@ -45,7 +45,7 @@ import stat
 import time
 import warnings
 from collections import Counter
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -63,8 +63,12 @@ Progress = Callable[[int, int], None]
 _GONE = frozenset({errno.ENOENT, errno.ESTALE})
 #: Names the NFS client gives a file that was deleted while still open on it.
 NFS_SILLY_PREFIX = ".nfs"
-#: filelock's take-over leaves ``lock.break.<pid>.<hex>`` / ``lock.restore.<pid>.<hex>``.
-_LOCK_RECOVERY = re.compile(r"lock\.(?:break|restore)\.[0-9]+\.[0-9a-f]{32}")
+#: filelock's take-over leaves ``<lock>.break.<pid>.<hex>`` / ``<lock>.restore.<pid>.<hex>``.
+_LOCK_RECOVERY = re.compile(r"(?:[0-9a-f]+\.)?lock\.(?:break|restore)\.[0-9]+\.[0-9a-f]{32}")
+#: Where locks live: ``<root>/.locks/<hash>.lock`` (older stores: ``lock`` in the transcript).
+_LOCKS_DIR: str = getattr(_layout, "LOCKS", ".locks")
+_LEGACY_LOCK: str = getattr(_layout, "LOCK", "lock")
+_LOCK_FILE = re.compile(r"[0-9a-f]{40}\.lock")
 #: A lock record shorter than this long after creation is malformed, not being written.
 _MALFORMED_GRACE = 2.0
 #: A file time this far ahead of our clock is reported as clock skew.
@@ -598,7 +602,7 @@ class Walker:
     def root_entries(self) -> None:
         """Note anything at the top level that is not ``projects`` or ``.trash``."""
         for entry in self.scan(self.rfd, ()):
-            if entry.name in (_layout.PROJECTS, _layout.TRASH):
+            if entry.name in (_layout.PROJECTS, _layout.TRASH, _LOCKS_DIR):
                 continue
             self.problem("info", "unexpected", self.path((entry.name,)),
                          "not part of the store layout (left alone)")
@@ -661,8 +665,8 @@ class Walker:
                 self._age(st.st_mtime)
             elif name == _layout.STATE:
                 continue
-            elif name == _layout.LOCK:
-                lock = self._lock(fd, ref, epath, st)
+            elif name == _LEGACY_LOCK:  # a lock where older stores kept it
+                lock = self._lock(fd, name, ref, epath, st)
             elif name.startswith(_fsio.TEMP_PREFIX):
                 temps.append(self._garbage("temp", ref.comps, entry, st))
             elif _LOCK_RECOVERY.fullmatch(name):
@@ -754,11 +758,13 @@ class Walker:
                 self.problem("error", "corrupt", fpath, err.message, line=line, code=err.code)
         info.entries = total
 
-    def _lock(self, fd: int, ref: TranscriptRef | None, path: str, st: os.stat_result) -> LockInfo:
+    def _lock(
+        self, fd: int, name: str, ref: TranscriptRef | None, path: str, st: os.stat_result
+    ) -> LockInfo:
         record = None
         if stat.S_ISREG(st.st_mode):
             try:
-                lfd = os.open(_layout.LOCK, _fsio.READ_FLAGS | os.O_NONBLOCK, dir_fd=fd)
+                lfd = os.open(name, _fsio.READ_FLAGS | os.O_NONBLOCK, dir_fd=fd)
                 try:
                     record = parse_lock_record(os.read(lfd, 1025))
                 finally:
@@ -778,6 +784,44 @@ class Walker:
             status = "held"
         key = ref.key() if ref is not None else None
         return LockInfo(path, key, pid, host, age, status, local, st.st_mtime)
+
+
+def lock_index(refs: Iterable[TranscriptRef]) -> dict[str, TranscriptRef]:
+    """``.locks/`` file name -> transcript, for the transcripts given."""
+    name_of = getattr(_layout, "lock_name", None)
+    if name_of is None:
+        return {}
+    return {name_of([(c, None) for c in ref.comps]): ref for ref in refs}
+
+
+def _scan_locks(w: Walker, index: Mapping[str, TranscriptRef]) -> tuple[list[LockInfo], list[Garbage]]:
+    """Every lock in ``<root>/.locks`` (with its transcript when known) and the garbage there."""
+    comps = (_LOCKS_DIR,)
+    fd = w.open(comps)
+    if fd is None:
+        return [], []
+    found: list[LockInfo] = []
+    garbage: list[Garbage] = []
+    try:
+        for entry in w.scan(fd, comps):
+            name = entry.name
+            path = w.path((*comps, name))
+            st = w._stat(entry, comps)
+            if st is None:
+                continue  # released meanwhile
+            if _LOCK_FILE.fullmatch(name):
+                found.append(w._lock(fd, name, index.get(name), path, st))
+            elif _LOCK_RECOVERY.fullmatch(name):
+                garbage.append(w._garbage("lock-recovery", comps, entry, st))
+            elif name.startswith(_fsio.TEMP_PREFIX):
+                garbage.append(w._garbage("temp", comps, entry, st))
+            elif name.startswith(NFS_SILLY_PREFIX):
+                w._silly(path)
+            else:
+                w.problem("warning", "unexpected", path, "unexpected entry among lock files")
+    finally:
+        os.close(fd)
+    return found, garbage
 
 
 @contextlib.contextmanager
@@ -937,8 +981,15 @@ def _garbage_problem(g: Garbage, older_than: float) -> Problem:
                    f"{what}, {_age_text(g.age)} old: {doing}")
 
 
+def key_label(key: Mapping[str, str] | None) -> str:
+    """``project session [subpath]`` of a key, for messages."""
+    if key is None:
+        return "an unknown transcript (deleted, or not written yet)"
+    return " ".join(key[k] for k in ("project_key", "session_id", "subpath") if k in key)
+
+
 def _lock_problem(lk: LockInfo, stale_lock_seconds: float) -> Problem:
-    who = lk.describe()
+    who = f"{lk.describe()}, on {key_label(lk.key)}"
     age = _age_text(lk.age)
     if lk.status == "held":
         return Problem("info", "held-lock", lk.path, f"lock held by {who} for {age}")
@@ -966,8 +1017,10 @@ def check(
         w.root_entries()
         refs = w.sessions()
         report.sessions = len(refs)
+        seen: list[TranscriptRef] = []
         for i, ref in enumerate(refs):
             info = _session_info(w, ref, verify=True)
+            seen += [t.ref for t in info.transcripts]
             for t in info.transcripts:
                 if not t.items and t.lock is None and not t.temps:
                     continue
@@ -989,7 +1042,11 @@ def check(
                             f"already merged into a segment, {_age_text(max(age, 0))} old: "
                             "left by an interrupted compaction (fsstore compact removes it)"))
             _tick(progress, i + 1, len(refs))
-        for g in (*w.garbage, *w.trash()):
+        held, lock_garbage = _scan_locks(w, lock_index(seen))
+        for lk in held:
+            report.locks.append(lk)
+            w.problems.append(_lock_problem(lk, stale_lock_seconds))
+        for g in (*w.garbage, *w.trash(), *lock_garbage):
             w.problems.append(_garbage_problem(g, older_than))
         if w.max_skew > _SKEW_TOLERANCE:
             w.problem("warning", "clock-skew", root,
@@ -1111,7 +1168,7 @@ def break_lock(path: str, older_than: float) -> bool:
 def _break(w: Walker, lk: LockInfo, older_than: float, dry_run: bool) -> Action | None:
     if lk.age <= older_than:
         return None
-    detail = f"stale lock of {lk.describe()}, {_age_text(lk.age)} old"
+    detail = f"stale lock of {lk.describe()} on {key_label(lk.key)}, {_age_text(lk.age)} old"
     if dry_run:
         return Action("break-lock", lk.path, detail, False, lk.age)
     try:
@@ -1141,8 +1198,10 @@ def gc(
     with open_root(root) as rfd:
         w = Walker(rfd, root)
         refs = w.sessions()
+        seen: list[TranscriptRef] = []
         for i, ref in enumerate(refs):
             for tref in w.transcripts(ref):
+                seen.append(tref)
                 info = w.inspect(tref)
                 if info is None:
                     continue
@@ -1154,7 +1213,12 @@ def gc(
                     if act is not None:
                         actions.append(act)
             _tick(progress, i + 1, len(refs))
-        for g in (*w.garbage, *w.trash()):
+        held, lock_garbage = _scan_locks(w, lock_index(seen))
+        for lk in held:
+            act = _break(w, lk, older_than, dry_run)
+            if act is not None:
+                actions.append(act)
+        for g in (*w.garbage, *w.trash(), *lock_garbage):
             if g.age > older_than:
                 actions.append(_remove_garbage(w, g, older_than, dry_run))
         for p in w.problems:
@@ -1174,19 +1238,23 @@ def locks(
     with open_root(root) as rfd:
         w = Walker(rfd, root, stale_lock_seconds=stale_lock_seconds)
         refs = w.sessions()
+        seen: list[TranscriptRef] = []
         for i, ref in enumerate(refs):
             for tref in w.transcripts(ref):
+                seen.append(tref)
                 fd = w.open(tref.comps)
                 if fd is None:
                     continue
-                try:
-                    st = os.stat(_layout.LOCK, dir_fd=fd, follow_symlinks=False)
-                    out.append(w._lock(fd, tref, f"{w.path(tref.comps)}/{_layout.LOCK}", st))
+                try:  # where older stores kept the lock
+                    st = os.stat(_LEGACY_LOCK, dir_fd=fd, follow_symlinks=False)
+                    out.append(w._lock(fd, _LEGACY_LOCK, tref,
+                                       f"{w.path(tref.comps)}/{_LEGACY_LOCK}", st))
                 except OSError:
                     pass  # no lock: nobody is committing right now
                 finally:
                     os.close(fd)
             _tick(progress, i + 1, len(refs))
+        out += _scan_locks(w, lock_index(seen))[0]
     return out
 
 

@@ -493,10 +493,10 @@ def cmd_locks(args: argparse.Namespace, out: TextIO, err: TextIO, progress: Prog
     else:
         rows = []
         for lk in found:
-            key = lk.key or {}
-            label = f"{shown(key.get('project_key', '?'))} {shown(key.get('session_id', '?'))}"
-            if key.get("subpath"):
-                label += f" {shown(key['subpath'])}"
+            if lk.key is None:
+                label = "(unknown: deleted, or not written yet)"
+            else:
+                label = " ".join(shown(v) for v in lk.key.values())
             since = _when(int(lk.mtime * 1e9))
             rows.append([label, "-" if lk.pid is None else str(lk.pid), lk.host or "-",
                          since, _age(lk.age), lk.status + (" (this host)" if lk.local else "")])

@@ -44,6 +44,13 @@ def tdir(root: Path, key: dict[str, str]) -> Path:
     return root / _layout.rel(_layout.transcript_dirs(parse_key(key, "test")))
 
 
+def lock_file(root: Path, key: dict[str, str]) -> Path:
+    """Where the store keeps a transcript's commit lock (``<root>/.locks/<hash>.lock``)."""
+    locks = root / _layout.LOCKS
+    locks.mkdir(parents=True, exist_ok=True)
+    return locks / _layout.lock_name(_layout.transcript_dirs(parse_key(key, "test")))
+
+
 def age(path: Path, seconds: float) -> None:
     t = time.time() - seconds
     os.utime(path, (t, t), follow_symlinks=False)
@@ -219,7 +226,7 @@ def test_check_reports_every_kind_of_damage_with_file_and_line(
     orphan.write_bytes(b'{"uuid":"lost"}\n')
     age(orphan, 7200)
     # A stale lock of a writer on another host, and one of a dead writer on this host.
-    lock = main / _layout.LOCK
+    lock = lock_file(root, KEY)
     lock.write_text("31337\nbuild-host-7\n12345\n")
     age(lock, 3 * 3600)
     dead_pid = _hold_lock_and_die(root, good)
@@ -238,7 +245,7 @@ def test_check_reports_every_kind_of_damage_with_file_and_line(
     assert "sequence gap: part 2 missing" in out
     assert f"{sub.relative_to(root)}/{_layout.part_name(2)}" in out and "not a regular file" in out
     assert f"{rel_main}/.tmp-4242-0123456789abcdef" in out and "orphaned temp file, 2h00m" in out
-    assert "stale lock of pid 31337 on build-host-7, 3h00m old" in out
+    assert f"stale lock of pid 31337 on build-host-7, on {P} {S}, 3h00m old" in out
     assert f"stale lock of pid {dead_pid} on " in out and "no longer running on this host" in out
     assert "Not A Key" in out and "does not decode" in out
     assert "without its .key" in out
@@ -255,6 +262,7 @@ def test_check_reports_every_kind_of_damage_with_file_and_line(
             "symlink", "unexpected"} <= kinds
     stale = {lk["pid"]: lk for lk in doc["locks"]}
     assert stale[31337]["status"] == "expired" and not stale[31337]["this_host"]
+    assert stale[31337]["key"] == KEY and stale[dead_pid]["key"] == good
     assert stale[dead_pid]["status"] == "dead" and stale[dead_pid]["this_host"]
     # check changed nothing it found.
     assert orphan.exists() and lock.exists()
@@ -296,10 +304,13 @@ def test_gc_removes_only_old_garbage_and_dry_run_changes_nothing(
     sessions = main.parent.parent
     old_tmp_dir = sessions / ".tmp-78-00000000000000cd-dir"
     (old_tmp_dir / "sub").mkdir(parents=True)
-    lock = tdir(root, SUB) / _layout.LOCK
+    lock = lock_file(root, SUB)
     lock.write_text("999999\nother-host\n1\n")
     age(lock, 7200)
-    recovery = main / f"lock.break.12.{'e' * 32}"
+    legacy = main / "lock"  # where stores before .locks/ kept the lock
+    legacy.write_text("999997\nother-host\n1\n")
+    age(legacy, 7200)
+    recovery = lock.parent / f"{lock.name}.break.12.{'e' * 32}"
     recovery.write_text("12\nh\n")
     age(recovery, 7200)
     # A delete whose tree was left behind, and one held by an open file on an NFS client.
@@ -311,7 +322,7 @@ def test_gc_removes_only_old_garbage_and_dry_run_changes_nothing(
     time.sleep(1.2)  # directories age by ctime, which only the clock can move
     young_temp = main / ".tmp-79-00000000000000ee"
     young_temp.write_bytes(b"in flight")
-    young_lock = tdir(root, other) / _layout.LOCK
+    young_lock = lock_file(root, other)
     young_lock.write_text("999998\nother-host\n1\n")
 
     before = snapshot(root)
@@ -327,12 +338,14 @@ def test_gc_removes_only_old_garbage_and_dry_run_changes_nothing(
         ("remove-temp", old_temp.name),
         ("remove-temp", old_tmp_dir.name),
         ("remove-lock-recovery", recovery.name),
-        ("break-lock", _layout.LOCK),
+        ("break-lock", lock.name),
+        ("break-lock", legacy.name),
         ("remove-trash", ".tmp-5-00000000000000ef-deleted"),
     }
     kept = next(a for a in doc["actions"] if a["action"] == "keep")
     assert ".nfs0000000000ab12cd00000001" in kept["detail"]
     assert not old_temp.exists() and not old_tmp_dir.exists() and not lock.exists()
+    assert not legacy.exists()
     assert not recovery.exists() and young_temp.exists() and young_lock.exists()
     assert (trash / ".tmp-6-00000000000000f0-deleted").exists()
     assert store.load(KEY) == [entry(1)] and store.load(SUB) == [entry(2)]
@@ -575,6 +588,11 @@ for i in range(n):
     store.append(key, [{"uuid": f"{sid}-{i}", "i": i}, {"uuid": f"{sid}-{i}b", "i": i}])
     if i % 5 == 0:
         store.append(sub, [{"uuid": f"{sid}-sub-{i}"}])
+    if i % 10 == 0:  # sessions deleted while the CLI walks them
+        scratch = {**key, "session_id": f"{sid}-scratch"}
+        for j in range(3):
+            store.append(scratch, [{"uuid": f"{sid}-scratch-{i}-{j}"}])
+        store.delete(scratch)
     time.sleep(0.002)
 print("done", flush=True)
 """
