@@ -53,6 +53,7 @@ import filelock
 
 from . import _fsio, _keys, _layout
 from ._errors import FsStoreError
+from ._lock import Locks
 from ._store import SyncStore
 from ._transcript import dedupe, parse, plan, read_state
 
@@ -63,8 +64,11 @@ Progress = Callable[[int, int], None]
 _GONE = frozenset({errno.ENOENT, errno.ESTALE})
 #: Names the NFS client gives a file that was deleted while still open on it.
 NFS_SILLY_PREFIX = ".nfs"
-#: filelock's take-over leaves ``<lock>.break.<pid>.<hex>`` / ``<lock>.restore.<pid>.<hex>``.
-_LOCK_RECOVERY = re.compile(r"(?:[0-9a-f]+\.)?lock\.(?:break|restore)\.[0-9]+\.[0-9a-f]{32}")
+#: A lock take-over interrupted by a crash leaves ``<lock>.break.<pid>.<hex>`` or
+#: ``<lock>.restore.<pid>.<hex>`` (filelock) or ``<lock>.stale-<pid>-<hex>`` (fsstore).
+_LOCK_RECOVERY = re.compile(
+    r"(?:[0-9a-f]+\.)?lock\.(?:(?:break|restore)\.[0-9]+\.[0-9a-f]{32}|stale-[0-9]+-[0-9a-f]+)"
+)
 #: Where locks live: ``<root>/.locks/<hash>.lock`` (older stores: ``lock`` in the transcript).
 _LOCKS_DIR: str = getattr(_layout, "LOCKS", ".locks")
 _LEGACY_LOCK: str = getattr(_layout, "LOCK", "lock")
@@ -617,7 +621,7 @@ class Walker:
                 return None
             mark = len(self.problems)
             try:
-                return self._inspect(fd, ref, verify=verify, last_try=attempt == _ATTEMPTS - 1)
+                return self._inspect(fd, ref, verify=verify, attempt=attempt)
             except OSError as exc:
                 del self.problems[mark:]
                 if not _gone(exc):
@@ -636,8 +640,13 @@ class Walker:
         return None  # unreachable: the last try never raises _Changed
 
     def _inspect(
-        self, fd: int, ref: TranscriptRef, *, verify: bool, last_try: bool
+        self, fd: int, ref: TranscriptRef, *, verify: bool, attempt: int
     ) -> TranscriptInfo:
+        last_try = attempt == _ATTEMPTS - 1
+        # A listing is not atomic once it takes more than one getdents call: a part
+        # committed or a segment made while it ran can be missing from it while a
+        # later file is present. A gap seen in three listings in a row is damage.
+        settled = attempt >= 3
         path = self.path(ref.comps)
         # The state is read before the listing: whatever sequence it records was
         # committed before it was written, so the listing must show that part.
@@ -686,10 +695,10 @@ class Walker:
             chosen = set()
         live = [it for it in items if it.name in chosen]
         info = TranscriptInfo(ref, path, items, live, temps, recovery, lock)
-        self._gaps(fd, info, last_try)
+        self._gaps(fd, info, settled, last_try)
         if verify:
             if state is not None and state.seq > info.last_seq:
-                self._state_ahead(fd, info, state.seq, last_try)
+                self._state_ahead(fd, info, state.seq, settled, last_try)
             self._verify(fd, info, last_try)
         try:
             moved = not _fsio.same_dir(fd, self.rfd, ref.comps)
@@ -710,11 +719,13 @@ class Walker:
             return False
         return True
 
-    def _gaps(self, fd: int, info: TranscriptInfo, last_try: bool) -> None:
+    def _gaps(self, fd: int, info: TranscriptInfo, settled: bool, last_try: bool) -> None:
         expected = 1
         for it in info.live:
             if it.first > expected:
                 missing = range(expected, it.first)
+                if not settled:
+                    raise _Changed(it.name)
                 # A listing older than a commit can miss a part another host just made;
                 # looking it up by name goes past a stale directory cache.
                 if not last_try and any(self._exists(fd, _layout.part_name(s)) for s in missing):
@@ -726,8 +737,12 @@ class Walker:
                              "(lost files; load() returns the rest)")
             expected = it.last + 1
 
-    def _state_ahead(self, fd: int, info: TranscriptInfo, seq: int, last_try: bool) -> None:
-        if not last_try and self._exists(fd, _layout.part_name(info.last_seq + 1)):
+    def _state_ahead(
+        self, fd: int, info: TranscriptInfo, seq: int, settled: bool, last_try: bool
+    ) -> None:
+        if not last_try and (
+            not settled or self._exists(fd, _layout.part_name(info.last_seq + 1))
+        ):
             raise _Changed("state")
         self.problem("warning", "state-ahead", f"{info.path}/{_layout.STATE}",
                      f"state.json records sequence {seq} but the newest committed file ends at "
@@ -1145,24 +1160,38 @@ def _remove_garbage(w: Walker, g: Garbage, older_than: float, dry_run: bool) -> 
 
 
 def break_lock(path: str, older_than: float) -> bool:
-    """Break the lock at ``path`` if it is older than ``older_than`` seconds.
+    """Break the lock at ``path`` if it is older than ``older_than`` seconds (or its
+    holder is provably dead on this host); True if the marker judged stale is gone.
 
-    Uses filelock's own take-over (an atomic exchange of the marker, comparing inode
-    and mtime), so a lock someone re-acquired meanwhile is never removed. True if a
-    lock was broken; False if it was renewed in the meantime.
+    Uses the store's own reclaim (``Locks._reclaim_if_stale``: rename the marker
+    aside, check it is the one judged stale, remove it), which works where filelock's
+    RENAME_EXCHANGE take-over does not (NFS, most FUSE mounts); a marker someone
+    re-took in the meantime is put back, never removed.
     """
-    with warnings.catch_warnings():
-        # filelock warns that age-based expiry can overlap a live holder: that is
-        # exactly what breaking an old lock means (and fsstore tolerates it).
-        warnings.simplefilter("ignore")
-        soft = filelock.SoftFileLock(path, timeout=0, lifetime=max(older_than, 0.001),
-                                     thread_local=False)
-        try:
-            soft.acquire()
-        except filelock.Timeout:
-            return False
-    soft.release()
-    return True
+    try:
+        before = os.lstat(path)
+    except FileNotFoundError:
+        return False
+    locks = Locks(stale_lock_seconds=max(older_than, 0.001), lock_timeout_seconds=0,
+                  mode=0o600)
+    reclaim = getattr(locks, "_reclaim_if_stale", None)
+    if reclaim is not None:
+        reclaim(path, "gc")
+    else:  # an fsstore without it: filelock's own take-over
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            soft = filelock.SoftFileLock(path, timeout=0, lifetime=max(older_than, 0.001),
+                                         thread_local=False)
+            try:
+                soft.acquire()
+            except filelock.Timeout:
+                return False
+        soft.release()
+    try:
+        after = os.lstat(path)
+    except FileNotFoundError:
+        return True
+    return (after.st_ino, after.st_mtime_ns) != (before.st_ino, before.st_mtime_ns)
 
 
 def _break(w: Walker, lk: LockInfo, older_than: float, dry_run: bool) -> Action | None:

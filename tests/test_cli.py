@@ -313,6 +313,9 @@ def test_gc_removes_only_old_garbage_and_dry_run_changes_nothing(
     recovery = lock.parent / f"{lock.name}.break.12.{'e' * 32}"
     recovery.write_text("12\nh\n")
     age(recovery, 7200)
+    aside = lock.parent / f"{lock.name}.stale-13-{'a' * 16}"  # a reclaim cut short
+    aside.write_text("13\nh\n")
+    age(aside, 7200)
     # A delete whose tree was left behind, and one held by an open file on an NFS client.
     trash = root / _layout.TRASH
     (trash / ".tmp-5-00000000000000ef-deleted" / "main").mkdir(parents=True)
@@ -338,6 +341,7 @@ def test_gc_removes_only_old_garbage_and_dry_run_changes_nothing(
         ("remove-temp", old_temp.name),
         ("remove-temp", old_tmp_dir.name),
         ("remove-lock-recovery", recovery.name),
+        ("remove-lock-recovery", aside.name),
         ("break-lock", lock.name),
         ("break-lock", legacy.name),
         ("remove-trash", ".tmp-5-00000000000000ef-deleted"),
