@@ -22,12 +22,18 @@ to the store:
 * a file or directory that vanishes mid-walk (a compaction merged it, a delete
   moved it to ``.trash``, or ESTALE after another host replaced it) is skipped; a
   transcript whose listing changed under the reader is listed again;
+* a sequence gap counts only if it survives three listings (a listing is not
+  atomic), and a transcript deleted while it was read is not reported at all;
 * young temp files and held locks are in-flight work, reported as such and never
   touched; only what is older than the caller's threshold is garbage;
-* the only deletions are: temp files, ``.trash`` entries and filelock recovery
-  files older than a threshold (:func:`gc`), lock files older than a threshold,
-  broken by filelock's own atomic take-over, and whole sessions through
-  ``SyncStore.delete`` (an atomic rename into ``.trash``).
+* the only deletions are: temp files, ``.trash`` entries and lock-recovery
+  leftovers older than a threshold (:func:`gc`), lock files older than a threshold
+  (through the store's own stale-lock reclaim, which never removes a marker someone
+  re-took), whole sessions through ``SyncStore.delete`` (an atomic rename into
+  ``.trash``), and what ``SyncStore.compact`` merges.
+
+Locks live in ``<root>/.locks/<hash>.lock``; stores made before that kept a ``lock``
+file in each transcript directory, and both places are looked at.
 
 Ages are measured against this host's clock (``time.time()``) while file times
 come from the file server; see docs/operations.md about clock skew.
@@ -368,9 +374,6 @@ class Walker:
 
     def path(self, comps: Sequence[str]) -> str:
         return "/".join((self.root, *comps)) if comps else self.root
-
-    def rel(self, path: str) -> str:
-        return os.path.relpath(path, self.root)
 
     def problem(
         self, severity: str, kind: str, path: str, message: str, *,

@@ -75,10 +75,6 @@ def parse_duration(value: str) -> float:
     return total
 
 
-def _seconds(value: str) -> float:
-    return parse_duration(value)
-
-
 # -- the parser --------------------------------------------------------------------
 
 
@@ -138,13 +134,13 @@ def build_parser() -> tuple[argparse.ArgumentParser, _Options]:
              help="a subagent transcript (e.g. subagents/agent-1) instead of the main one")
 
     p = command("check", "Verify every transcript; exit 1 if anything is wrong.")
-    opts.add("check", p, "--older-than", metavar="AGE", type=_seconds, default=3600.0,
+    opts.add("check", p, "--older-than", metavar="AGE", type=parse_duration, default=3600.0,
              help="temp files and .trash entries older than this are orphaned (default 1h)")
-    opts.add("check", p, "--stale-lock-seconds", metavar="AGE", type=_seconds, default=30.0,
+    opts.add("check", p, "--stale-lock-seconds", metavar="AGE", type=parse_duration, default=30.0,
              help="the stores' stale_lock_seconds: locks older than this are stale (default 30s)")
 
     p = command("gc", "Remove orphaned temp files and .trash leftovers; break stale locks.")
-    opts.add("gc", p, "--older-than", metavar="AGE", type=_seconds, default=3600.0,
+    opts.add("gc", p, "--older-than", metavar="AGE", type=parse_duration, default=3600.0,
              help="only touch what is older than this (default 1h)")
     opts.add("gc", p, "--dry-run", action="store_true", help="show what would be done; change nothing")
 
@@ -152,19 +148,19 @@ def build_parser() -> tuple[argparse.ArgumentParser, _Options]:
     opts.add("compact", p, "--project", metavar="P", type=_key_part, help="only this project key")
     opts.add("compact", p, "--session", metavar="S", type=_key_part, help="only this session id")
     opts.add("compact", p, "--dry-run", action="store_true", help="show what would be compacted")
-    opts.add("compact", p, "--stale-lock-seconds", metavar="AGE", type=_seconds, default=30.0,
+    opts.add("compact", p, "--stale-lock-seconds", metavar="AGE", type=parse_duration, default=30.0,
              help="the stores' stale_lock_seconds (default 30s)")
 
     p = command("prune", "Delete sessions not modified for a while (retention).")
-    opts.add("prune", p, "--older-than", metavar="AGE", type=_seconds, required=True,
+    opts.add("prune", p, "--older-than", metavar="AGE", type=parse_duration, required=True,
              help="delete sessions whose newest transcript file is older than this (e.g. 30d)")
     opts.add("prune", p, "--project", metavar="P", type=_key_part, help="only this project key")
     opts.add("prune", p, "--dry-run", action="store_true", help="show what would be deleted")
-    opts.add("prune", p, "--stale-lock-seconds", metavar="AGE", type=_seconds, default=30.0,
+    opts.add("prune", p, "--stale-lock-seconds", metavar="AGE", type=parse_duration, default=30.0,
              help="the stores' stale_lock_seconds (default 30s)")
 
     p = command("locks", "Show who holds which transcript lock, since when.")
-    opts.add("locks", p, "--stale-lock-seconds", metavar="AGE", type=_seconds, default=30.0,
+    opts.add("locks", p, "--stale-lock-seconds", metavar="AGE", type=parse_duration, default=30.0,
              help="the stores' stale_lock_seconds: locks older than this are stale (default 30s)")
 
     p = command("import", "Import local ~/.claude/projects transcripts into the store.")

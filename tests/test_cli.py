@@ -221,6 +221,8 @@ def test_check_reports_every_kind_of_damage_with_file_and_line(
     # A part the store cannot read (a directory where a file belongs).
     sub = tdir(root, SUB)
     (sub / _layout.part_name(2)).mkdir()
+    fifo = tdir(root, gap) / _layout.segment_name(3, 4)  # opening it would block forever
+    os.mkfifo(fifo)
     # An orphaned temp file, two hours old.
     orphan = main / ".tmp-4242-0123456789abcdef"
     orphan.write_bytes(b'{"uuid":"lost"}\n')
@@ -236,6 +238,7 @@ def test_check_reports_every_kind_of_damage_with_file_and_line(
     (sessions / ("x" * 90 + "~" + "0" * 32)).mkdir()
     (sessions / "linked").symlink_to(main.parent)
     (main / "notes.txt").write_text("stray")
+    age(tdir(root, good) / _layout.part_name(1), -7200)  # written by a server clock 2h ahead
 
     proc = fsstore("check", root)
     assert proc.returncode == 1, proc.stdout + proc.stderr
@@ -244,6 +247,7 @@ def test_check_reports_every_kind_of_damage_with_file_and_line(
     assert f"ERROR    {rel_main}/{_layout.part_name(2)}:2  CORRUPT line 2 is not valid JSON" in out
     assert "sequence gap: part 2 missing" in out
     assert f"{sub.relative_to(root)}/{_layout.part_name(2)}" in out and "not a regular file" in out
+    assert f"{fifo.relative_to(root)}  committed file is not a regular file" in out
     assert f"{rel_main}/.tmp-4242-0123456789abcdef" in out and "orphaned temp file, 2h00m" in out
     assert f"stale lock of pid 31337 on build-host-7, on {P} {S}, 3h00m old" in out
     assert f"stale lock of pid {dead_pid} on " in out and "no longer running on this host" in out
@@ -251,6 +255,7 @@ def test_check_reports_every_kind_of_damage_with_file_and_line(
     assert "without its .key" in out
     assert "symlink" in out and "linked" in out
     assert "notes.txt" in out
+    assert "ahead of this host's clock" in out
     assert out.rstrip().endswith("warning(s)")
 
     doc = fsstore_json("check", root, rc=1)
