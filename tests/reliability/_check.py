@@ -151,6 +151,15 @@ def walk(root: str | os.PathLike[str]) -> list[tuple[str, os.stat_result]]:
     return out
 
 
+def is_lock_file(name: str) -> bool:
+    """A transcript lock marker, wherever the layout keeps it (``lock``, ``<hash>.lock``)."""
+    return (name == "lock" or name.endswith(".lock")) and ".break." not in name
+
+
+def lock_files(root: str | os.PathLike[str]) -> list[str]:
+    return [p for p, st in walk(root) if is_lock_file(os.path.basename(p)) and not stat.S_ISDIR(st.st_mode)]
+
+
 def temp_files(root: str | os.PathLike[str], *, outside_trash: bool = True) -> list[str]:
     return [
         p

@@ -37,7 +37,7 @@ import claude_agent_sdk  # preloaded in the forkserver: the store folds summarie
 from fsstore import FsStoreError
 from fsstore._store import SyncStore
 
-from ._check import PART, SEGMENT, batch, verify
+from ._check import PART, SEGMENT, batch, is_lock_file, verify
 
 # -- workers ---------------------------------------------------------------------------
 
@@ -294,7 +294,7 @@ POINTS: dict[str, tuple[str, bool, Callable[[Tracer, str, str, tuple[str, ...], 
         lambda t, ph, c, n, ok: ph == "after" and c == "fsync" and bool(_TMP_BATCH.match(n[0]))),
     # taking the lock: the marker exists but says nothing yet
     "lock_file_created_empty": ("append", False,
-        lambda t, ph, c, n, ok: ph == "after" and c == "open" and n[0] == "lock"),
+        lambda t, ph, c, n, ok: ph == "after" and c == "open" and is_lock_file(n[0])),
     # holding the lock
     "holding_lock_before_move": ("append", False,
         lambda t, ph, c, n, ok: ph == "before" and _moved_to(c, n, PART)),

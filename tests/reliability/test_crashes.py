@@ -259,9 +259,9 @@ def _seeds(default: list[int]) -> list[int]:
     return [int(s) for s in env.split(",")] if env else default
 
 
-@pytest.mark.parametrize("seed", _seeds([20250101, 7]))
+@pytest.mark.parametrize("seed", _seeds([20250101, 7, 42]))
 def test_kill_9_at_random_syscall_keeps_every_promise(seed: int, procs: Any, tmp_path: Path, figures: Any) -> None:
-    rounds = int(os.environ.get("FSSTORE_CRASH_ROUNDS", "12"))
+    rounds = int(os.environ.get("FSSTORE_CRASH_ROUNDS", "15"))
     print(f"crash campaign seed={seed} rounds={rounds} (replay: FSSTORE_CRASH_SEED={seed})")
     _campaign(procs, tmp_path, seed, rounds, figures)
 

@@ -30,7 +30,7 @@ import pytest
 from fsstore import FsStoreError
 from fsstore._store import SyncStore
 
-from ._check import assert_summaries_consistent, assert_transcript, batch, temp_files, walk
+from ._check import assert_summaries_consistent, assert_transcript, batch, lock_files, temp_files
 from ._mounts import FaultFs
 
 PROJECT = "-faults"
@@ -61,7 +61,8 @@ class Case:
 
 
 def append_faults() -> dict[str, Case]:
-    lock = f"{T}/lock$"
+    # the lock marker: <transcript>/lock, or <root>/.locks/<hash>.lock
+    lock = r"{r}/(?:projects/-faults/sessions/s/main/lock|\.locks/[^/]*\.lock)$"
     t = "{T}"
     return {
         # the part's temp file
@@ -71,8 +72,8 @@ def append_faults() -> dict[str, Case]:
         "create EROFS of the part temp file": Case("append", [rule("create", T + PART_TMP, "EROFS")], "EROFS", t),
         "fsync EIO of the part temp file": Case("append", [rule("fsync", T + PART_TMP, "EIO")], "EIO", t, fsync=True),
         # the lock
-        "create EIO of the lock file": Case("append", [rule("create", lock, "EIO")], "EIO", "{T}/lock"),
-        "create EACCES of the lock file": Case("append", [rule("create", lock, "EACCES")], "EACCES", "{T}/lock"),
+        "create EIO of the lock file": Case("append", [rule("create", lock, "EIO")], "EIO", None),
+        "create EACCES of the lock file": Case("append", [rule("create", lock, "EACCES")], "EACCES", None),
         "write ENOSPC of the lock marker": Case("append", [rule("write", lock, "ENOSPC")], "ENOSPC", None),
         # reading the state under the lock
         "open EIO of state.json": Case("append", [rule("open", f"{T}/state.json$", "EIO")], "EIO", None),
@@ -179,7 +180,7 @@ class Scene:
             else:
                 assert loaded is None, (which, loaded)
         assert temp_files(self.root) == []
-        assert [p for p, _ in walk(self.root) if os.path.basename(p) == "lock"] == []
+        assert lock_files(self.root) == []
         assert_summaries_consistent(store, PROJECT)
 
 

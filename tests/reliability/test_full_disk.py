@@ -23,7 +23,7 @@ from fsstore import FsStoreError
 from fsstore._store import SyncStore
 
 from . import _mounts
-from ._check import assert_summaries_consistent, assert_transcript, batch, temp_files, walk
+from ._check import assert_summaries_consistent, assert_transcript, batch, lock_files, temp_files
 
 PAGE = os.sysconf("SC_PAGE_SIZE")
 PROJECT = "-full-disk"
@@ -54,7 +54,7 @@ def leave_free(filler: Path, pages: int) -> None:
 
 def no_leftovers(root: str) -> None:
     assert temp_files(root) == [], "a failed append left a temp file"
-    assert [p for p, _st in walk(root) if os.path.basename(p) == "lock"] == [], "a lock file was left"
+    assert lock_files(root) == [], "a lock file was left"
 
 
 def assert_enospc(err: FsStoreError, root: str, operation: str = "append") -> None:

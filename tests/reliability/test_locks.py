@@ -28,7 +28,7 @@ from fsstore import FsStoreError
 from fsstore._store import SyncStore
 
 from . import _children, _mounts
-from ._check import batch
+from ._check import batch, lock_files
 
 STALE = 2.0
 SLACK = 0.15  # filelock compares time.time() with the marker mtime; polls every 50 ms
@@ -38,9 +38,9 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def lock_file(root: str) -> Path:
-    found = [Path(d, "lock") for d, _dirs, files in os.walk(root) if "lock" in files]
+    found = lock_files(root)
     assert len(found) == 1, found
-    return found[0]
+    return Path(found[0])
 
 
 class MarkerWatch:

@@ -6,8 +6,9 @@ points and lock reclaim, with root on bindfs. As a soak test: the whole test sui
 ``--basetemp`` on bindfs, so that every store and every tmp_path is on FUSE.
 
 bindfs supports ``RENAME_NOREPLACE`` but not ``RENAME_EXCHANGE`` -- like many FUSE
-filesystems, and NFS supports neither -- which is what exposes the lock-reclaim bug
-marked below.
+filesystems; NFS supports neither. That exposed a lock-reclaim bug (filelock only
+takes a stale marker over by exchange, so a killed writer's lock stayed forever),
+fixed in ac24c9e by fsstore reclaiming such markers itself.
 """
 
 from __future__ import annotations
@@ -28,19 +29,9 @@ from fsstore._store import SyncStore
 
 from . import _children
 from .test_concurrency import run_workload
-from .test_crashes import LOCK_HELD, named_point
+from .test_crashes import named_point
 
 REPO = Path(__file__).resolve().parents[2]
-
-RECLAIM_BUG = (
-    "fsstore bug: on filesystems without renameat2(RENAME_EXCHANGE) (bindfs and most FUSE "
-    "filesystems, NFS, CIFS) a lock left by a killed writer is never reclaimed, neither at once "
-    "(dead pid) nor after stale_lock_seconds: filelock's SoftFileLock breaks a stale marker only "
-    "by exchanging it (exchange_names() returns False on EINVAL and the take-over is abandoned), "
-    "so every later append on that transcript fails with LOCK_TIMEOUT until someone removes "
-    "the lock file by hand"
-)
-
 
 def fresh(mount: Path, name: str) -> Path:
     d = mount / f"{name}-{time.monotonic_ns()}"
@@ -71,36 +62,13 @@ def test_concurrent_writers_on_bindfs(bindfs_mount: Path, procs: Any, figures: A
     )
 
 
-def _point_params(points: list[str]) -> list[Any]:
-    return [
-        pytest.param(p, marks=[pytest.mark.xfail(strict=True, reason=RECLAIM_BUG)] if p in LOCK_HELD else [])
-        for p in points
-    ]
-
-
-# every point whose victim does not hold the lock, and two that do (each of those waits
-# out its lock timeout while the bug is there; the soak run has them all)
-NORMAL_POINTS = sorted(set(_children.POINTS) - LOCK_HELD) + [
-    "holding_lock_before_move", "after_state_before_lock_release"
-]
-
-
-@pytest.mark.parametrize("point", _point_params(NORMAL_POINTS))
+@pytest.mark.parametrize("point", sorted(_children.POINTS))
 def test_kill_9_on_bindfs_leaves_store_consistent(
     bindfs_mount: Path, procs: Any, figures: Any, point: str
 ) -> None:
     named_point(procs, fresh(bindfs_mount, "crash") / "store", figures, f"{point}")
 
 
-@pytest.mark.soak
-@pytest.mark.parametrize("point", _point_params(sorted(LOCK_HELD)))
-def test_soak_kill_9_on_bindfs_at_every_lock_held_point(
-    bindfs_mount: Path, procs: Any, figures: Any, point: str
-) -> None:
-    named_point(procs, fresh(bindfs_mount, "crash") / "store", figures, point)
-
-
-@pytest.mark.xfail(strict=True, reason=RECLAIM_BUG)
 def test_dead_holder_lock_is_reclaimed_on_bindfs(bindfs_mount: Path, procs: Any) -> None:
     root = str(fresh(bindfs_mount, "lock") / "store")
     key = {"project_key": "p", "session_id": "s"}
@@ -116,7 +84,6 @@ def test_dead_holder_lock_is_reclaimed_on_bindfs(bindfs_mount: Path, procs: Any)
 
 
 @pytest.mark.soak
-@pytest.mark.xfail(strict=True, reason=RECLAIM_BUG + " (test_store's and test_cli's stale-lock tests fail)")
 def test_soak_whole_suite_on_bindfs(bindfs_mount: Path) -> None:
     """``FSSTORE_TEST_ROOT`` (honoured by tests/conftest.py) and ``--basetemp`` on bindfs."""
     base = fresh(bindfs_mount, "suite")

@@ -39,19 +39,17 @@ import pytest
 from fsstore import FsStoreError
 from fsstore._store import SyncStore
 
-from ._check import snapshot, walk
+from ._check import lock_files, snapshot, walk
 
-LOCK_PATH_BUG = (
-    "fsstore bug: the transcript lock is taken by path string (f'{path}/lock' handed to "
-    "filelock), not relative to the transcript directory's descriptor; filelock resolves that "
-    "path through every directory component, following a directory swapped for a symlink, "
-    "and even mkdir -p's the missing ones (Path.parent.mkdir(parents=True)), so lock files "
-    "and directories are created outside root"
-)
-LIST_STAT_BUG = (
-    "fsstore bug: list_sessions stats '<session>/main/state.json' relative to the sessions "
-    "directory with follow_symlinks=False, which only protects the last component: a "
-    "symlinked main/ is followed and the session is listed with an mtime read outside root"
+# Found by these tests and fixed in ac24c9e: the lock file used to live in the transcript
+# directory and was handed to filelock by path, which followed a swapped directory out of
+# root and mkdir -p'd missing ones (0755, no .key); list_sessions used to stat
+# main/state.json through a symlinked main/; root's missing parents were 0755.
+LOCKS_TOCTOU_BUG = (
+    "fsstore bug: SyncStore._lock_path lstat()s <root>/.locks and then hands filelock the path "
+    "string <root>/.locks/<hash>.lock; filelock opens it by path, so a .locks swapped for a "
+    "symlink between that check and filelock's open is followed and the lock file is created "
+    "outside root"
 )
 
 PROJECT = "proj"
@@ -70,6 +68,7 @@ SWAPPABLE = {
     "subkeys dir": "projects/proj/sessions/sess/subkeys",
     "subpath transcript dir": "projects/proj/sessions/sess/subkeys/agents%2Fa",
     "trash dir": ".trash",
+    "locks dir": ".locks",
 }
 
 
@@ -92,6 +91,8 @@ def build(tmp_path: Path) -> tuple[Path, Path, SyncStore]:
                         "summary": {"session_id": "sess", "mtime": 0, "data": {"decoy": True}}})
         )
     (decoy / ".trash").mkdir()
+    (decoy / ".locks").mkdir()
+    assert (root / ".locks").is_dir(), "the store keeps its locks elsewhere now: update SWAPPABLE"
     for p, _st in walk(decoy):
         os.utime(p, (DECOY_MTIME, DECOY_MTIME), follow_symlinks=False)
     return root, decoy, store
@@ -137,18 +138,8 @@ def run_op(name: str, store: SyncStore) -> tuple[Any, FsStoreError | None]:
         return None, exc
 
 
-def _static_params() -> list[Any]:
-    out = []
-    for where in SWAPPABLE:
-        for op in OPS:
-            marks = []
-            if (where, op) == ("main transcript dir", "list_sessions"):
-                marks = [pytest.mark.xfail(strict=True, reason=LIST_STAT_BUG)]
-            out.append(pytest.param(where, op, marks=marks, id=f"{where}-{op}"))
-    return out
-
-
-@pytest.mark.parametrize(("where", "op"), _static_params())
+@pytest.mark.parametrize("op", list(OPS))
+@pytest.mark.parametrize("where", list(SWAPPABLE))
 def test_symlinked_directory_inside_root_is_never_followed(tmp_path: Path, where: str, op: str) -> None:
     root, decoy, store = build(tmp_path)
     before = snapshot(decoy)
@@ -161,7 +152,6 @@ def test_symlinked_directory_inside_root_is_never_followed(tmp_path: Path, where
         assert err.path is None or err.path.startswith(str(root)), err
 
 
-@pytest.mark.xfail(strict=True, reason=LIST_STAT_BUG)
 def test_list_sessions_does_not_stat_through_a_symlinked_transcript_dir(tmp_path: Path) -> None:
     """The session directory is real, its main/ is a symlink out of root: the session
     has no transcript inside root, so it is not listed (and no outside mtime leaks)."""
@@ -203,7 +193,7 @@ def swap_when(
 
         return wrapped
 
-    for name in ("open", "listdir", "scandir", "stat", "rename", "mkdir"):
+    for name in ("open", "listdir", "scandir", "stat", "lstat", "rename", "mkdir"):
         monkeypatch.setattr(os, name, wrap(name, getattr(os, name)))
     try:
         yield fired
@@ -225,7 +215,7 @@ STAGED: dict[str, tuple[str, str, Callable[[str, tuple[Any, ...]], str | None]]]
     "append: main dir swapped after the temp file, before the lock": ("append", "main transcript dir", is_temp_open),
     "append subpath: subkeys dir swapped after the temp file": ("append subpath", "subkeys dir", is_temp_open),
     "locked: session dir swapped after the directory walk, before the lock": (
-        "locked", "session dir", lambda n, a: "before" if n == "mkdir" and base(a[0]) == "main" else None),
+        "locked", "session dir", lambda n, a: "after" if n == "lstat" and base(a[0]) == ".locks" else None),
     "load: project dir swapped after listing, before reading": (
         "load", "project dir", lambda n, a: "after" if n == "listdir" else None),
     "list_sessions: main dir swapped after listing the sessions": (
@@ -236,17 +226,17 @@ STAGED: dict[str, tuple[str, str, Callable[[str, tuple[Any, ...]], str | None]]]
         "delete", "trash dir", lambda n, a: "before" if n == "rename" else None),
     "delete: sessions dir swapped just before the rename": (
         "delete", "sessions dir", lambda n, a: "before" if n == "rename" else None),
+    "append: .locks swapped after the store checked it, before the lock": (
+        "append", "locks dir", lambda n, a: "after" if n == "lstat" and base(a[0]) == ".locks" else None),
+    "locked: .locks swapped after the store checked it, before the lock": (
+        "locked", "locks dir", lambda n, a: "after" if n == "lstat" and base(a[0]) == ".locks" else None),
 }
 
 
 def _staged_params() -> list[Any]:
     out = []
-    for stage, (op, _where, _trigger) in STAGED.items():
-        marks = []
-        if op in ("append", "append subpath", "locked"):
-            marks = [pytest.mark.xfail(strict=True, reason=LOCK_PATH_BUG)]
-        elif op == "list_sessions":
-            marks = [pytest.mark.xfail(strict=True, reason=LIST_STAT_BUG)]
+    for stage, (_op, where, _trigger) in STAGED.items():
+        marks = [pytest.mark.xfail(strict=True, reason=LOCKS_TOCTOU_BUG)] if where == "locks dir" else []
         out.append(pytest.param(stage, marks=marks, id=stage))
     return out
 
@@ -277,15 +267,20 @@ def exchange(a: str, b: str) -> None:
         raise OSError(err, os.strerror(err), a)
 
 
-@pytest.mark.xfail(strict=True, reason=LOCK_PATH_BUG)
-def test_directory_flipping_to_a_symlink_at_random_moments_is_never_followed(tmp_path: Path, figures: Any) -> None:
-    """A thread keeps atomically exchanging projects/proj with a symlink to the decoy
+@pytest.mark.parametrize("where", [
+    "project dir", "main transcript dir",
+    pytest.param("locks dir", marks=pytest.mark.xfail(strict=True, reason=LOCKS_TOCTOU_BUG)),
+])
+def test_directory_flipping_to_a_symlink_at_random_moments_is_never_followed(
+    tmp_path: Path, figures: Any, where: str
+) -> None:
+    """A thread keeps atomically exchanging a directory with a symlink to the decoy
     while the store appends, loads, lists and locks."""
     root, decoy, store = build(tmp_path)
     before = snapshot(decoy)
-    real = root / SWAPPABLE["project dir"]
-    link = root / "projects" / "proj.link"
-    link.symlink_to(decoy / "projects" / "proj", target_is_directory=True)
+    real = root / SWAPPABLE[where]
+    link = real.with_name(real.name + ".link")
+    link.symlink_to(decoy / SWAPPABLE[where], target_is_directory=True)
     stop = threading.Event()
     flips = [0]
 
@@ -324,10 +319,18 @@ def test_directory_flipping_to_a_symlink_at_random_moments_is_never_followed(tmp
 # -- lock files ----------------------------------------------------------------------------
 
 
+def lock_path(store: SyncStore, root: Path) -> Path:
+    """Where KEY's lock marker lives (found by holding it, whatever the layout)."""
+    with store.locked(KEY):
+        found = lock_files(root)
+    assert len(found) == 1, found
+    return Path(found[0])
+
+
 @pytest.mark.parametrize("target", ["victim file", "missing path", "victim directory"])
 def test_lock_file_symlink_is_never_followed(tmp_path: Path, target: str) -> None:
     root, _decoy, store = build(tmp_path)
-    lock = root / "projects/proj/sessions/sess/main/lock"
+    lock = lock_path(store, root)
     victim = tmp_path / "victim"
     if target == "victim file":
         victim.write_text("precious\n")
@@ -352,7 +355,7 @@ def test_lock_file_replaced_by_a_symlink_while_held_is_not_followed_on_release(t
     victim.write_text("precious\n")
     os.utime(victim, (DECOY_MTIME, DECOY_MTIME))
     before = snapshot(victim)
-    lock = root / "projects/proj/sessions/sess/main/lock"
+    lock = lock_path(store, root)
     with store.locked(KEY):
         assert lock.is_file() and not lock.is_symlink()
         lock.unlink()
@@ -405,9 +408,6 @@ def test_everything_the_store_creates_is_0700_or_0600(tmp_path: Path, umask: str
     assert not wrong, wrong
 
 
-@pytest.mark.xfail(strict=True, reason="fsstore bug: SyncStore._open_root creates missing parents of "
-                   "root with os.makedirs, whose intermediate directories get 0777 & ~umask "
-                   "(0755 under umask 022), not dir_mode")
 def test_missing_parents_of_root_are_created_0700_too(tmp_path: Path) -> None:
     root = tmp_path / "a" / "b" / "store"
     out = subprocess.run(
@@ -419,10 +419,6 @@ def test_missing_parents_of_root_are_created_0700_too(tmp_path: Path) -> None:
         assert p.stat().st_mode & 0o777 == 0o700, (p, oct(p.stat().st_mode & 0o777))
 
 
-@pytest.mark.xfail(strict=True, reason=LOCK_PATH_BUG.split(";")[0] + "; when a delete removes the "
-                   "transcript directory between the append's directory walk and its lock, filelock "
-                   "recreates the directories with 0777 & ~umask (0755) and the retried append commits "
-                   "into them")
 def test_append_racing_a_delete_keeps_every_directory_0700(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     root = tmp_path / "store"
     store = SyncStore(root)
