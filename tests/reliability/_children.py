@@ -396,8 +396,38 @@ def hold_lock(root: str, key: dict[str, str], opts: dict[str, Any], conn: Any) -
         conn.send(("error", traceback.format_exc()))
 
 
+def _dead_holder(root: str, key: dict[str, str], opts: dict[str, Any]) -> None:
+    """A holder forked here takes the lock and is SIGKILLed; how long until a new writer
+    gets it? (Run inside ``unshare --pid`` to play a container.)"""
+    import signal
+
+    from ._check import lock_files
+
+    SyncStore(root, **opts).append(key, batch("first", 0, 1))
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the holder
+        with SyncStore(root, **opts).locked(key):
+            os.write(w, b"x")
+            time.sleep(3600)
+    os.read(r, 1)
+    os.kill(pid, signal.SIGKILL)
+    os.waitpid(pid, 0)
+    marker = open(lock_files(root)[0]).read().split("\n")  # noqa: SIM115
+    t0 = time.monotonic()
+    error = None
+    try:
+        SyncStore(root, **{**opts, "lock_timeout_seconds": 5}).append(key, batch("second", 1, 1))
+    except FsStoreError as exc:
+        error = exc.code
+    print(json.dumps({"marker_host": marker[1], "elapsed": time.monotonic() - t0, "error": error}))
+
+
 def _main(argv: list[str]) -> None:
     cmd, root, key, opts = argv[0], argv[1], json.loads(argv[2]), json.loads(argv[3])
+    if cmd == "dead-holder":
+        _dead_holder(root, key, opts)
+        return
     if cmd != "hold-lock":  # pragma: no cover
         raise SystemExit(f"unknown command {cmd}")
     with SyncStore(root, **opts).locked(key):
