@@ -45,7 +45,7 @@ class FsSessionStore:
         *,
         fsync: bool = False,
         stale_lock_seconds: float = 30.0,
-        lock_timeout_seconds: float = 60.0,
+        lock_timeout_seconds: float = 20.0,
         dir_mode: int = 0o700,
         file_mode: int = 0o600,
         summaries: bool | None = None,

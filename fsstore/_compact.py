@@ -31,10 +31,12 @@ them, so compaction never changes what ``load()`` returns.
 
 from __future__ import annotations
 
+import os
+
 from . import _fsio, _layout
 from ._errors import FsStoreError
 from ._lock import Held
-from ._transcript import State, parse, plan, scan_items, write_state
+from ._transcript import State, has_gap, parse, plan, scan_items, write_state
 
 Item = tuple[int, int, str]
 
@@ -71,6 +73,11 @@ def compact(
         chosen = plan(items)
     except ValueError as exc:
         raise FsStoreError("CORRUPT", str(exc), operation=operation, path=path) from exc
+    if has_gap(chosen):
+        # Merging across a gap would hide it (a part lost by hand, or by a disk):
+        # leave the files as they are for `fsstore check` to report.
+        raise FsStoreError("CORRUPT", "sequence gap: refusing to compact across it",
+                           operation=operation, path=path)
     start = choose(chosen, everything=everything)
     merge = chosen[start:]
     covered = {name for _f, _l, name in items} - {name for _f, _l, name in chosen}
@@ -78,15 +85,20 @@ def compact(
         _remove(dir_fd, covered)
         return 0
     data = []
+    newest = 0
     for first, last, name in merge:
         blob = _fsio.read_file(dir_fd, name)
         if first == last:
             parse(blob, f"{path}/{name}", operation)  # never copy a damaged part
         data.append(blob)
+        newest = max(newest, os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mtime_ns)
     first, last = merge[0][0], merge[-1][1]
     tmp = _fsio.temp_name("-segment")
     fs.write_new(dir_fd, tmp, b"".join(data))
     try:
+        # Compaction changes how entries are stored, not when they were written: the
+        # segment carries the newest merged mtime (retention goes by file age).
+        os.utime(tmp, ns=(newest, newest), dir_fd=dir_fd, follow_symlinks=False)
         held.check(operation)
         if not _fsio.move_noreplace(fs, dir_fd, tmp, _layout.segment_name(first, last)):
             return 0  # the same segment exists already: a crashed compaction made it
@@ -97,9 +109,21 @@ def compact(
     fs.sync_dir(dir_fd)
     state.compacted = max(state.compacted, last)
     state.seq = max(state.seq, last)
-    write_state(fs, dir_fd, state)
+    _write_state_keeping_mtime(fs, dir_fd, state)
     _remove(dir_fd, covered | {name for _f, _l, name in merge})
     return len(merge)
+
+
+def _write_state_keeping_mtime(fs: _fsio.Fs, dir_fd: int, state: State) -> None:
+    """Record ``compacted`` without moving the session's mtime (state.json's mtime is
+    what list_sessions reports; compacting an old session must not make it look new)."""
+    try:
+        old = os.stat(_layout.STATE, dir_fd=dir_fd, follow_symlinks=False).st_mtime_ns
+    except FileNotFoundError:
+        old = None
+    write_state(fs, dir_fd, state)
+    if old is not None:
+        os.utime(_layout.STATE, ns=(old, old), dir_fd=dir_fd, follow_symlinks=False)
 
 
 def _remove(dir_fd: int, names: set[str]) -> None:

@@ -298,11 +298,22 @@ class Fs:
         os.close(fd)
 
 
+class NotAFile(OSError):
+    """Something other than a regular file sits where the store expects one (a FIFO...)."""
+
+
 def read_file(dir_fd: int, name: str) -> bytes:
-    fd = os.open(name, READ_FLAGS, dir_fd=dir_fd)
+    """The whole content of a regular file; NotAFile for a FIFO, device or directory.
+
+    O_NONBLOCK keeps a FIFO planted under a part's name from blocking the open.
+    """
+    fd = os.open(name, READ_FLAGS | os.O_NONBLOCK, dir_fd=dir_fd)
     try:
         chunks = []
-        size = os.fstat(fd).st_size
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise NotAFile(errno.EINVAL, "not a regular file", name)
+        size = st.st_size
         while True:
             chunk = os.read(fd, max(size, 1 << 16))
             if not chunk:

@@ -14,7 +14,7 @@ holder on another host is reclaimed by age only, never by a local pid check.
 filelock 4.3 takes a stale marker over with ``renameat2(RENAME_EXCHANGE)`` and gives
 up when the filesystem lacks it (NFS, most FUSE filesystems), which would leave a
 crashed writer's lock in place forever. So while waiting, fsstore applies the same
-two rules itself (:meth:`Locks._reclaim_if_stale`): rename the marker aside, check
+two rules itself (:func:`reclaim_if_stale`): rename the marker aside, check
 it is the one judged stale, remove it.
 
 Age-based expiry can admit a second holder while a stalled first one still runs
@@ -44,6 +44,65 @@ import filelock
 from ._errors import FsStoreError, log
 
 _IDLE_LOCKS = 256
+
+
+def _host_name() -> str:
+    """This host as filelock records it (with a PID-namespace suffix inside containers)."""
+    try:
+        from filelock._identity import host_name
+    except ImportError:  # another filelock layout: the plain name is what older ones wrote
+        return socket.gethostname()
+    return str(host_name())
+
+
+def reclaim_if_stale(lock_path: str, *, older_than: float, operation: str) -> bool:
+    """Remove the marker at ``lock_path`` if it is older than ``older_than`` seconds or its
+    holder is provably dead on this host; True if the marker judged stale is gone.
+
+    Rename it aside, check that what was moved is the marker judged stale (same inode
+    and mtime), remove it. A marker that a new holder took meanwhile is put back
+    (``link`` refuses to replace a newer one still). A live holder here is never
+    broken before ``older_than``; a holder on another host is judged by age only.
+    """
+    try:
+        before = os.lstat(lock_path)
+        fd = os.open(lock_path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+        try:
+            content = os.read(fd, 4096).decode("utf-8", "replace")
+        finally:
+            os.close(fd)
+    except OSError:  # gone (released meanwhile), or not ours to read: nothing to reclaim
+        return False
+    if not stat.S_ISREG(before.st_mode):
+        return False
+    age = time.time() - before.st_mtime
+    lines = content.split("\n")
+    pid = int(lines[0]) if lines[0].isdigit() else None
+    host = lines[1] if len(lines) > 2 else None
+    dead_here = pid is not None and host == _host_name() and not _alive(pid)
+    if not (age >= older_than or dead_here):
+        return False
+    aside = f"{lock_path}.stale-{os.getpid()}-{secrets.token_hex(8)}"
+    try:
+        os.rename(lock_path, aside)
+    except OSError:  # someone else reclaimed or released it first
+        return False
+    try:
+        after = os.lstat(aside)
+        if (after.st_ino, after.st_mtime_ns) != (before.st_ino, before.st_mtime_ns):
+            # A new holder took the lock since we looked: put its marker back,
+            # unless yet another one is there already (link refuses to replace).
+            with contextlib.suppress(FileExistsError):
+                os.link(aside, lock_path)
+            return False
+        log.warning(
+            "reclaimed a stale lock (holder pid %s on %s, %.0fs old)", pid, host, age,
+            extra={"code": "LOCK_RECLAIMED", "operation": operation, "path": lock_path},
+        )
+        return True
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(aside)
 
 
 def _alive(pid: int) -> bool:
@@ -173,48 +232,7 @@ class Locks:
             except filelock.Timeout as exc:
                 if time.monotonic() >= deadline:
                     raise self._timeout(lock_path, operation, exc) from exc
-            self._reclaim_if_stale(lock_path, operation)
-
-    def _reclaim_if_stale(self, lock_path: str, operation: str) -> None:
-        """Remove the marker if its holder is provably dead here, or it is past its lifetime."""
-        try:
-            before = os.lstat(lock_path)
-            fd = os.open(lock_path, os.O_RDONLY | os.O_NOFOLLOW)
-            try:
-                content = os.read(fd, 4096).decode("utf-8", "replace")
-            finally:
-                os.close(fd)
-        except OSError:  # gone (released meanwhile), or not ours to read: nothing to reclaim
-            return
-        if not stat.S_ISREG(before.st_mode):
-            return
-        age = time.time() - before.st_mtime
-        lines = content.split("\n")
-        pid = int(lines[0]) if lines[0].isdigit() else None
-        host = lines[1] if len(lines) > 2 else None
-        dead_here = pid is not None and host == socket.gethostname() and not _alive(pid)
-        if not (age >= self.stale or dead_here):
-            return
-        aside = f"{lock_path}.stale-{os.getpid()}-{secrets.token_hex(8)}"
-        try:
-            os.rename(lock_path, aside)
-        except OSError:  # someone else reclaimed or released it first
-            return
-        try:
-            after = os.lstat(aside)
-            if (after.st_ino, after.st_mtime_ns) != (before.st_ino, before.st_mtime_ns):
-                # A new holder took the lock since we looked: put its marker back,
-                # unless yet another one is there already (link refuses to replace).
-                with contextlib.suppress(FileExistsError):
-                    os.link(aside, lock_path)
-                return
-            log.warning(
-                "reclaimed a stale lock (holder pid %s on %s, %.0fs old)", pid, host, age,
-                extra={"code": "LOCK_RECLAIMED", "operation": operation, "path": lock_path},
-            )
-        finally:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(aside)
+            reclaim_if_stale(lock_path, older_than=self.stale, operation=operation)
 
     def _timeout(self, path: str, operation: str, exc: filelock.Timeout | None) -> FsStoreError:
         # Deliberately not a TimeoutError: the SDK does not retry those, and a lock

@@ -49,17 +49,14 @@ import re
 import secrets
 import stat
 import time
-import warnings
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import filelock
-
 from . import _fsio, _keys, _layout
 from ._errors import FsStoreError
-from ._lock import Locks
+from ._lock import reclaim_if_stale
 from ._store import SyncStore
 from ._transcript import dedupe, parse, plan, read_state
 
@@ -1166,35 +1163,12 @@ def break_lock(path: str, older_than: float) -> bool:
     """Break the lock at ``path`` if it is older than ``older_than`` seconds (or its
     holder is provably dead on this host); True if the marker judged stale is gone.
 
-    Uses the store's own reclaim (``Locks._reclaim_if_stale``: rename the marker
-    aside, check it is the one judged stale, remove it), which works where filelock's
-    RENAME_EXCHANGE take-over does not (NFS, most FUSE mounts); a marker someone
-    re-took in the meantime is put back, never removed.
+    This is the store's own reclaim (:func:`fsstore._lock.reclaim_if_stale`: rename
+    the marker aside, check it is the one judged stale, remove it), which works where
+    filelock's RENAME_EXCHANGE take-over does not (NFS, most FUSE mounts); a marker
+    someone re-took in the meantime is put back, never removed.
     """
-    try:
-        before = os.lstat(path)
-    except FileNotFoundError:
-        return False
-    locks = Locks(stale_lock_seconds=max(older_than, 0.001), lock_timeout_seconds=0,
-                  mode=0o600)
-    reclaim = getattr(locks, "_reclaim_if_stale", None)
-    if reclaim is not None:
-        reclaim(path, "gc")
-    else:  # an fsstore without it: filelock's own take-over
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            soft = filelock.SoftFileLock(path, timeout=0, lifetime=max(older_than, 0.001),
-                                         thread_local=False)
-            try:
-                soft.acquire()
-            except filelock.Timeout:
-                return False
-        soft.release()
-    try:
-        after = os.lstat(path)
-    except FileNotFoundError:
-        return True
-    return (after.st_ino, after.st_mtime_ns) != (before.st_ino, before.st_mtime_ns)
+    return reclaim_if_stale(path, older_than=max(older_than, 0.0), operation="gc")
 
 
 def _break(w: Walker, lk: LockInfo, older_than: float, dry_run: bool) -> Action | None:

@@ -50,7 +50,7 @@ class SyncStore:
         *,
         fsync: bool = False,
         stale_lock_seconds: float = 30.0,
-        lock_timeout_seconds: float = 60.0,
+        lock_timeout_seconds: float = 20.0,
         dir_mode: int = 0o700,
         file_mode: int = 0o600,
         summaries: bool | None = None,
@@ -213,8 +213,12 @@ class SyncStore:
             _compact.compact(self._fs, dfd, path, held, state, everything=False, operation="compact")
         except (OSError, FsStoreError) as exc:
             # The append itself is committed; a failed compaction only costs load speed.
+            # Try again only after another compact_every parts, not on every append.
             log.warning("automatic compaction failed: %s", exc,
                         extra={"code": "COMPACT_FAILED", "operation": "compact", "path": path})
+            state.compacted = state.seq
+            with contextlib.suppress(OSError):
+                write_state(self._fs, dfd, state)
 
     def _after_commit(
         self,
@@ -294,7 +298,12 @@ class SyncStore:
                 with self._open_root(create=False) as rfd:
                     if rfd is None:
                         return None
-                    dfd = self._open(rfd, comps, op)
+                    try:
+                        dfd = self._open(rfd, comps, op)
+                    except OSError as exc:
+                        if exc.errno == errno.ESTALE:  # NFS: replaced by another host
+                            continue
+                        raise
                     if dfd is None:
                         return None
                     try:

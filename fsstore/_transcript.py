@@ -49,8 +49,10 @@ exactly once, never a partial one, and never a prefix of a deleted transcript.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
+import stat
 from dataclasses import dataclass
 from typing import Any
 
@@ -110,12 +112,14 @@ class State:
 def read_state(dir_fd: int) -> tuple[State | None, int]:
     """The state and its mtime in ns; (None, 0) if it is missing or unreadable as JSON."""
     try:
-        fd = os.open(_layout.STATE, _fsio.READ_FLAGS, dir_fd=dir_fd)
+        fd = os.open(_layout.STATE, _fsio.READ_FLAGS | os.O_NONBLOCK, dir_fd=dir_fd)
     except FileNotFoundError:
         return None, 0
     try:
         st = os.fstat(fd)
         mtime = st.st_mtime_ns
+        if not stat.S_ISREG(st.st_mode):
+            return None, mtime  # not a state file we wrote: rebuilt from the parts
         raw = os.read(fd, st.st_size + 1)
     finally:
         os.close(fd)
@@ -267,6 +271,13 @@ def read_batches(
             data = _fsio.read_file(dir_fd, name)
         except FileNotFoundError as exc:
             raise Vanished(name) from exc
+        except _fsio.NotAFile as exc:
+            raise FsStoreError("CORRUPT", "not a regular file", operation=operation,
+                               path=f"{path}/{name}") from exc
+        except OSError as exc:
+            if exc.errno == errno.ESTALE:  # NFS: removed by another host since we listed
+                raise Vanished(name) from exc
+            raise
         batches.append((last, parse(data, f"{path}/{name}", operation)))
     return batches
 

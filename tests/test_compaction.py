@@ -176,3 +176,34 @@ def test_readers_racing_compaction_see_every_entry_exactly_once(root: Path) -> N
     assert len(snapshots) > 20
     for snap in snapshots:
         assert snap == final[: len(snap)]  # a prefix: nothing missing, nothing twice
+
+
+def test_compaction_keeps_the_session_mtime_and_file_ages(root: Path) -> None:
+    import os
+
+    store = SyncStore(root, compact_every=0)
+    for i in range(3):
+        store.append(KEY, [entry(i)])
+    old = time.time() - 10 * 86400
+    for p in tdir(root, KEY).iterdir():
+        os.utime(p, (old, old))
+    [before] = store.list_sessions(KEY["project_key"])
+    store.compact(KEY)
+    [after] = store.list_sessions(KEY["project_key"])
+    assert after["mtime"] == before["mtime"]  # an old session stays old
+    [segment] = [p for p in tdir(root, KEY).iterdir() if _layout.parse_item(p.name)]
+    assert abs(segment.stat().st_mtime - old) < 1
+
+
+def test_compaction_refuses_to_hide_a_sequence_gap(root: Path) -> None:
+    store = SyncStore(root, compact_every=0)
+    for i in range(3):
+        store.append(KEY, [entry(i)])
+    (tdir(root, KEY) / _layout.part_name(2)).unlink()  # lost by hand
+    with pytest.raises(FsStoreError) as info:
+        store.compact(KEY)
+    assert info.value.code == "CORRUPT" and "gap" in info.value.message
+    assert parts_of(root, KEY) == [_layout.part_name(1), _layout.part_name(3)]
+    auto = SyncStore(root, compact_every=2)
+    auto.append(KEY, [entry(3)])  # the automatic compaction fails, the append does not
+    assert auto.load(KEY) == [entry(0), entry(2), entry(3)]

@@ -624,3 +624,12 @@ def test_failure_after_the_commit_point_does_not_fail_the_append(
     [record] = [r for r in caplog.records if r.levelno >= logging.ERROR]
     assert record.code == "EIO" and record.operation == "append"  # type: ignore[attr-defined]
 
+
+
+@pytest.mark.timeout(20)
+def test_a_fifo_named_like_a_part_is_corruption_not_a_hang(store: SyncStore, root: Path) -> None:
+    store.append(KEY, [entry(1)])
+    os.mkfifo(tdir(root, KEY) / _layout.part_name(2))
+    with pytest.raises(FsStoreError) as info:
+        store.load(KEY)
+    assert info.value.code == "CORRUPT" and info.value.path.endswith(_layout.part_name(2))  # type: ignore[union-attr]
