@@ -28,7 +28,6 @@ MAIN = "main"
 SUBKEYS = "subkeys"
 TRASH = ".trash"
 LOCKS = ".locks"
-LOCK = "lock"  # format 0 location (inside the transcript directory); kept until the CLI moves
 STATE = "state.json"
 
 Component = tuple[str, "str | None"]

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import dataclasses
 import os
 import secrets
 import socket
@@ -55,6 +56,40 @@ def _host_name() -> str:
     return str(host_name())
 
 
+@dataclasses.dataclass(frozen=True)
+class Marker:
+    """A lock file as found: who wrote it, when, and whether that holder is provably gone."""
+
+    stat: os.stat_result
+    pid: int | None
+    host: str | None
+    age: float  # seconds, by this host's clock against the storage's mtime
+
+    @property
+    def dead_here(self) -> bool:
+        """Recorded on this host by a process that no longer exists."""
+        return self.pid is not None and self.host == _host_name() and not _alive(self.pid)
+
+
+def read_marker(lock_path: str) -> Marker | None:
+    """The marker at ``lock_path``; None if there is none (or it is not a regular file)."""
+    try:
+        st = os.lstat(lock_path)
+        if not stat.S_ISREG(st.st_mode):
+            return None
+        fd = os.open(lock_path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+        try:
+            content = os.read(fd, 4096).decode("utf-8", "replace")
+        finally:
+            os.close(fd)
+    except FileNotFoundError:  # released meanwhile
+        return None
+    lines = content.split("\n")
+    pid = int(lines[0]) if lines[0].isdigit() else None
+    host = lines[1] if len(lines) > 2 else None
+    return Marker(st, pid, host, time.time() - st.st_mtime)
+
+
 def reclaim_if_stale(lock_path: str, *, older_than: float, operation: str) -> bool:
     """Remove the marker at ``lock_path`` if it is older than ``older_than`` seconds or its
     holder is provably dead on this host; True if the marker judged stale is gone.
@@ -65,23 +100,12 @@ def reclaim_if_stale(lock_path: str, *, older_than: float, operation: str) -> bo
     broken before ``older_than``; a holder on another host is judged by age only.
     """
     try:
-        before = os.lstat(lock_path)
-        fd = os.open(lock_path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
-        try:
-            content = os.read(fd, 4096).decode("utf-8", "replace")
-        finally:
-            os.close(fd)
-    except OSError:  # gone (released meanwhile), or not ours to read: nothing to reclaim
+        marker = read_marker(lock_path)
+    except OSError:  # not ours to read: nothing we can judge
         return False
-    if not stat.S_ISREG(before.st_mode):
+    if marker is None or not (marker.age >= older_than or marker.dead_here):
         return False
-    age = time.time() - before.st_mtime
-    lines = content.split("\n")
-    pid = int(lines[0]) if lines[0].isdigit() else None
-    host = lines[1] if len(lines) > 2 else None
-    dead_here = pid is not None and host == _host_name() and not _alive(pid)
-    if not (age >= older_than or dead_here):
-        return False
+    before, pid, host, age = marker.stat, marker.pid, marker.host, marker.age
     aside = f"{lock_path}.stale-{os.getpid()}-{secrets.token_hex(8)}"
     try:
         os.rename(lock_path, aside)

@@ -41,6 +41,29 @@ _LOAD_ATTEMPTS = 50
 _APPEND_ATTEMPTS = 5
 
 
+def decode_entry(parent_fd: int, entry: os.DirEntry[str]) -> str | None:
+    """The key part a directory entry stands for; None for anything not ours.
+
+    Hashed names are decoded from their ``.key`` file, which must encode back to
+    the name; store-internal names (starting with ``.``) and non-directories are
+    not keys.
+    """
+    name = entry.name
+    if name.startswith(".") or not _fsio.is_dir_entry(entry):
+        return None
+    if not _keys.is_hashed(name):
+        return _keys.decode(name)
+    try:
+        fd = os.open(name, _fsio.DIR_FLAGS, dir_fd=parent_fd)
+        try:
+            original = _fsio.read_file(fd, _fsio.KEY_FILE).decode("utf-8")
+        finally:
+            os.close(fd)
+    except (OSError, UnicodeDecodeError):  # vanished, or not a directory we made
+        return None
+    return original if _keys.matches(name, original) else None
+
+
 class SyncStore:
     """Blocking twin of :class:`fsstore.FsSessionStore` (same methods, same errors)."""
 
@@ -328,23 +351,6 @@ class SyncStore:
 
     # -- listing -------------------------------------------------------------------
 
-    def _decode_child(self, parent_fd: int, entry: os.DirEntry[str]) -> str | None:
-        """The key part a directory entry stands for; None for anything not ours."""
-        name = entry.name
-        if name.startswith(".") or not _fsio.is_dir_entry(entry):
-            return None
-        if not _keys.is_hashed(name):
-            return _keys.decode(name)
-        try:
-            fd = os.open(name, _fsio.DIR_FLAGS, dir_fd=parent_fd)
-            try:
-                original = _fsio.read_file(fd, _fsio.KEY_FILE).decode("utf-8")
-            finally:
-                os.close(fd)
-        except (OSError, UnicodeDecodeError):  # vanished, or not a directory we made
-            return None
-        return original if _keys.matches(name, original) else None
-
     def _has_transcript(self, parent_fd: int, name: str) -> int | None:
         """mtime (epoch ms) of the transcript ``parent/name``, or None if it has no part.
 
@@ -388,7 +394,7 @@ class SyncStore:
             try:
                 with os.scandir(pfd) as it:
                     for entry in it:
-                        part = self._decode_child(pfd, entry)
+                        part = decode_entry(pfd, entry)
                         if part is not None:
                             yield pfd, entry, part
             finally:
