@@ -104,10 +104,16 @@ _PATH_HOW = _OpenHow(
 )
 
 
+_ABS_DIR_HOW = _OpenHow(
+    os.O_RDONLY | os.O_DIRECTORY | _CLOEXEC, 0, _RESOLVE_NO_MAGICLINKS | _RESOLVE_NO_SYMLINKS
+)
+_HOW_SIZE = ctypes.c_size_t(ctypes.sizeof(_OpenHow))
+_AT_FDCWD = -100
+
+
 def _openat2_dir(base_fd: int, relpath: bytes, how: _OpenHow = _DIR_HOW) -> int:
     """fd of ``base/relpath`` resolved without symlinks; OSError as openat2 reports it."""
-    fd = _syscall(_SYS_OPENAT2, ctypes.c_int(base_fd), relpath,
-                  ctypes.byref(how), ctypes.c_size_t(ctypes.sizeof(how)))
+    fd = _syscall(_SYS_OPENAT2, base_fd, relpath, ctypes.byref(how), _HOW_SIZE)
     if fd < 0:
         err = ctypes.get_errno()
         raise OSError(err, os.strerror(err))
@@ -180,6 +186,24 @@ class Fs:
         finally:
             if fd >= 0:
                 os.close(fd)
+
+    def open_abs_dir(self, path: str) -> int | None:
+        """Open an absolute directory path in one call, refusing symlinks in every component.
+
+        For a ``path`` whose own prefix is already symlink-free (a realpath); None where
+        openat2 is unavailable or the path does not exist (callers take the slow way).
+        """
+        if not self.openat2_ok:
+            return None
+        try:
+            return _openat2_dir(_AT_FDCWD, os.fsencode(path), _ABS_DIR_HOW)
+        except OSError as exc:
+            if exc.errno in (errno.ENOSYS, errno.E2BIG, errno.EPERM):
+                self.openat2_ok = False
+                return None
+            if exc.errno in (errno.ENOENT, errno.ELOOP, errno.ENOTDIR):
+                return None  # the walk decides: create, or UNSAFE_PATH
+            raise
 
     def stat_beneath(self, base_fd: int, relpath: str) -> os.stat_result:
         """``lstat`` of ``base/relpath`` without following a symlink in any component.

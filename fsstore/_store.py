@@ -90,6 +90,9 @@ class SyncStore:
             mode=file_mode,
         )
         self._fold = _summaries.fold_function() if summaries is not False else None
+        # The root with its own symlinks resolved (the operator's choice, resolved once):
+        # lets an append open its transcript directory in a single openat2 call.
+        self._real_root: str | None = None
         if summaries is True and self._fold is None:
             raise ValueError("summaries=True needs claude-agent-sdk (pip install fsstore[claude])")
 
@@ -123,20 +126,37 @@ class SyncStore:
     def _path(self, comps: list[Component]) -> str:
         return f"{self.root}/{_layout.rel(comps)}"
 
-    def _lock_path(self, rfd: int, comps: list[Component], operation: str) -> str:
-        """Path of a transcript's lock file, after checking ``<root>/.locks`` is a real directory.
+    def _lock_path(self, comps: list[Component], operation: str) -> str:
+        """Path of a transcript's lock file, ``<root>/.locks`` checked to be a real directory.
 
-        filelock opens the lock by path; this check (and creating the directory with
-        ``dir_mode``, which filelock would create 0777 & ~umask) keeps that path inside root.
+        filelock opens the lock by path, so this runs before every acquire: a ``.locks``
+        swapped for a symlink would otherwise take lock files outside root. It also
+        creates the directory with ``dir_mode`` (filelock would use 0777 & ~umask).
         """
+        locks = f"{self.root}/{_layout.LOCKS}"
         try:
-            st = os.lstat(_layout.LOCKS, dir_fd=rfd)
+            st = os.lstat(locks)
         except FileNotFoundError:
-            self._fs.make_dir(rfd, _layout.LOCKS, None)
-            st = os.lstat(_layout.LOCKS, dir_fd=rfd)
+            with self._open_root(create=True) as rfd:
+                assert rfd is not None
+                self._fs.make_dir(rfd, _layout.LOCKS, None)
+            st = os.lstat(locks)
         if not stat.S_ISDIR(st.st_mode):
-            raise _fsio.unsafe(f"{self.root}/{_layout.LOCKS}", operation)
-        return f"{self.root}/{_layout.LOCKS}/{_layout.lock_name(comps)}"
+            raise _fsio.unsafe(locks, operation)
+        return f"{locks}/{_layout.lock_name(comps)}"
+
+    def _open_transcript(self, comps: list[Component], operation: str) -> int:
+        """Open (creating if needed) a transcript directory for writing."""
+        if self._real_root is not None:
+            fd = self._fs.open_abs_dir(f"{self._real_root}/{_layout.rel(comps)}")
+            if fd is not None:
+                return fd
+        with self._open_root(create=True) as rfd:
+            assert rfd is not None
+            dfd = self._open(rfd, comps, operation, create=True)
+            assert dfd is not None
+            self._real_root = os.path.realpath(self.root)
+            return dfd
 
     # -- append --------------------------------------------------------------------
 
@@ -174,28 +194,25 @@ class SyncStore:
         path: str,
     ) -> None:
         op = "append"
-        with self._open_root(create=True) as rfd:
-            assert rfd is not None
-            dfd = self._open(rfd, comps, op, create=True)
-            assert dfd is not None
+        dfd = self._open_transcript(comps, op)
+        try:
+            tmp = _fsio.temp_name()
+            self._fs.write_new(dfd, tmp, payload)
+            committed = False
             try:
-                tmp = _fsio.temp_name()
-                self._fs.write_new(dfd, tmp, payload)
-                committed = False
-                try:
-                    with self._locks.hold(self._lock_path(rfd, comps, op), op) as held:
-                        state, _mtime = read_state(dfd)
-                        if state is None:
-                            state = rebuild_state(dfd)
-                        held.check(op)
-                        seq = commit(self._fs, dfd, tmp, state.seq)
-                        committed = True
-                        self._finish_commit(tk, dfd, path, held, state, seq, entries)
-                finally:
-                    if not committed:
-                        _fsio.unlink_quiet(dfd, tmp)
+                with self._locks.hold(self._lock_path(comps, op), op) as held:
+                    state, _mtime = read_state(dfd)
+                    if state is None:
+                        state = rebuild_state(dfd)
+                    held.check(op)
+                    seq = commit(self._fs, dfd, tmp, state.seq)
+                    committed = True
+                    self._finish_commit(tk, dfd, path, held, state, seq, entries)
             finally:
-                os.close(dfd)
+                if not committed:
+                    _fsio.unlink_quiet(dfd, tmp)
+        finally:
+            os.close(dfd)
 
     def _finish_commit(
         self,
@@ -542,7 +559,7 @@ class SyncStore:
             if dfd is None:
                 return 0
             try:
-                with self._locks.hold(self._lock_path(rfd, comps, op), op) as held:
+                with self._locks.hold(self._lock_path(comps, op), op) as held:
                     state, _mtime = read_state(dfd)
                     if state is None:
                         state = rebuild_state(dfd)
@@ -560,10 +577,7 @@ class SyncStore:
         comps = _layout.transcript_dirs(tk)
         path = self._path(comps)
         with translating(op, path):
-            with self._open_root(create=True) as rfd:
-                assert rfd is not None
-                lock_path = self._lock_path(rfd, comps, op)
-            hold = self._locks.hold(lock_path, op)
+            hold = self._locks.hold(self._lock_path(comps, op), op)
             hold.__enter__()
         # The caller's own errors pass through untranslated.
         try:
