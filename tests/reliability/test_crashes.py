@@ -119,6 +119,24 @@ def run_child(procs: Any, root: str, spec: dict[str, Any]) -> tuple[str, Any]:
     return msg[0], msg
 
 
+def _kind(name: str) -> str:
+    """What a file name is, in the on-disk format's terms."""
+    if _children.PART.match(name):
+        return "part"
+    if _children.SEGMENT.match(name):
+        return "segment"
+    if name.startswith(".tmp-"):
+        for tag in ("state", "segment", "dir", "deleted"):
+            if name.endswith(f"-{tag}"):
+                return f"temp-{tag}"
+        return "temp"
+    if name.endswith(".lock") or name == "lock" or ".stale-" in name or ".break." in name:
+        return "lock"
+    if name in ("state.json", ".key", ".trash", ".locks", "summary"):
+        return name
+    return "dir"
+
+
 def committed(events: list[Any]) -> bool:
     """Did the trace move a temp file to a part name (the commit point)?"""
     return any(
@@ -160,6 +178,8 @@ def crash_round(
     kind, msg = run_child(procs, model.root, full)
     events, count = (msg[4], msg[5]) if kind == "reached" else (msg[1], msg[2])
     if kind == "reached":
+        if "point" not in full:  # a random syscall: name it by what the call does
+            label = f"{op}: {msg[1]} {msg[2]} {' -> '.join(_kind(n) for n in msg[3])}"
         figures.crash_point(label)
     if op.startswith("append"):
         figures.add("appends")

@@ -58,6 +58,7 @@ class Case:
     logged: set[str] = field(default_factory=set)  # warning codes the store must log
     fsync: bool = False
     compact_every: int = 64
+    xfail: str | None = None  # a known fsstore bug this case exposes
 
 
 def append_faults() -> dict[str, Case]:
@@ -113,7 +114,13 @@ def read_faults() -> dict[str, Case]:
         "readdir ESTALE of the transcript directory": Case("load", [rule("readdir", f"{T}$", "ESTALE")], "ESTALE", t),
         "read EIO of a part": Case("load", [rule("read", T + PART, "EIO")], "EIO", t),
         "open EACCES of a part": Case("load", [rule("open", T + PART, "EACCES")], "EACCES", t),
-        "lookup ESTALE on load": Case("load", [rule("getattr", f"{T}$", "ESTALE")], "ESTALE", t),
+        "lookup ESTALE on load": Case(
+            "load", [rule("getattr", f"{T}$", "ESTALE")], "ESTALE", t,
+            xfail="fsstore bug: load() treats ESTALE from opening the transcript directory as "
+            "a race and retries; when the mount keeps answering ESTALE it gives up after 50 "
+            "attempts with code EAGAIN ('transcript changed under the reader 50 times in a "
+            "row'), so operators alerting on ESTALE never see it and the message blames "
+            "concurrent writers; the last ESTALE should surface (code and errno ESTALE)"),
         "opendir EIO of the sessions directory": Case(
             "list_sessions", [rule("opendir", "{r}/projects/-faults/sessions$", "EIO")], "EIO", sessions),
         "readdir EACCES of the subkeys directory": Case(
@@ -184,7 +191,10 @@ class Scene:
         assert_summaries_consistent(store, PROJECT)
 
 
-@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("name", [
+    pytest.param(n, marks=[pytest.mark.xfail(strict=True, reason=c.xfail)] if c.xfail else [], id=n)
+    for n, c in CASES.items()
+])
 def test_fault_surfaces_with_code_errno_operation_path_and_store_stays_consistent(
     name: str, fault_mount: FaultFs, figures: Any, caplog: pytest.LogCaptureFixture
 ) -> None:
