@@ -104,6 +104,7 @@ _PATH_HOW = _OpenHow(
 )
 
 
+_PATH_HOW_REF = ctypes.byref(_PATH_HOW)
 _ABS_DIR_HOW = _OpenHow(
     os.O_RDONLY | os.O_DIRECTORY | _CLOEXEC, 0, _RESOLVE_NO_MAGICLINKS | _RESOLVE_NO_SYMLINKS
 )
@@ -204,6 +205,28 @@ class Fs:
             if exc.errno in (errno.ENOENT, errno.ELOOP, errno.ENOTDIR):
                 return None  # the walk decides: create, or UNSAFE_PATH
             raise
+
+    def mtime_beneath(self, base_fd: int, relpath: str) -> int:
+        """st_mtime_ns of ``base/relpath`` (no symlink followed), or ``-errno`` on failure.
+
+        The listing hot path (one call per session): errors come back as numbers so a
+        session without a state file costs no exception.
+        """
+        if self.openat2_ok and _O_PATH:
+            fd = _syscall(_SYS_OPENAT2, base_fd, os.fsencode(relpath), _PATH_HOW_REF, _HOW_SIZE)
+            if fd >= 0:
+                try:
+                    return os.fstat(fd).st_mtime_ns
+                finally:
+                    os.close(fd)
+            err = ctypes.get_errno()
+            if err not in (errno.ENOSYS, errno.E2BIG, errno.EPERM):
+                return -err
+            self.openat2_ok = False
+        try:
+            return self.stat_beneath(base_fd, relpath).st_mtime_ns
+        except OSError as exc:
+            return -(exc.errno or errno.EIO)
 
     def stat_beneath(self, base_fd: int, relpath: str) -> os.stat_result:
         """``lstat`` of ``base/relpath`` without following a symlink in any component.

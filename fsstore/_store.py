@@ -426,16 +426,17 @@ class SyncStore:
         with translating(op, self._path(comps)):
             # One scandir and one stat per session: this runs over every session of
             # a project each time the SDK lists them.
+            mtime_beneath = self._fs.mtime_beneath
             for pfd, entry, session_id in self._children(comps, op):
-                try:
-                    st = self._fs.stat_beneath(pfd, entry.name + state_rel)
-                    mtime: int | None = st.st_mtime_ns // 1_000_000
-                except (FileNotFoundError, NotADirectoryError):
+                ns = mtime_beneath(pfd, entry.name + state_rel)
+                if ns >= 0:
+                    mtime: int | None = ns // 1_000_000
+                elif -ns in (errno.ENOENT, errno.ENOTDIR):
                     mtime = self._has_transcript(pfd, f"{entry.name}/{_layout.MAIN}")
-                except OSError as exc:
-                    if exc.errno not in (errno.ELOOP, errno.EXDEV):
-                        raise
+                elif -ns in (errno.ELOOP, errno.EXDEV):
                     continue  # a symlink where the session's transcript should be: not ours
+                else:
+                    raise OSError(-ns, os.strerror(-ns), f"{self._path(comps)}/{entry.name}")
                 if mtime is not None:
                     out.append({"session_id": session_id, "mtime": mtime})
         return out
