@@ -130,6 +130,7 @@ class Tracer:
         self.dirfds: set[int] = set()
         self.count = 0
         self.armed = False
+        self.pause: float | None = None  # stop this long and go on, instead of waiting to be killed
 
     def step(self, phase: str, call: str, names: tuple[str, ...], ok: bool = True) -> None:
         if not self.armed:
@@ -140,6 +141,10 @@ class Tracer:
             self.events.append((call, names, "ok" if ok else "error"))
         if self.stop_at(self, phase, call, names, ok):
             self.armed = False
+            if self.pause is not None:
+                self.conn.send(("paused", phase, call, names, self.events, self.count))
+                time.sleep(self.pause)
+                return
             self.conn.send(("reached", phase, call, names, self.events, self.count))
             while True:  # the parent kills us here
                 time.sleep(3600)
@@ -296,6 +301,8 @@ POINTS: dict[str, tuple[str, bool, Callable[[Tracer, str, str, tuple[str, ...], 
     "lock_file_created_empty": ("append", False,
         lambda t, ph, c, n, ok: ph == "after" and c == "open" and is_lock_file(n[0])),
     # holding the lock
+    "holding_lock_marker_written": ("append", False,
+        lambda t, ph, c, n, ok: ph == "after" and c == "write" and is_lock_file(n[0])),
     "holding_lock_before_move": ("append", False,
         lambda t, ph, c, n, ok: ph == "before" and _moved_to(c, n, PART)),
     "between_move_and_dir_fsync": ("append", True,
@@ -345,6 +352,7 @@ def crash_child(root: str, spec: dict[str, Any], conn: Any) -> None:
         else:
             stop_at = by_index(spec["k"], spec["phase"])
         tracer = Tracer(conn, stop_at)
+        tracer.pause = spec.get("pause")
         install(tracer)
         _hook_fold(tracer)
         store = SyncStore(root, **spec["opts"])
@@ -362,7 +370,7 @@ def crash_child(root: str, spec: dict[str, Any], conn: Any) -> None:
         tracer.armed = False
         conn.send(("completed", tracer.events, tracer.count))
     except FsStoreError as exc:
-        conn.send(("fsstore_error", repr(exc), traceback.format_exc()))
+        conn.send(("fsstore_error", exc.code, exc.operation, traceback.format_exc()))
     except BaseException:  # noqa: BLE001 - reported to the parent, which fails the test
         conn.send(("error", traceback.format_exc()))
 
