@@ -36,7 +36,15 @@ import os
 from . import _fsio, _layout
 from ._errors import FsStoreError
 from ._lock import Held
-from ._transcript import State, has_gap, parse, plan, scan_items, write_state
+from ._transcript import (
+    State,
+    check_no_late_parts,
+    checked_plan,
+    has_gap,
+    parse,
+    scan_items,
+    write_state,
+)
 
 Item = tuple[int, int, str]
 
@@ -69,10 +77,10 @@ def compact(
 ) -> int:
     """Merge (see the module docstring); return how many files were merged (0: none)."""
     items = scan_items(dir_fd)
-    try:
-        chosen = plan(items)
-    except ValueError as exc:
-        raise FsStoreError("CORRUPT", str(exc), operation=operation, path=path) from exc
+    chosen = checked_plan(items, path, operation)
+    # A part committed after the segment that covers it must not be unlinked as a
+    # leftover (see check_no_late_parts): refuse, and leave it for `fsstore check`.
+    check_no_late_parts(dir_fd, items, chosen, path, operation)
     if has_gap(chosen):
         # Merging across a gap would hide it (a part lost by hand, or by a disk):
         # leave the files as they are for `fsstore check` to report.
@@ -111,6 +119,7 @@ def compact(
     fs.sync_dir(dir_fd)
     state.compacted = max(state.compacted, last)
     state.seq = max(state.seq, last)
+    held.check(operation)  # a holder past its lease must not write an old sequence
     _write_state_keeping_mtime(fs, dir_fd, state)
     _remove(dir_fd, covered | {name for _f, _l, name in merge})
     return len(merge)

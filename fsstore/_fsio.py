@@ -327,8 +327,13 @@ class Fs:
 
     # -- files -------------------------------------------------------------------
 
-    def write_new(self, dir_fd: int, name: str, data: bytes, *, sync: bool | None = None) -> None:
-        """Create ``name`` (must not exist), write ``data``, fsync if on; no file on failure."""
+    def write_new(
+        self, dir_fd: int, name: str, data: bytes, *, sync: bool | None = None
+    ) -> os.stat_result:
+        """Create ``name`` (must not exist), write ``data``, fsync if on; no file on failure.
+
+        Returns the file's stat as written (an fstat: no lookup).
+        """
         fd = os.open(name, CREATE_FLAGS, self.file_mode, dir_fd=dir_fd)
         try:
             if self._fchmod_files:
@@ -338,11 +343,13 @@ class Fs:
                 view = view[os.write(fd, view) :]
             if self.fsync if sync is None else sync:
                 os.fsync(fd)
+            st = os.fstat(fd)
         except BaseException:
             os.close(fd)
             unlink_quiet(dir_fd, name)
             raise
         os.close(fd)
+        return st
 
 
 class NotAFile(OSError):
@@ -411,9 +418,31 @@ def move_noreplace(fs: Fs, dir_fd: int, src: str, dst: str) -> bool:
     try:
         os.link(src, dst, src_dir_fd=dir_fd, dst_dir_fd=dir_fd, follow_symlinks=False)
     except FileExistsError:
-        return False
-    unlink_quiet(dir_fd, src)
+        # On NFS a retransmitted LINK whose first reply was lost answers EEXIST for a
+        # link that did happen (open(2) gives the same advice for O_EXCL): it is ours
+        # if dst is the same inode as src.
+        if not _same_inode(dir_fd, src, dst):
+            return False
+    try:
+        os.unlink(src, dir_fd=dir_fd)
+    except FileNotFoundError:
+        pass
+    except OSError as exc:
+        # The batch is committed under dst already; the temp name is only a second
+        # link to it, garbage for `fsstore gc`. Raising now would make the caller
+        # retry a committed batch.
+        log.warning("temp link left after commit: %s", exc, extra={
+            "code": "TEMP_LEFT", "operation": "append", "path": src})
     return True
+
+
+def _same_inode(dir_fd: int, a: str, b: str) -> bool:
+    try:
+        sa = os.stat(a, dir_fd=dir_fd, follow_symlinks=False)
+        sb = os.stat(b, dir_fd=dir_fd, follow_symlinks=False)
+    except FileNotFoundError:
+        return False
+    return (sa.st_ino, sa.st_dev) == (sb.st_ino, sb.st_dev)
 
 
 def remove_tree(parent_fd: int, name: str) -> None:

@@ -111,22 +111,26 @@ def reclaim_if_stale(lock_path: str, *, older_than: float, operation: str) -> bo
         os.rename(lock_path, aside)
     except OSError:  # someone else reclaimed or released it first
         return False
-    try:
-        after = os.lstat(aside)
-        if (after.st_ino, after.st_mtime_ns) != (before.st_ino, before.st_mtime_ns):
-            # A new holder took the lock since we looked: put its marker back,
-            # unless yet another one is there already (link refuses to replace).
-            with contextlib.suppress(FileExistsError):
-                os.link(aside, lock_path)
+    after = os.lstat(aside)
+    if (after.st_ino, after.st_mtime_ns) != (before.st_ino, before.st_mtime_ns):
+        # A new holder took the lock since we looked: put its marker back. If yet
+        # another marker is there already (link refuses to replace it), leave the
+        # moved one where it is rather than delete a live holder's marker;
+        # `fsstore gc` removes `.stale-*` files once old.
+        try:
+            os.link(aside, lock_path)
+        except FileExistsError:
             return False
-        log.warning(
-            "reclaimed a stale lock (holder pid %s on %s, %.0fs old)", pid, host, age,
-            extra={"code": "LOCK_RECLAIMED", "operation": operation, "path": lock_path},
-        )
-        return True
-    finally:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(aside)
+        return False
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(aside)
+    log.warning(
+        "reclaimed a stale lock (holder pid %s on %s, %.0fs old)", pid, host, age,
+        extra={"code": "LOCK_RECLAIMED", "operation": operation, "path": lock_path},
+    )
+    return True
 
 
 def _alive(pid: int) -> bool:

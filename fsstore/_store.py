@@ -59,8 +59,12 @@ def decode_entry(parent_fd: int, entry: os.DirEntry[str]) -> str | None:
             original = _fsio.read_file(fd, _fsio.KEY_FILE).decode("utf-8")
         finally:
             os.close(fd)
-    except (OSError, UnicodeDecodeError):  # vanished, or not a directory we made
-        return None
+    except (FileNotFoundError, NotADirectoryError, _fsio.NotAFile, UnicodeDecodeError):
+        return None  # vanished meanwhile, or not a directory/.key fsstore made
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            return None  # a symlink: never ours
+        raise
     return original if _keys.matches(name, original) else None
 
 
@@ -201,13 +205,13 @@ class SyncStore:
             committed = False
             try:
                 with self._locks.hold(self._lock_path(comps, op), op) as held:
-                    state, _mtime = read_state(dfd)
+                    state, state_mtime = read_state(dfd)
                     if state is None:
                         state = rebuild_state(dfd)
                     held.check(op)
                     seq = commit(self._fs, dfd, tmp, state.seq)
                     committed = True
-                    self._finish_commit(tk, dfd, path, held, state, seq, entries)
+                    self._finish_commit(tk, dfd, path, held, state, state_mtime, seq, entries)
             finally:
                 if not committed:
                     _fsio.unlink_quiet(dfd, tmp)
@@ -221,6 +225,7 @@ class SyncStore:
         path: str,
         held: Held,
         state: State,
+        state_mtime: int,
         seq: int,
         entries: list[dict[str, Any]],
     ) -> None:
@@ -242,9 +247,14 @@ class SyncStore:
             )
         new = self._after_commit(tk, dfd, path, state, seq, entries)
         try:
-            write_state(self._fs, dfd, new)
-        except OSError as exc:
+            # A holder past its lease skips the write: another holder may have moved
+            # on, and an old sequence in state.json could send later commits into a
+            # segment's range. The state stays behind, which heals.
+            held.check("append")
+            write_state(self._fs, dfd, new, after_ns=state_mtime)
+        except (OSError, FsStoreError) as exc:
             log_state_failure(exc, path)
+            return
         if self._compact_every and seq - new.compacted >= self._compact_every:
             self._auto_compact(dfd, path, held, new)
 
@@ -257,8 +267,11 @@ class SyncStore:
             log.warning("automatic compaction failed: %s", exc,
                         extra={"code": "COMPACT_FAILED", "operation": "compact", "path": path})
             state.compacted = state.seq
-            with contextlib.suppress(OSError):
+            try:
+                held.check("compact")
                 write_state(self._fs, dfd, state)
+            except (OSError, FsStoreError) as exc:
+                log_state_failure(exc, path)
 
     def _after_commit(
         self,
@@ -277,7 +290,7 @@ class SyncStore:
         try:
             summary, folded = self._catch_up(dfd, path, key, state.summary, state.folded, seq - 1)
             if folded < seq:
-                summary, folded = self._fold(summary, key, entries), seq
+                summary, folded = _summaries.fold(self._fold, summary, key, [entries]), seq
         except (OSError, FsStoreError, Vanished) as exc:
             # The batch is committed; the summary stays behind and readers heal it.
             log.warning(

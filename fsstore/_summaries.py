@@ -17,6 +17,8 @@ import functools
 from collections.abc import Callable
 from typing import Any, cast
 
+from ._errors import FsStoreError
+
 Fold = Callable[[Any, Any, list[Any]], dict[str, Any]]
 
 
@@ -32,9 +34,17 @@ def fold_function() -> Fold | None:
 def fold(
     fn: Fold, prev: dict[str, Any] | None, key: dict[str, str], batches: list[list[Any]]
 ) -> dict[str, Any]:
-    """Fold batches in commit order, one call per committed batch (as appends did)."""
+    """Fold batches in commit order, one call per committed batch (as appends did).
+
+    A failure of the SDK's fold (it is third-party code run over stored data, e.g. a
+    damaged state file's summary) is FsStoreError CORRUPT, which callers treat as
+    "summary behind": it must never fail a committed append or break a listing.
+    """
     summary = prev
-    for batch in batches:
-        summary = fn(summary, key, batch)
+    try:
+        for batch in batches:
+            summary = fn(summary, key, batch)
+    except Exception as exc:  # see the docstring: any failure of foreign code, wrapped
+        raise FsStoreError("CORRUPT", f"summary fold failed: {exc!r}", operation="summary") from exc
     assert summary is not None
     return summary

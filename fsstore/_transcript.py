@@ -128,13 +128,26 @@ def read_state(dir_fd: int) -> tuple[State | None, int]:
         state = State(int(doc["seq"]), int(doc["folded"]), doc["summary"], int(doc["compacted"]))
     except (ValueError, KeyError, TypeError):  # torn or foreign: rebuilt from the parts
         return None, mtime
+    summary = state.summary
+    if summary is not None and not (isinstance(summary, dict) and isinstance(summary.get("data"), dict)):
+        state.summary, state.folded = None, 0  # not a summary we wrote: refold it
     return state, mtime
 
 
-def write_state(fs: _fsio.Fs, dir_fd: int, state: State) -> None:
+def write_state(fs: _fsio.Fs, dir_fd: int, state: State, *, after_ns: int = 0) -> None:
+    """Replace state.json (temp + rename; a hint, so never fsynced).
+
+    Its mtime is the session's mtime for the SDK, which compares a summary's mtime
+    with list_sessions' in whole milliseconds: with ``after_ns`` (the previous
+    state's mtime) the new one is made at least 1 ms later, so two writes inside
+    one millisecond (or one coarse filesystem tick) still read as a change.
+    """
     tmp = _fsio.temp_name("-state")
-    fs.write_new(dir_fd, tmp, state.to_bytes(), sync=False)  # a hint: not worth an fsync
+    st = fs.write_new(dir_fd, tmp, state.to_bytes(), sync=False)
     try:
+        if after_ns and st.st_mtime_ns // 1_000_000 <= after_ns // 1_000_000:
+            bumped = (after_ns // 1_000_000 + 1) * 1_000_000
+            os.utime(tmp, ns=(bumped, bumped), dir_fd=dir_fd, follow_symlinks=False)
         os.rename(tmp, _layout.STATE, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
     except OSError:
         _fsio.unlink_quiet(dir_fd, tmp)
@@ -239,6 +252,51 @@ def parse(data: bytes, path: str, operation: str) -> list[dict[str, Any]]:
     raise FsStoreError("CORRUPT", "line structure is damaged", operation=operation, path=path)
 
 
+def checked_plan(items: list[tuple[int, int, str]], path: str, operation: str) -> list[tuple[int, int, str]]:
+    """:func:`plan`, with an impossible layout reported as CORRUPT."""
+    try:
+        return plan(items)
+    except ValueError as exc:
+        raise FsStoreError("CORRUPT", str(exc), operation=operation, path=path) from exc
+
+
+def check_no_late_parts(
+    dir_fd: int,
+    items: list[tuple[int, int, str]],
+    chosen: list[tuple[int, int, str]],
+    path: str,
+    operation: str,
+) -> None:
+    """CORRUPT if a part inside a segment's range was committed after that segment.
+
+    Parts inside a segment's range are normally leftovers of a compaction (older
+    than the segment) and are skipped. One committed *later* can only come from two
+    lock holders overlapping (a holder stalled past its lease wrote an old sequence
+    into state.json); skipping it would silently drop a batch, so refuse instead.
+    Costs a stat only while such files exist (during a compaction).
+    """
+    segments = [it for it in chosen if it[0] != it[1]]
+    chosen_names = {name for _f, _l, name in chosen}
+    for first, last, name in items:
+        if first != last or name in chosen_names:
+            continue
+        covering = next((seg for seg in segments if seg[0] <= first <= seg[1]), None)
+        if covering is None:
+            continue
+        try:
+            part = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+            seg = os.stat(covering[2], dir_fd=dir_fd, follow_symlinks=False)
+        except FileNotFoundError:
+            continue  # the leftover was just removed
+        if part.st_ctime_ns > seg.st_ctime_ns:
+            raise FsStoreError(
+                "CORRUPT",
+                f"part {name} was committed after segment {covering[2]} that covers it "
+                "(two lock holders overlapped); nothing was dropped: see `fsstore check`",
+                operation=operation, path=f"{path}/{name}",
+            )
+
+
 def has_gap(chosen: list[tuple[int, int, str]]) -> bool:
     """Whether the chosen files skip a sequence number (fsstore itself never leaves one)."""
     expected = 1
@@ -259,12 +317,14 @@ def read_batches(
     call, so a part committed (or a segment made) while it ran can be missing while a
     later part is present. Listing again settles it; a gap that stays is damage.
     """
-    try:
-        chosen = plan(scan_items(dir_fd))
-    except ValueError as exc:
-        raise FsStoreError("CORRUPT", str(exc), operation=operation, path=path) from exc
-    if gaps_are_races and has_gap(chosen):
-        raise Vanished("a sequence number is missing from the listing")
+    items = scan_items(dir_fd)
+    chosen = checked_plan(items, path, operation)
+    if has_gap(chosen):
+        if gaps_are_races:
+            raise Vanished("a sequence number is missing from the listing")
+        log.warning("reading a transcript with a sequence gap (a file lost outside fsstore?); "
+                    "run `fsstore check`", extra={"code": "GAP", "operation": operation, "path": path})
+    check_no_late_parts(dir_fd, items, chosen, path, operation)
     batches = []
     for _first, last, name in chosen:
         try:
@@ -298,7 +358,7 @@ def dedupe(batches: list[tuple[int, list[dict[str, Any]]]]) -> list[dict[str, An
     return out
 
 
-def log_state_failure(exc: OSError, path: str) -> None:
+def log_state_failure(exc: OSError | FsStoreError, path: str) -> None:
     log.warning(
         "state file not updated after a successful commit (%s); the next writer heals it",
         exc,

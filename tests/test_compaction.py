@@ -207,3 +207,55 @@ def test_compaction_refuses_to_hide_a_sequence_gap(root: Path) -> None:
     auto = SyncStore(root, compact_every=2)
     auto.append(KEY, [entry(3)])  # the automatic compaction fails, the append does not
     assert auto.load(KEY) == [entry(0), entry(2), entry(3)]
+
+
+def test_a_holder_stalled_after_its_commit_does_not_write_an_old_sequence(
+    root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The write that could send later commits into a segment's range is skipped."""
+    from fsstore import _store
+
+    a = SyncStore(root, stale_lock_seconds=0.4, compact_every=0)
+    real = _store.SyncStore._after_commit
+    stalled: list[int] = []
+
+    def stall(self: Any, *args: Any) -> Any:
+        if not stalled:
+            stalled.append(1)
+            # Meanwhile another writer reclaims the lock by age and moves on.
+            b = SyncStore(root, stale_lock_seconds=0.4, compact_every=2)
+            for i in range(10, 16):
+                b.append(KEY, [entry(i)])
+            time.sleep(0.25)  # past half of stale_lock_seconds
+        return real(self, *args)
+
+    a.append(KEY, [entry(0)])
+    monkeypatch.setattr(_store.SyncStore, "_after_commit", stall)
+    a.append(KEY, [entry(1)])  # commits (visible), then must not write its old state
+    monkeypatch.undo()
+    state = json.loads((tdir(root, KEY) / _layout.STATE).read_text())
+    assert state["seq"] >= 8  # b's view survived
+    b = SyncStore(root, compact_every=2)
+    for i in range(20, 26):
+        b.append(KEY, [entry(i)])
+    got = [e["uuid"] for e in b.load(KEY) or []]
+    assert sorted(got) == sorted(f"u-{i}" for i in [0, 1, *range(10, 16), *range(20, 26)])
+
+
+def test_a_part_committed_after_the_segment_covering_it_is_reported_not_dropped(root: Path) -> None:
+    import os
+
+    store = SyncStore(root, compact_every=0)
+    for i in range(4):
+        store.append(KEY, [entry(i)])
+    store.compact(KEY)  # segment 1-4
+    time.sleep(0.01)
+    late = tdir(root, KEY) / _layout.part_name(2)
+    late.write_text(json.dumps(entry(99)) + "\n")  # what an overlapping holder would leave
+    os.chmod(late, 0o600)
+    with pytest.raises(FsStoreError) as info:
+        store.load(KEY)
+    assert info.value.code == "CORRUPT" and "committed after segment" in info.value.message
+    with pytest.raises(FsStoreError):
+        store.compact(KEY)  # and compaction does not unlink it as a leftover
+    assert late.exists()
