@@ -29,7 +29,7 @@ Commit (``append``), step by step, and what a crash at each step leaves:
 7. Main transcript: fold the batch into the Claude summary, first folding any
    parts committed since ``state.folded`` (the self-healing step).
 8. Write ``state.json`` (temp file + rename over the old one; not fsynced: it is a
-   hint). A failure here is logged, not raised: the batch is committed and the next
+   hint), unless the lock was held past half its lifetime. A failure here is logged, not raised: the batch is committed and the next
    writer or reader heals the state. A crash here leaves the state behind, which
    step 5 (for the sequence) and step 7 or the reader (for the summary) repair.
 9. Release the lock.
@@ -38,9 +38,10 @@ A failed append leaves no part and no temp file (step 2 removes its file on erro
 a failure between 2 and 5 unlinks the temp file). Errors come out as
 :class:`~fsstore.FsStoreError` with the POSIX code of the failing call.
 
-Reading (``load``): list the directory, take the largest segment and the parts
-after it (parts inside a segment's range are leftovers of a compaction in flight),
-read each file whole. A file that vanished between listing and opening means a
+Reading (``load``): list the directory and plan (:func:`plan`: walk the items by
+first sequence, widest first, skipping any inside a range already taken: leftovers
+of a compaction in flight), read each file whole. A listing that skips a sequence
+number is treated as a race and repeated (getdents is not atomic). A file that vanished between listing and opening means a
 compaction or a delete ran: start over. Finally check that the directory still
 sits at its path (a delete renames it away first): if not, start over, which
 returns None for a deleted transcript. So a reader sees every committed batch
