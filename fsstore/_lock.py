@@ -223,9 +223,9 @@ class Locks:
                     soft = entry.soft = _SoftLock(
                         lock_path, mode=self.mode, thread_local=False, lifetime=self.stale
                     )
-                self._acquire(soft, lock_path, operation, deadline)
+                since = self._acquire(soft, lock_path, operation, deadline)
                 try:
-                    yield Held(lock_path, time.monotonic(), self.stale / 2)
+                    yield Held(lock_path, since, self.stale / 2)
                 finally:
                     try:
                         soft.release()
@@ -249,14 +249,20 @@ class Locks:
 
     def _acquire(
         self, soft: filelock.SoftFileLock, lock_path: str, operation: str, deadline: float
-    ) -> None:
-        """Acquire, checking about once a second for a stale marker filelock cannot break."""
+    ) -> float:
+        """Acquire, checking about once a second for a stale marker filelock cannot break.
+
+        Returns when the lease began: the start of the attempt that succeeded, which is
+        no later than the marker's creation (others age the lock from that), so a stall
+        between creating the marker and returning counts against the lease.
+        """
         poll = min(1.0, max(self.stale / 4, 0.05))
         while True:
-            remaining = deadline - time.monotonic()
+            started = time.monotonic()
+            remaining = deadline - started
             try:
                 soft.acquire(timeout=max(min(remaining, poll), 0))
-                return
+                return started
             except filelock.Timeout as exc:
                 if time.monotonic() >= deadline:
                     raise self._timeout(lock_path, operation, exc) from exc

@@ -347,6 +347,7 @@ class SyncStore:
         comps = _layout.transcript_dirs(tk)
         path = self._path(comps)
         with translating(op, path):
+            stale: OSError | None = None
             for attempt in range(_LOAD_ATTEMPTS):
                 with self._open_root(create=False) as rfd:
                     if rfd is None:
@@ -355,6 +356,7 @@ class SyncStore:
                         dfd = self._open(rfd, comps, op)
                     except OSError as exc:
                         if exc.errno == errno.ESTALE:  # NFS: replaced by another host
+                            stale = exc
                             continue
                         raise
                     if dfd is None:
@@ -364,13 +366,17 @@ class SyncStore:
                             # A gap seen in three listings in a row is damage (a part
                             # deleted by hand), not a race: load what is there.
                             batches = read_batches(dfd, path, op, gaps_are_races=attempt < 3)
-                        except Vanished:
+                        except Vanished as exc:
+                            if isinstance(exc.__cause__, OSError) and exc.__cause__.errno == errno.ESTALE:
+                                stale = exc.__cause__
                             continue
                         if not _fsio.same_dir(dfd, rfd, [n for n, _ in comps]):
                             continue  # deleted (renamed away) while we read: look again
                     finally:
                         os.close(dfd)
                 return dedupe(batches) if batches else None
+            if stale is not None:
+                raise stale  # a mount that keeps answering ESTALE: say so, not "busy"
             raise FsStoreError(
                 "EAGAIN",
                 f"transcript changed under the reader {_LOAD_ATTEMPTS} times in a row",
