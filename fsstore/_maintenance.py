@@ -25,15 +25,17 @@ to the store:
 * a sequence gap counts only if it survives three listings (a listing is not
   atomic), and a transcript deleted while it was read is not reported at all;
 * young temp files and held locks are in-flight work, reported as such and never
-  touched; only what is older than the caller's threshold is garbage;
+  touched; only what is older than the caller's threshold is garbage. Temp files
+  and ``.trash`` entries are aged by the later of mtime and ctime (ctime cannot be
+  set back, and a rename sets it);
 * the only deletions are: temp files, ``.trash`` entries and lock-recovery
   leftovers older than a threshold (:func:`gc`), lock files older than a threshold
-  (through the store's own stale-lock reclaim, which never removes a marker someone
-  re-took), whole sessions through ``SyncStore.delete`` (an atomic rename into
-  ``.trash``), and what ``SyncStore.compact`` merges.
+  (through the store's own :func:`fsstore._lock.reclaim_if_stale`, which never
+  removes a marker someone re-took), whole sessions through ``SyncStore.delete``
+  (an atomic rename into ``.trash``) under the lock of every transcript of the
+  session (:func:`prune`), and what ``SyncStore.compact`` merges.
 
-Locks live in ``<root>/.locks/<hash>.lock``; stores made before that kept a ``lock``
-file in each transcript directory, and both places are looked at.
+Locks live in ``<root>/.locks/<sha256 of the transcript's path, 40 hex>.lock``.
 
 Ages are measured against this host's clock (``time.time()``) while file times
 come from the file server; see docs/operations.md about clock skew.
@@ -56,8 +58,9 @@ from typing import Any
 
 from . import _fsio, _keys, _layout
 from ._errors import FsStoreError
-from ._lock import reclaim_if_stale
-from ._store import SyncStore
+from ._keys import TranscriptKey
+from ._lock import _host_name, read_marker, reclaim_if_stale
+from ._store import SyncStore, decode_entry
 from ._transcript import dedupe, parse, plan, read_state
 
 #: ``progress(done, total)``: called as a walk advances (the CLI draws a bar).
@@ -70,11 +73,8 @@ NFS_SILLY_PREFIX = ".nfs"
 #: A lock take-over interrupted by a crash leaves ``<lock>.break.<pid>.<hex>`` or
 #: ``<lock>.restore.<pid>.<hex>`` (filelock) or ``<lock>.stale-<pid>-<hex>`` (fsstore).
 _LOCK_RECOVERY = re.compile(
-    r"(?:[0-9a-f]+\.)?lock\.(?:(?:break|restore)\.[0-9]+\.[0-9a-f]{32}|stale-[0-9]+-[0-9a-f]+)"
+    r"[0-9a-f]{40}\.lock\.(?:(?:break|restore)\.[0-9]+\.[0-9a-f]{32}|stale-[0-9]+-[0-9a-f]+)"
 )
-#: Where locks live: ``<root>/.locks/<hash>.lock`` (older stores: ``lock`` in the transcript).
-_LOCKS_DIR: str = getattr(_layout, "LOCKS", ".locks")
-_LEGACY_LOCK: str = getattr(_layout, "LOCK", "lock")
 _LOCK_FILE = re.compile(r"[0-9a-f]{40}\.lock")
 #: A lock record shorter than this long after creation is malformed, not being written.
 _MALFORMED_GRACE = 2.0
@@ -85,6 +85,8 @@ _ATTEMPTS = 20
 #: Entries per append() when importing (each append is one part file).
 _IMPORT_BATCH = 1000
 _IMPORT_BATCH_BYTES = 8 << 20
+#: Problem kinds that mean part of a session could not be looked at.
+_UNSEEN = frozenset({"unreadable", "symlink", "bad-name"})
 
 _LINE = re.compile(r"line ([0-9]+)")
 
@@ -142,16 +144,15 @@ class SessionRef:
 class TranscriptRef:
     """A transcript directory (``main`` or one subkey) and its key."""
 
-    project_key: str
-    session_id: str
-    subpath: str | None
+    tk: TranscriptKey
     comps: tuple[str, ...]
 
+    @property
+    def subpath(self) -> str | None:
+        return self.tk.subpath
+
     def key(self) -> dict[str, str]:
-        out = {"project_key": self.project_key, "session_id": self.session_id}
-        if self.subpath is not None:
-            out["subpath"] = self.subpath
-        return out
+        return self.tk.as_dict()
 
 
 @dataclass(frozen=True)
@@ -163,11 +164,12 @@ class Item:
     name: str
     size: int
     mtime_ns: int
+    ctime_ns: int
 
 
 @dataclass
 class Garbage:
-    """A temp file, a ``.trash`` entry, or a filelock recovery file, with its age."""
+    """A temp file, a ``.trash`` entry, or a lock recovery file, with its age."""
 
     kind: str  # "temp", "trash", "lock-recovery"
     parent: tuple[str, ...]
@@ -189,14 +191,14 @@ class LockInfo:
     status: str  # "held", "expired", "dead", "malformed"
     local: bool
     mtime: float
+    ident: tuple[int, int]  # (inode, mtime_ns) as found: the marker judged
 
     @property
     def stale(self) -> bool:
         return self.status != "held"
 
     def describe(self) -> str:
-        who = f"pid {self.pid} on {self.host}" if self.pid is not None else "an unreadable record"
-        return who
+        return f"pid {self.pid} on {self.host}" if self.pid is not None else "an unreadable record"
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -220,8 +222,6 @@ class TranscriptInfo:
     items: list[Item]
     live: list[Item]
     temps: list[Garbage]
-    recovery: list[Garbage]
-    lock: LockInfo | None
     entries: int | None = None
 
     @property
@@ -286,49 +286,20 @@ def _canon(entry: Any) -> str:
     return json.dumps(entry, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
 
 
-def _host_identity() -> tuple[Callable[[], str], Callable[[int, str, int | None], bool]]:
-    """filelock's own notion of this host and of a dead holder (private API, guarded)."""
-    try:
-        from filelock._identity import host_name, owner_is_stale
-
-        return host_name, owner_is_stale
-    except ImportError:  # another filelock layout: a plain hostname and a pid probe
-        import socket
-
-        def _host() -> str:
-            return socket.gethostname()
-
-        def _stale(pid: int, host: str, _token: int | None) -> bool:
-            if host != socket.gethostname():
-                return False
-            try:
-                os.kill(pid, 0)
-            except ProcessLookupError:
-                return True
-            except OSError:
-                return False
-            return False
-
-        return _host, _stale
+def _changed_at(st: os.stat_result) -> float:
+    """When a file was last written or moved: ctime cannot be set back (mtime can, by
+    ``utime`` or a copy that keeps times), and a rename into ``.trash`` sets it."""
+    return max(st.st_mtime, st.st_ctime)
 
 
-def parse_lock_record(data: bytes) -> tuple[int, str, int | None] | None:
-    """``(pid, host, start token)`` from a lock file (``pid\\nhost\\nstart-token\\n``)."""
-    try:
-        text = data.decode("utf-8")
-    except UnicodeDecodeError:
-        return None
-    lines = text.strip().splitlines()
-    if not text.endswith("\n") or len(lines) not in (2, 3):
-        return None
-    if not (lines[0].isascii() and lines[0].isdigit()):
-        return None
-    token: int | None = None
-    if len(lines) == 3:
-        if not (lines[2].isascii() and lines[2].isdigit()):
-            return None
-        token = int(lines[2])
-    return int(lines[0]), lines[1], token
+def require_store(root: str, *, create: bool = False) -> None:
+    """NoStore unless ``root`` is a directory (or, with ``create``, does not exist yet)."""
+    if os.path.isdir(root):
+        return
+    if os.path.lexists(root):
+        raise NoStore(f"{root}: no store here (not a directory)")
+    if not create:
+        raise NoStore(f"{root}: no store here (does not exist)")
 
 
 # -- the walker ------------------------------------------------------------------
@@ -345,27 +316,27 @@ class _Deleted(Exception):
 class Walker:
     """Walks one store; collects problems and garbage as it goes.
 
-    ``rfd`` is an open descriptor of the root; every path below it is opened one
-    component at a time without following symlinks.
+    ``rfd`` is an open descriptor of the root of ``store``; every path below it is
+    opened one component at a time without following symlinks.
     """
 
     def __init__(
         self,
         rfd: int,
-        root: str,
+        store: SyncStore,
         *,
         now: float | None = None,
         stale_lock_seconds: float = 30.0,
     ) -> None:
         self.rfd = rfd
-        self.root = root
+        self.store = store
+        self.root = store.root
         self.now = time.time() if now is None else now
         self.stale_lock_seconds = stale_lock_seconds
         self.problems: list[Problem] = []
         self.garbage: list[Garbage] = []  # temp entries found outside transcript dirs
         self.max_skew = 0.0
-        self._fs = _fsio.Fs(fsync=False, dir_mode=0o700, file_mode=0o600)
-        self._host, self._owner_is_stale = _host_identity()
+        self._fs = store._fs
 
     # -- plumbing ----------------------------------------------------------------
 
@@ -378,6 +349,11 @@ class Walker:
     ) -> None:
         self.problems.append(Problem(severity, kind, path, message, line, code))
 
+    def unreadable(self, path: str, what: str, exc: OSError) -> None:
+        """Note an OSError as a problem, unless it says the thing is gone."""
+        if not _gone(exc):
+            self.problem("error", "unreadable", path, f"{what}: {exc.strerror}", code=_code(exc))
+
     def open(self, comps: Sequence[str]) -> int | None:
         """Open ``root/comps``; None if it is gone; a problem (and None) if unsafe or unreadable."""
         try:
@@ -388,31 +364,39 @@ class Walker:
         except FsStoreError as err:  # UNSAFE_PATH: a symlink where a directory belongs
             self.problem("error", "symlink", err.path or self.path(comps), err.message,
                          code=err.code)
-            return None
         except OSError as exc:
-            if _gone(exc):
-                return None
-            self.problem("error", "unreadable", self.path(comps),
-                         f"cannot open directory: {exc.strerror}", code=_code(exc))
-            return None
+            self.unreadable(self.path(comps), "cannot open directory", exc)
+        return None
 
     def scan(self, fd: int, comps: Sequence[str]) -> list[os.DirEntry[str]]:
         try:
             with os.scandir(fd) as it:
                 return sorted(it, key=lambda e: e.name)
         except OSError as exc:
-            if not _gone(exc):
-                self.problem("error", "unreadable", self.path(comps),
-                             f"cannot list directory: {exc.strerror}", code=_code(exc))
+            self.unreadable(self.path(comps), "cannot list directory", exc)
             return []
+
+    def entries(
+        self, comps: tuple[str, ...]
+    ) -> Iterator[tuple[int, os.DirEntry[str], os.stat_result]]:
+        """``(dir fd, entry, lstat)`` of each entry of ``root/comps``, by name, skipping
+        what vanished; none if the directory is gone or unreadable (a problem says which)."""
+        fd = self.open(comps)
+        if fd is None:
+            return
+        try:
+            for entry in self.scan(fd, comps):
+                st = self._stat(entry, comps)
+                if st is not None:
+                    yield fd, entry, st
+        finally:
+            os.close(fd)
 
     def _stat(self, entry: os.DirEntry[str], comps: Sequence[str]) -> os.stat_result | None:
         try:
             return entry.stat(follow_symlinks=False)
         except OSError as exc:
-            if not _gone(exc):
-                self.problem("error", "unreadable", self.path((*comps, entry.name)),
-                             f"cannot stat: {exc.strerror}", code=_code(exc))
+            self.unreadable(self.path((*comps, entry.name)), "cannot stat", exc)
             return None
 
     def _age(self, ts: float) -> float:
@@ -423,86 +407,72 @@ class Walker:
     def _garbage(
         self, kind: str, comps: tuple[str, ...], entry: os.DirEntry[str], st: os.stat_result
     ) -> Garbage:
-        is_dir = stat.S_ISDIR(st.st_mode)
-        # A directory renamed into .trash keeps its old mtime; the rename sets ctime.
-        ts = max(st.st_mtime, st.st_ctime) if is_dir else st.st_mtime
         return Garbage(kind, comps, entry.name, self.path((*comps, entry.name)),
-                       self._age(ts), is_dir)
+                       self._age(_changed_at(st)), stat.S_ISDIR(st.st_mode))
 
     # -- names -------------------------------------------------------------------
 
-    def decode(self, parent_fd: int, comps: tuple[str, ...], name: str) -> str | None:
-        """The key part a directory name stands for; a problem and None if it does not decode."""
-        path = self.path((*comps, name))
-        if not _keys.is_hashed(name):
-            part = _keys.decode(name)
-            if part is None:
-                self.problem("error", "bad-name", path,
-                             "directory name does not decode to a key (not a name fsstore makes)")
-            return part
+    def decode(self, parent_fd: int, comps: tuple[str, ...], entry: os.DirEntry[str]) -> str | None:
+        """The key part a directory name stands for; a problem and None if it has none."""
+        path = self.path((*comps, entry.name))
         try:
-            fd = os.open(name, _fsio.DIR_FLAGS, dir_fd=parent_fd)
+            part = decode_entry(parent_fd, entry)
         except OSError as exc:
-            if not _gone(exc):
-                self.problem("error", "unreadable", path, f"cannot open: {exc.strerror}",
-                             code=_code(exc))
+            self.unreadable(f"{path}/{_fsio.KEY_FILE}", "cannot read", exc)
             return None
+        if part is None:
+            self._bad_name(parent_fd, entry.name, path)
+        return part
+
+    def _bad_name(self, parent_fd: int, name: str, path: str) -> None:
+        """Say why ``name`` stands for no key (``decode_entry`` only says that it does not)."""
+        if not _keys.is_hashed(name):
+            self.problem("error", "bad-name", path,
+                         "directory name does not decode to a key (not a name fsstore makes)")
+            return
         try:
-            kst = os.stat(_fsio.KEY_FILE, dir_fd=fd, follow_symlinks=False)
-            if not stat.S_ISREG(kst.st_mode):  # never open a FIFO or a symlink
-                raise OSError(errno.EINVAL, "not a regular file")
-            raw = _fsio.read_file(fd, _fsio.KEY_FILE)
-        except OSError as exc:
-            if exc.errno == errno.ENOENT:
+            os.stat(f"{name}/{_fsio.KEY_FILE}", dir_fd=parent_fd, follow_symlinks=False)
+        except FileNotFoundError:
+            if self._exists(parent_fd, name):  # else: deleted meanwhile
                 self.problem("error", "bad-name", path,
                              "hashed directory name without its .key file: the key cannot be "
                              "recovered from the name, so listings skip this directory")
-            else:
-                self.problem("error", "unreadable", f"{path}/{_fsio.KEY_FILE}",
-                             f"cannot read: {exc.strerror}", code=_code(exc))
-            return None
-        finally:
-            os.close(fd)
-        try:
-            original = raw.decode("utf-8")
-        except UnicodeDecodeError:
-            original = None
-        if original is None or not _keys.matches(name, original):
-            self.problem("error", "bad-name", f"{path}/{_fsio.KEY_FILE}",
-                         ".key does not hold the key this directory name was made from")
-            return None
-        return original
+            return
+        except OSError as exc:
+            self.unreadable(f"{path}/{_fsio.KEY_FILE}", "cannot stat", exc)
+            return
+        self.problem("error", "bad-name", f"{path}/{_fsio.KEY_FILE}",
+                     ".key is not a regular file, not UTF-8, or does not hold the key this "
+                     "directory name was made from")
 
     def children(self, comps: tuple[str, ...], what: str) -> list[tuple[str, str]]:
         """``(key part, name)`` of every key directory under ``comps``; the rest is noted."""
-        fd = self.open(comps)
-        if fd is None:
-            return []
         out: list[tuple[str, str]] = []
-        try:
-            for entry in self.scan(fd, comps):
-                st = self._stat(entry, comps)
-                if st is None:
-                    continue
-                name = entry.name
-                epath = self.path((*comps, name))
-                if name.startswith(_fsio.TEMP_PREFIX):
-                    self.garbage.append(self._garbage("temp", comps, entry, st))
-                elif name.startswith(NFS_SILLY_PREFIX):
-                    self._silly(epath)
-                elif stat.S_ISLNK(st.st_mode):
-                    self.problem("error", "symlink", epath,
-                                 f"symlink where a {what} directory belongs (never followed)")
-                elif not stat.S_ISDIR(st.st_mode) or name.startswith("."):
-                    self.problem("warning", "unexpected", epath,
-                                 f"unexpected entry among {what} directories")
-                else:
-                    part = self.decode(fd, comps, name)
-                    if part is not None:
-                        out.append((part, name))
-        finally:
-            os.close(fd)
+        for fd, entry, st in self.entries(comps):
+            epath = self.path((*comps, entry.name))
+            if self._stray(comps, entry, st):
+                continue
+            if stat.S_ISLNK(st.st_mode):
+                self.problem("error", "symlink", epath,
+                             f"symlink where a {what} directory belongs (never followed)")
+            elif not stat.S_ISDIR(st.st_mode) or entry.name.startswith("."):
+                self.problem("warning", "unexpected", epath,
+                             f"unexpected entry among {what} directories")
+            else:
+                part = self.decode(fd, comps, entry)
+                if part is not None:
+                    out.append((part, entry.name))
         return out
+
+    def _stray(self, comps: tuple[str, ...], entry: os.DirEntry[str], st: os.stat_result) -> bool:
+        """Note a temp or ``.nfs*`` entry (True), or leave the entry to the caller (False)."""
+        if entry.name.startswith(_fsio.TEMP_PREFIX):
+            self.garbage.append(self._garbage("temp", comps, entry, st))
+        elif entry.name.startswith(NFS_SILLY_PREFIX):
+            self._silly(self.path((*comps, entry.name)))
+        else:
+            return False
+        return True
 
     def _silly(self, path: str) -> None:
         self.problem("info", "nfs-silly-rename", path,
@@ -511,35 +481,22 @@ class Walker:
 
     def _container(self, comps: tuple[str, ...], allowed: set[str]) -> list[str]:
         """Check a directory that holds only known names; return the allowed ones present."""
-        fd = self.open(comps)
-        if fd is None:
-            return []
         present: list[str] = []
-        try:
-            for entry in self.scan(fd, comps):
-                name = entry.name
-                epath = self.path((*comps, name))
-                st = self._stat(entry, comps)
-                if st is None:
-                    continue
-                if name in allowed:
-                    if stat.S_ISLNK(st.st_mode):
-                        self.problem("error", "symlink", epath,
-                                     "symlink where the store expects a directory (never followed)")
-                    elif name == _fsio.KEY_FILE or stat.S_ISDIR(st.st_mode):
-                        present.append(name)
-                    else:
-                        self.problem("warning", "unexpected", epath,
-                                     "expected a directory, found a file")
-                elif name.startswith(_fsio.TEMP_PREFIX):
-                    self.garbage.append(self._garbage("temp", comps, entry, st))
-                elif name.startswith(NFS_SILLY_PREFIX):
-                    self._silly(epath)
+        for _fd, entry, st in self.entries(comps):
+            name = entry.name
+            epath = self.path((*comps, name))
+            if name in allowed:
+                if stat.S_ISLNK(st.st_mode):
+                    self.problem("error", "symlink", epath,
+                                 "symlink where the store expects a directory (never followed)")
+                elif name == _fsio.KEY_FILE or stat.S_ISDIR(st.st_mode):
+                    present.append(name)
                 else:
                     self.problem("warning", "unexpected", epath,
-                                 "unexpected entry (not something fsstore creates)")
-        finally:
-            os.close(fd)
+                                 "expected a directory, found a file")
+            elif not self._stray(comps, entry, st):
+                self.problem("warning", "unexpected", epath,
+                             "unexpected entry (not something fsstore creates)")
         return present
 
     # -- the tree ----------------------------------------------------------------
@@ -572,41 +529,29 @@ class Walker:
         present = self._container(ref.comps, {_layout.MAIN, _layout.SUBKEYS, _fsio.KEY_FILE})
         out: list[TranscriptRef] = []
         if _layout.MAIN in present:
-            out.append(TranscriptRef(ref.project_key, ref.session_id, None,
-                                     (*ref.comps, _layout.MAIN)))
+            tk = TranscriptKey(ref.project_key, ref.session_id, None)
+            out.append(TranscriptRef(tk, (*ref.comps, _layout.MAIN)))
         if _layout.SUBKEYS in present:
             sub = (*ref.comps, _layout.SUBKEYS)
             for subpath, name in self.children(sub, "subagent"):
                 try:
-                    _keys.parse_key({**ref.key(), "subpath": subpath}, "walk")
+                    tk = _keys.parse_key({**ref.key(), "subpath": subpath}, "walk")
                 except FsStoreError as err:
                     self.problem("error", "bad-name", self.path((*sub, name)),
                                  f"name decodes to an invalid subpath: {err.message}")
                     continue
-                out.append(TranscriptRef(ref.project_key, ref.session_id, subpath,
-                                         (*sub, name)))
+                out.append(TranscriptRef(tk, (*sub, name)))
         return out
 
     def trash(self) -> list[Garbage]:
         """Every entry of ``.trash`` (deletes in progress, or their leftovers)."""
         comps = (_layout.TRASH,)
-        fd = self.open(comps)
-        if fd is None:
-            return []
-        out: list[Garbage] = []
-        try:
-            for entry in self.scan(fd, comps):
-                st = self._stat(entry, comps)
-                if st is not None:
-                    out.append(self._garbage("trash", comps, entry, st))
-        finally:
-            os.close(fd)
-        return out
+        return [self._garbage("trash", comps, entry, st) for _fd, entry, st in self.entries(comps)]
 
     def root_entries(self) -> None:
-        """Note anything at the top level that is not ``projects`` or ``.trash``."""
+        """Note anything at the top level that is not ``projects``, ``.trash`` or ``.locks``."""
         for entry in self.scan(self.rfd, ()):
-            if entry.name in (_layout.PROJECTS, _layout.TRASH, _LOCKS_DIR):
+            if entry.name in (_layout.PROJECTS, _layout.TRASH, _layout.LOCKS):
                 continue
             self.problem("info", "unexpected", self.path((entry.name,)),
                          "not part of the store layout (left alone)")
@@ -614,8 +559,10 @@ class Walker:
     # -- one transcript ----------------------------------------------------------
 
     def inspect(self, ref: TranscriptRef, *, verify: bool = False) -> TranscriptInfo | None:
-        """List (and with ``verify``, read and parse) one transcript; None if it is gone."""
-        for attempt in range(_ATTEMPTS):
+        """List (and with ``verify``, read and parse) one transcript; None if it is gone
+        or could not be read (then a problem says why)."""
+        attempt = 0
+        while True:
             fd = self.open(ref.comps)
             if fd is None:
                 return None
@@ -624,24 +571,19 @@ class Walker:
                 return self._inspect(fd, ref, verify=verify, attempt=attempt)
             except OSError as exc:
                 del self.problems[mark:]
-                if not _gone(exc):
-                    self.problem("error", "unreadable", self.path(ref.comps),
-                                 f"cannot read the transcript: {exc.strerror}", code=_code(exc))
+                self.unreadable(self.path(ref.comps), "cannot read the transcript", exc)
                 return None
-            except _Changed:
+            except _Changed:  # the last attempt never raises it
                 del self.problems[mark:]  # findings of the stale listing do not count
                 time.sleep(0.005 * attempt)
-                continue
+                attempt += 1
             except _Deleted:
                 del self.problems[mark:]
                 return None
             finally:
                 os.close(fd)
-        return None  # unreachable: the last try never raises _Changed
 
-    def _inspect(
-        self, fd: int, ref: TranscriptRef, *, verify: bool, attempt: int
-    ) -> TranscriptInfo:
+    def _inspect(self, fd: int, ref: TranscriptRef, *, verify: bool, attempt: int) -> TranscriptInfo:
         last_try = attempt == _ATTEMPTS - 1
         # A listing is not atomic once it takes more than one getdents call: a part
         # committed or a segment made while it ran can be missing from it while a
@@ -651,50 +593,14 @@ class Walker:
         # The state is read before the listing: whatever sequence it records was
         # committed before it was written, so the listing must show that part.
         state = read_state(fd)[0] if verify else None
-        items: list[Item] = []
-        temps: list[Garbage] = []
-        recovery: list[Garbage] = []
-        lock: LockInfo | None = None
-        for entry in self.scan(fd, ref.comps):
-            name = entry.name
-            epath = f"{path}/{name}"
-            rng = _layout.parse_item(name)
-            st = self._stat(entry, ref.comps)
-            if st is None:
-                if rng is not None and not last_try:
-                    raise _Changed(name)
-                continue
-            if rng is not None:
-                if not stat.S_ISREG(st.st_mode):
-                    kind = "symlink" if stat.S_ISLNK(st.st_mode) else "unreadable"
-                    self.problem("error", kind, epath,
-                                 "committed file is not a regular file; load() cannot read it")
-                    continue
-                items.append(Item(rng[0], rng[1], name, st.st_size, st.st_mtime_ns))
-                self._age(st.st_mtime)
-            elif name == _layout.STATE:
-                continue
-            elif name == _LEGACY_LOCK:  # a lock where older stores kept it
-                lock = self._lock(fd, name, ref, epath, st)
-            elif name.startswith(_fsio.TEMP_PREFIX):
-                temps.append(self._garbage("temp", ref.comps, entry, st))
-            elif _LOCK_RECOVERY.fullmatch(name):
-                recovery.append(self._garbage("lock-recovery", ref.comps, entry, st))
-            elif name.startswith(NFS_SILLY_PREFIX):
-                self._silly(epath)
-            elif name == _fsio.KEY_FILE and ref.subpath is not None:
-                continue
-            else:
-                self.problem("warning", "unexpected", epath,
-                             "unexpected entry in a transcript directory (load() ignores it)")
-        items.sort(key=lambda it: (it.first, -it.last))
+        items, temps = self._listing(fd, ref, last_try)
         try:
             chosen = {name for _f, _l, name in plan([(i.first, i.last, i.name) for i in items])}
         except ValueError as exc:
             self.problem("error", "corrupt", path, f"segments overlap: {exc}", code="CORRUPT")
             chosen = set()
         live = [it for it in items if it.name in chosen]
-        info = TranscriptInfo(ref, path, items, live, temps, recovery, lock)
+        info = TranscriptInfo(ref, path, items, live, temps)
         self._gaps(fd, info, settled, last_try)
         if verify:
             if state is not None and state.seq > info.last_seq:
@@ -703,14 +609,47 @@ class Walker:
         try:
             moved = not _fsio.same_dir(fd, self.rfd, ref.comps)
         except OSError as exc:  # ESTALE: replaced on another host
-            moved = True
             if not _gone(exc):
                 raise
+            moved = True
         if moved:
             # Deleted (renamed into .trash) while we looked: whatever a half-removed
             # directory seemed to lack is not damage.
             raise _Deleted(path)
         return info
+
+    def _listing(
+        self, fd: int, ref: TranscriptRef, last_try: bool
+    ) -> tuple[list[Item], list[Garbage]]:
+        """The committed files (sorted by first, widest first) and temp files of a transcript."""
+        items: list[Item] = []
+        temps: list[Garbage] = []
+        path = self.path(ref.comps)
+        for entry in self.scan(fd, ref.comps):
+            name = entry.name
+            rng = _layout.parse_item(name)
+            st = self._stat(entry, ref.comps)
+            if st is None:
+                if rng is not None and not last_try:
+                    raise _Changed(name)
+            elif rng is not None:
+                if stat.S_ISREG(st.st_mode):
+                    items.append(Item(rng[0], rng[1], name, st.st_size, st.st_mtime_ns,
+                                      st.st_ctime_ns))
+                    self._age(st.st_mtime)
+                else:
+                    kind = "symlink" if stat.S_ISLNK(st.st_mode) else "unreadable"
+                    self.problem("error", kind, f"{path}/{name}",
+                                 "committed file is not a regular file; load() cannot read it")
+            elif name.startswith(_fsio.TEMP_PREFIX):
+                temps.append(self._garbage("temp", ref.comps, entry, st))
+            elif name.startswith(NFS_SILLY_PREFIX):
+                self._silly(f"{path}/{name}")
+            elif name != _layout.STATE and not (name == _fsio.KEY_FILE and ref.subpath):
+                self.problem("warning", "unexpected", f"{path}/{name}",
+                             "unexpected entry in a transcript directory (load() ignores it)")
+        items.sort(key=lambda it: (it.first, -it.last))
+        return items, temps
 
     def _exists(self, fd: int, name: str) -> bool:
         try:
@@ -764,93 +703,82 @@ class Walker:
             try:
                 total += len(parse(data, fpath, "check"))
             except FsStoreError as err:
-                line: int | None = None
                 m = _LINE.search(err.message)
-                if m:
-                    line = int(m.group(1))
-                elif data and not data.endswith(b"\n"):
-                    line = data.count(b"\n") + 1
+                line = int(m.group(1)) if m else (
+                    data.count(b"\n") + 1 if data and not data.endswith(b"\n") else None)
                 self.problem("error", "corrupt", fpath, err.message, line=line, code=err.code)
         info.entries = total
 
-    def _lock(
-        self, fd: int, name: str, ref: TranscriptRef | None, path: str, st: os.stat_result
-    ) -> LockInfo:
-        record = None
-        if stat.S_ISREG(st.st_mode):
-            try:
-                lfd = os.open(name, _fsio.READ_FLAGS | os.O_NONBLOCK, dir_fd=fd)
-                try:
-                    record = parse_lock_record(os.read(lfd, 1025))
-                finally:
-                    os.close(lfd)
-            except OSError:
-                record = None
-        age = self._age(st.st_mtime)
-        pid, host, token = record if record is not None else (None, None, None)
-        local = host is not None and host == self._host()
-        if pid is None or host is None:
-            status = "malformed" if age >= _MALFORMED_GRACE else "held"
-        elif local and self._owner_is_stale(pid, host, token):
-            status = "dead"
-        elif age > self.stale_lock_seconds:
-            status = "expired"
+    # -- locks -------------------------------------------------------------------
+
+    def lock_info(self, path: str, st: os.stat_result) -> LockInfo | None:
+        """What the marker at ``path`` (as listed: ``st``) says; None if released meanwhile."""
+        try:
+            marker = read_marker(path)
+        except OSError:  # not ours to read: judged by age alone, like the store does
+            marker = None
         else:
-            status = "held"
-        key = ref.key() if ref is not None else None
-        return LockInfo(path, key, pid, host, age, status, local, st.st_mtime)
+            if marker is None and stat.S_ISREG(st.st_mode):
+                return None  # released since the listing
+        if marker is not None:
+            st = marker.stat
+        age = self._age(st.st_mtime)
+        pid, host = (marker.pid, marker.host) if marker is not None else (None, None)
+        if marker is not None and (pid is None or host is None):
+            status = "malformed" if age >= _MALFORMED_GRACE else "held"  # or being written
+        elif not stat.S_ISREG(st.st_mode):
+            status = "malformed"  # no writer can take or reclaim it
+        elif marker is not None and marker.dead_here:
+            status = "dead"
+        else:
+            status = "expired" if age > self.stale_lock_seconds else "held"
+        local = host is not None and host == _host_name()
+        return LockInfo(path, None, pid, host, age, status, local, st.st_mtime,
+                        (st.st_ino, st.st_mtime_ns))
 
 
-def lock_index(refs: Iterable[TranscriptRef]) -> dict[str, TranscriptRef]:
-    """``.locks/`` file name -> transcript, for the transcripts given."""
-    name_of = getattr(_layout, "lock_name", None)
-    if name_of is None:
-        return {}
-    return {name_of([(c, None) for c in ref.comps]): ref for ref in refs}
-
-
-def _scan_locks(w: Walker, index: Mapping[str, TranscriptRef]) -> tuple[list[LockInfo], list[Garbage]]:
-    """Every lock in ``<root>/.locks`` (with its transcript when known) and the garbage there."""
-    comps = (_LOCKS_DIR,)
-    fd = w.open(comps)
-    if fd is None:
-        return [], []
+def _scan_locks(w: Walker) -> tuple[list[LockInfo], list[Garbage]]:
+    """Every lock in ``<root>/.locks`` (``key`` not filled in) and the garbage there."""
+    comps = (_layout.LOCKS,)
     found: list[LockInfo] = []
     garbage: list[Garbage] = []
-    try:
-        for entry in w.scan(fd, comps):
-            name = entry.name
-            path = w.path((*comps, name))
-            st = w._stat(entry, comps)
-            if st is None:
-                continue  # released meanwhile
-            if _LOCK_FILE.fullmatch(name):
-                found.append(w._lock(fd, name, index.get(name), path, st))
-            elif _LOCK_RECOVERY.fullmatch(name):
-                garbage.append(w._garbage("lock-recovery", comps, entry, st))
-            elif name.startswith(_fsio.TEMP_PREFIX):
-                garbage.append(w._garbage("temp", comps, entry, st))
-            elif name.startswith(NFS_SILLY_PREFIX):
-                w._silly(path)
-            else:
-                w.problem("warning", "unexpected", path, "unexpected entry among lock files")
-    finally:
-        os.close(fd)
+    for _fd, entry, st in w.entries(comps):
+        path = w.path((*comps, entry.name))
+        if _LOCK_FILE.fullmatch(entry.name):
+            lk = w.lock_info(path, st)
+            if lk is not None:  # else released meanwhile
+                found.append(lk)
+        elif _LOCK_RECOVERY.fullmatch(entry.name):
+            garbage.append(w._garbage("lock-recovery", comps, entry, st))
+        elif not w._stray(comps, entry, st):
+            w.problem("warning", "unexpected", path, "unexpected entry among lock files")
     return found, garbage
 
 
+def _name_locks(found: list[LockInfo], refs: Iterable[TranscriptRef]) -> None:
+    """Fill in the key of each lock whose transcript is among ``refs``."""
+    index = {_layout.lock_name([(c, None) for c in ref.comps]): ref for ref in refs}
+    for lk in found:
+        ref = index.get(os.path.basename(lk.path))
+        lk.key = ref.key() if ref is not None else None
+
+
 @contextlib.contextmanager
-def open_root(root: str) -> Iterator[int]:
-    """An open descriptor of the store root (the root itself may be a symlink)."""
-    flags = os.O_RDONLY | os.O_DIRECTORY | getattr(os, "O_CLOEXEC", 0)
-    try:
-        fd = os.open(root, flags)
-    except (FileNotFoundError, NotADirectoryError) as exc:
-        raise NoStore(f"{root}: no store here (not a directory)") from exc
-    try:
-        yield fd
-    finally:
-        os.close(fd)
+def walking(
+    root: str, *, stale_lock_seconds: float = 30.0, lock_timeout_seconds: float = 10.0
+) -> Iterator[Walker]:
+    """A walker over the store at ``root`` (NoStore if there is none); the root itself
+    may be a symlink."""
+    store = SyncStore(root, summaries=False, stale_lock_seconds=stale_lock_seconds,
+                      lock_timeout_seconds=lock_timeout_seconds)
+    with contextlib.ExitStack() as stack:
+        try:
+            rfd = stack.enter_context(store._open_root(create=False))
+        except NotADirectoryError:
+            rfd = None
+        if rfd is None:
+            raise NoStore(f"{root}: no store here (not a directory)")
+        yield Walker(rfd, store, stale_lock_seconds=stale_lock_seconds)
 
 
 def _tick(progress: Progress | None, done: int, total: int) -> None:
@@ -921,8 +849,7 @@ def ls(
     root: str, *, project: str | None = None, progress: Progress | None = None
 ) -> tuple[list[SessionInfo], list[Problem]]:
     """Every session with at least one committed file, newest first within a project."""
-    with open_root(root) as rfd:
-        w = Walker(rfd, root)
+    with walking(root) as w:
         refs = w.sessions(project)
         out: list[SessionInfo] = []
         for i, ref in enumerate(refs):
@@ -983,11 +910,12 @@ def _age_text(seconds: float) -> str:
     return f"{s // 86400}d{s % 86400 // 3600:02d}h"
 
 
+_WHAT = {"temp": "temp file", "trash": ".trash entry", "lock-recovery": "lock recovery file"}
+
+
 def _garbage_problem(g: Garbage, older_than: float) -> Problem:
-    old = g.age > older_than
-    what = {"temp": "temp " + ("directory" if g.is_dir else "file"),
-            "trash": ".trash entry", "lock-recovery": "filelock recovery file"}[g.kind]
-    if old:
+    what = "temp directory" if g.kind == "temp" and g.is_dir else _WHAT[g.kind]
+    if g.age > older_than:
         return Problem("warning", f"orphaned-{g.kind}", g.path,
                        f"orphaned {what}, {_age_text(g.age)} old (fsstore gc removes it)")
     doing = {"temp": "a commit or compaction in flight", "trash": "a delete in progress",
@@ -1012,10 +940,35 @@ def _lock_problem(lk: LockInfo, stale_lock_seconds: float) -> Problem:
         "dead": "its holder is no longer running on this host",
         "expired": f"older than stale_lock_seconds={stale_lock_seconds:g}; "
         "the next writer reclaims it",
-        "malformed": "its record is not pid/host/start-token",
+        "malformed": "not a regular file holding pid/host/start-token",
     }[lk.status]
     return Problem("warning", "stale-lock", lk.path,
                    f"stale lock of {who}, {age} old: {why}")
+
+
+def _check_transcript(w: Walker, report: CheckReport, t: TranscriptInfo, older_than: float) -> None:
+    """Count a verified transcript and note its temp files and compaction leftovers."""
+    report.transcripts += 1 if t.items else 0
+    report.entries += t.entries or 0
+    report.bytes += t.bytes
+    w.problems += [_garbage_problem(g, older_than) for g in t.temps]
+    segments = [it for it in t.live if it.first != it.last]
+    live = {it.name for it in t.live}
+    for it in t.items:
+        if it.name in live:
+            continue
+        path = f"{t.path}/{it.name}"
+        seg = next((s for s in segments if s.first <= it.first and it.last <= s.last), None)
+        if seg is not None and it.first == it.last and it.ctime_ns > seg.ctime_ns:
+            w.problem("error", "late-part", path,
+                      f"committed after {seg.name}, which covers its sequence number: two "
+                      "lock holders overlapped; load() refuses the transcript (CORRUPT) "
+                      "until the part is dealt with by hand")
+            continue
+        age = w.now - it.mtime_ns / 1e9
+        w.problem("warning" if age > older_than else "info", "leftover", path,
+                  f"already merged into a segment, {_age_text(max(age, 0))} old: "
+                  "left by an interrupted compaction (fsstore compact removes it)")
 
 
 def check(
@@ -1027,44 +980,23 @@ def check(
 ) -> CheckReport:
     """Verify every transcript; see the module docstring for what counts as a problem."""
     report = CheckReport()
-    with open_root(root) as rfd:
-        w = Walker(rfd, root, stale_lock_seconds=stale_lock_seconds)
+    with walking(root, stale_lock_seconds=stale_lock_seconds) as w:
         w.root_entries()
         refs = w.sessions()
         report.sessions = len(refs)
         seen: list[TranscriptRef] = []
         for i, ref in enumerate(refs):
-            info = _session_info(w, ref, verify=True)
-            seen += [t.ref for t in info.transcripts]
-            for t in info.transcripts:
-                if not t.items and t.lock is None and not t.temps:
-                    continue
-                report.transcripts += 1 if t.items else 0
-                report.entries += t.entries or 0
-                report.bytes += t.bytes
-                for g in (*t.temps, *t.recovery):
-                    w.problems.append(_garbage_problem(g, older_than))
-                if t.lock is not None:
-                    report.locks.append(t.lock)
-                    w.problems.append(_lock_problem(t.lock, stale_lock_seconds))
-                live = {it.name for it in t.live}
-                for it in t.items:
-                    if it.name not in live:
-                        age = w.now - it.mtime_ns / 1e9
-                        sev = "warning" if age > older_than else "info"
-                        w.problems.append(Problem(
-                            sev, "leftover", f"{t.path}/{it.name}",
-                            f"already merged into a segment, {_age_text(max(age, 0))} old: "
-                            "left by an interrupted compaction (fsstore compact removes it)"))
+            for t in _session_info(w, ref, verify=True).transcripts:
+                seen.append(t.ref)
+                _check_transcript(w, report, t, older_than)
             _tick(progress, i + 1, len(refs))
-        held, lock_garbage = _scan_locks(w, lock_index(seen))
-        for lk in held:
-            report.locks.append(lk)
-            w.problems.append(_lock_problem(lk, stale_lock_seconds))
-        for g in (*w.garbage, *w.trash(), *lock_garbage):
-            w.problems.append(_garbage_problem(g, older_than))
+        report.locks, lock_garbage = _scan_locks(w)
+        _name_locks(report.locks, seen)
+        w.problems += [_lock_problem(lk, stale_lock_seconds) for lk in report.locks]
+        w.problems += [_garbage_problem(g, older_than)
+                       for g in (*w.garbage, *w.trash(), *lock_garbage)]
         if w.max_skew > _SKEW_TOLERANCE:
-            w.problem("warning", "clock-skew", root,
+            w.problem("warning", "clock-skew", w.root,
                       f"a file time is {_age_text(w.max_skew)} ahead of this host's clock: "
                       "clocks differ between this host and the file server, so ages (and "
                       "stale-lock expiry) are off by as much")
@@ -1124,10 +1056,9 @@ def _has_silly(parent_fd: int, name: str, depth: int = 0) -> str | None:
 
 
 def _remove_garbage(w: Walker, g: Garbage, older_than: float, dry_run: bool) -> Action:
-    verb = {"temp": "remove-temp", "trash": "remove-trash",
-            "lock-recovery": "remove-lock-recovery"}[g.kind]
+    verb = f"remove-{g.kind}"
     what = {"temp": "orphaned temp " + ("directory" if g.is_dir else "file"),
-            "trash": "leftover of a delete", "lock-recovery": "filelock recovery leftover"}[g.kind]
+            "trash": "leftover of a delete", "lock-recovery": "lock recovery leftover"}[g.kind]
     detail = f"{what}, {_age_text(g.age)} old"
     if dry_run:
         return Action(verb, g.path, detail, False, g.age)
@@ -1139,8 +1070,7 @@ def _remove_garbage(w: Walker, g: Garbage, older_than: float, dry_run: bool) -> 
             st = os.stat(g.name, dir_fd=pfd, follow_symlinks=False)
         except FileNotFoundError:
             return Action(verb, g.path, detail + " (gone already)", False, g.age)
-        ts = max(st.st_mtime, st.st_ctime) if stat.S_ISDIR(st.st_mode) else st.st_mtime
-        if w.now - ts <= older_than:
+        if w.now - _changed_at(st) <= older_than:
             return Action("keep", g.path, "touched again since the walk; left alone", False, g.age)
         if stat.S_ISDIR(st.st_mode):
             silly = _has_silly(pfd, g.name)
@@ -1159,36 +1089,33 @@ def _remove_garbage(w: Walker, g: Garbage, older_than: float, dry_run: bool) -> 
     return Action(verb, g.path, detail, True, g.age)
 
 
-def break_lock(path: str, older_than: float) -> bool:
-    """Break the lock at ``path`` if it is older than ``older_than`` seconds (or its
-    holder is provably dead on this host); True if the marker judged stale is gone.
-
-    This is the store's own reclaim (:func:`fsstore._lock.reclaim_if_stale`: rename
-    the marker aside, check it is the one judged stale, remove it), which works where
-    filelock's RENAME_EXCHANGE take-over does not (NFS, most FUSE mounts); a marker
-    someone re-took in the meantime is put back, never removed.
-    """
-    return reclaim_if_stale(path, older_than=max(older_than, 0.0), operation="gc")
-
-
-def _break(w: Walker, lk: LockInfo, older_than: float, dry_run: bool) -> Action | None:
+def _break(lk: LockInfo, older_than: float, dry_run: bool) -> Action | None:
+    """Break a lock older than ``older_than`` with the store's own reclaim (a marker
+    someone re-took meanwhile is put back, never removed)."""
     if lk.age <= older_than:
         return None
     detail = f"stale lock of {lk.describe()} on {key_label(lk.key)}, {_age_text(lk.age)} old"
     if dry_run:
         return Action("break-lock", lk.path, detail, False, lk.age)
+    if reclaim_if_stale(lk.path, older_than=max(older_than, 0.0), operation="gc"):
+        return Action("break-lock", lk.path, detail, True, lk.age)
     try:
-        os.lstat(lk.path)
+        st = os.lstat(lk.path)
     except FileNotFoundError:
         return Action("break-lock", lk.path, detail + " (released meanwhile)", False, lk.age)
-    try:
-        broken = break_lock(lk.path, older_than)
     except OSError as exc:
         return Action("break-lock", lk.path, f"{detail}: {_code(exc)} {exc.strerror}", False,
                       lk.age, failed=True)
-    if not broken:
+    if (st.st_ino, st.st_mtime_ns) != lk.ident:
         return Action("keep", lk.path, "lock was taken again meanwhile; left alone", False, lk.age)
-    return Action("break-lock", lk.path, detail, True, lk.age)
+    # The very marker judged stale is still there: the reclaim could not move it.
+    locks_dir = os.path.dirname(lk.path)
+    why = ("it is not a regular file: remove it by hand" if not stat.S_ISREG(st.st_mode)
+           else f"no permission to rename it in {locks_dir}"
+           if not os.access(locks_dir, os.W_OK | os.X_OK)
+           else "it could not be moved aside")
+    return Action("break-lock", lk.path, f"{detail}: not broken: {why}", False, lk.age,
+                  failed=True)
 
 
 def gc(
@@ -1198,38 +1125,27 @@ def gc(
     dry_run: bool = False,
     progress: Progress | None = None,
 ) -> list[Action]:
-    """Remove temp files, ``.trash`` leftovers and filelock recovery files older than
+    """Remove temp files, ``.trash`` leftovers and lock recovery files older than
     ``older_than``; break locks older than it. Nothing younger is touched."""
     actions: list[Action] = []
-    with open_root(root) as rfd:
-        w = Walker(rfd, root)
+    with walking(root) as w:
         refs = w.sessions()
         seen: list[TranscriptRef] = []
         for i, ref in enumerate(refs):
             for tref in w.transcripts(ref):
                 seen.append(tref)
                 info = w.inspect(tref)
-                if info is None:
-                    continue
-                for g in (*info.temps, *info.recovery):
-                    if g.age > older_than:
-                        actions.append(_remove_garbage(w, g, older_than, dry_run))
-                if info.lock is not None:
-                    act = _break(w, info.lock, older_than, dry_run)
-                    if act is not None:
-                        actions.append(act)
+                temps = info.temps if info is not None else []
+                actions += [_remove_garbage(w, g, older_than, dry_run)
+                            for g in temps if g.age > older_than]
             _tick(progress, i + 1, len(refs))
-        held, lock_garbage = _scan_locks(w, lock_index(seen))
-        for lk in held:
-            act = _break(w, lk, older_than, dry_run)
-            if act is not None:
-                actions.append(act)
-        for g in (*w.garbage, *w.trash(), *lock_garbage):
-            if g.age > older_than:
-                actions.append(_remove_garbage(w, g, older_than, dry_run))
-        for p in w.problems:
-            if p.severity == "error" and p.kind == "unreadable":
-                actions.append(Action("skip", p.path, p.message, False, failed=True))
+        found, lock_garbage = _scan_locks(w)
+        _name_locks(found, seen)
+        actions += [a for lk in found if (a := _break(lk, older_than, dry_run)) is not None]
+        actions += [_remove_garbage(w, g, older_than, dry_run)
+                    for g in (*w.garbage, *w.trash(), *lock_garbage) if g.age > older_than]
+        actions += [Action("skip", p.path, p.message, False, failed=True)
+                    for p in w.problems if p.severity == "error" and p.kind == "unreadable"]
     return actions
 
 
@@ -1239,32 +1155,46 @@ def gc(
 def locks(
     root: str, *, stale_lock_seconds: float = 30.0, progress: Progress | None = None
 ) -> list[LockInfo]:
-    """Every transcript lock file in the store and what its record says."""
-    out: list[LockInfo] = []
-    with open_root(root) as rfd:
-        w = Walker(rfd, root, stale_lock_seconds=stale_lock_seconds)
-        refs = w.sessions()
-        seen: list[TranscriptRef] = []
-        for i, ref in enumerate(refs):
-            for tref in w.transcripts(ref):
-                seen.append(tref)
-                fd = w.open(tref.comps)
-                if fd is None:
-                    continue
-                try:  # where older stores kept the lock
-                    st = os.stat(_LEGACY_LOCK, dir_fd=fd, follow_symlinks=False)
-                    out.append(w._lock(fd, _LEGACY_LOCK, tref,
-                                       f"{w.path(tref.comps)}/{_LEGACY_LOCK}", st))
-                except OSError:
-                    pass  # no lock: nobody is committing right now
-                finally:
-                    os.close(fd)
-            _tick(progress, i + 1, len(refs))
-        out += _scan_locks(w, lock_index(seen))[0]
-    return out
+    """Every transcript lock file in the store and what its record says.
+
+    The lock names are hashes; the store is walked (its session and subkey
+    directories listed, no transcript opened) only to name the transcripts of the
+    locks found.
+    """
+    with walking(root, stale_lock_seconds=stale_lock_seconds) as w:
+        found = _scan_locks(w)[0]
+        if found:
+            refs = w.sessions()
+            seen: list[TranscriptRef] = []
+            for i, ref in enumerate(refs):
+                seen += w.transcripts(ref)
+                _tick(progress, i + 1, len(refs))
+            _name_locks(found, seen)
+    return found
 
 
 # -- prune -----------------------------------------------------------------------
+
+
+@dataclass
+class _Look:
+    """One look at a session, for prune."""
+
+    transcripts: list[TranscriptRef]
+    mtime_ns: int | None  # its newest committed file; None: nothing committed
+    unseen: Problem | None  # the first error that hid part of it: its age is unknown
+    temps: list[Garbage]  # temp files in its transcript and subkey directories
+
+
+def _look(w: Walker, ref: SessionRef) -> _Look:
+    mark, gmark = len(w.problems), len(w.garbage)
+    trefs = w.transcripts(ref)
+    infos = [info for t in trefs if (info := w.inspect(t)) is not None]
+    unseen = next((p for p in w.problems[mark:]
+                   if p.severity == "error" and p.kind in _UNSEEN), None)
+    mtime = max((i.mtime_ns for i in infos if i.mtime_ns is not None), default=None)
+    temps = [*w.garbage[gmark:], *(g for i in infos for g in i.temps)]
+    return _Look(trefs, mtime, unseen, temps)
 
 
 def prune(
@@ -1274,101 +1204,108 @@ def prune(
     project: str | None = None,
     dry_run: bool = False,
     stale_lock_seconds: float = 30.0,
+    lock_timeout_seconds: float = 10.0,
     progress: Progress | None = None,
 ) -> tuple[list[Action], int]:
     """Delete every session whose newest committed file is older than ``older_than``.
 
-    Returns the actions and how many sessions were looked at. Each deletion is
-    ``SyncStore.delete`` (an atomic rename into ``.trash``), done while holding the
-    main transcript's lock after looking at the session's files once more, so an
-    append that lands in the meantime keeps the session.
+    Returns the actions and how many sessions were looked at. A session is never
+    deleted if any part of it could not be looked at (an unreadable directory, a
+    symlink, a name that does not decode) or if it has no committed file at all.
+    Each deletion is ``SyncStore.delete`` (an atomic rename into ``.trash``), done
+    while holding the lock of every transcript of the session, after looking at it
+    once more: a commit since, a transcript added since, or a temp file younger than
+    ``older_than`` (a writer that wrote its batch and waits for a lock) keeps it.
     """
-    store = SyncStore(root, summaries=False, stale_lock_seconds=stale_lock_seconds,
-                      lock_timeout_seconds=10.0)
     actions: list[Action] = []
-    with open_root(root) as rfd:
-        w = Walker(rfd, root, stale_lock_seconds=stale_lock_seconds)
+    with walking(root, stale_lock_seconds=stale_lock_seconds,
+                 lock_timeout_seconds=lock_timeout_seconds) as w:
         refs = w.sessions(project)
         for i, ref in enumerate(refs):
             _tick(progress, i, len(refs))
-            act = _prune_one(w, store, ref, older_than, dry_run)
+            act = _prune_one(w, ref, older_than, dry_run)
             if act is not None:
                 actions.append(act)
         _tick(progress, len(refs), len(refs))
     return actions, len(refs)
 
 
-def _session_age(w: Walker, ref: SessionRef) -> tuple[float, str] | None:
-    """Seconds since the session's newest committed file (or, if it has none, since its
-    directory last changed); None if the session is gone."""
-    info = _session_info(w, ref)
-    mt = info.mtime_ns
-    if mt is not None:
-        return w.now - mt / 1e9, f"last modified {_iso_ns(mt)}"
-    try:
-        st = os.stat(w.path(ref.comps), follow_symlinks=False)
-    except OSError:
-        return None
-    return w.now - st.st_mtime, "no committed transcript"
+def _unseen(path: str, problem: Problem) -> Action:
+    where = "" if problem.path == path else f" ({problem.path})"
+    return Action("skip", path, f"not deleted: part of the session cannot be looked at, so its "
+                  f"age is unknown: {problem.message}{where}", False, failed=True)
 
 
-def _prune_one(
-    w: Walker, store: SyncStore, ref: SessionRef, older_than: float, dry_run: bool
-) -> Action | None:
-    found = _session_age(w, ref)
-    if found is None or found[0] <= older_than:
-        return None
-    age, what = found
+def _prune_one(w: Walker, ref: SessionRef, older_than: float, dry_run: bool) -> Action | None:
     path = w.path(ref.comps)
-    detail = f"{what} ({_age_text(age)} ago)"
+    first = _look(w, ref)
+    if first.unseen is not None:
+        return _unseen(path, first.unseen)
+    if first.mtime_ns is None:
+        return _uncommitted(w, ref, older_than)
+    age = w.now - first.mtime_ns / 1e9
+    if age <= older_than:
+        return None
+    detail = f"last modified {_iso_ns(first.mtime_ns)} ({_age_text(age)} ago)"
     if dry_run:
         return Action("delete", path, detail, False, age)
     try:
-        with store.locked(ref.key()):
+        with contextlib.ExitStack() as held:
+            since = time.monotonic()
+            # Sorted: two prunes of one session never wait for each other crosswise.
+            for tref in sorted(first.transcripts, key=lambda t: t.comps):
+                held.enter_context(w.store.locked(tref.key()))
             w.now = time.time()
-            again = _session_age(w, ref)
-            if again is None:
-                return Action("delete", path, detail + " (deleted meanwhile)", False, age)
-            if again[0] <= older_than:
-                return Action("keep", path, "written to meanwhile; kept", False, again[0])
-            store.delete(ref.key())
+            keep = _reason_to_keep(w, ref, first, older_than)
+            if keep is not None:
+                return keep
+            if time.monotonic() - since > w.stale_lock_seconds / 2:
+                # Like a writer's lease (fsstore._lock.Held): past half the lifetime,
+                # another host may judge the first lock stale and commit under it.
+                return Action("delete", path, f"{detail}: not deleted: taking the locks and "
+                              "looking took too long; run prune again", False, age, failed=True)
+            w.store.delete(ref.key())
     except FsStoreError as err:
         return Action("delete", path, f"{detail}: {err}", False, age, failed=True)
     return Action("delete", path, detail, True, age)
 
 
-# -- compact ---------------------------------------------------------------------
+def _reason_to_keep(w: Walker, ref: SessionRef, first: _Look, older_than: float) -> Action | None:
+    """None if the session can go; else why not. Runs under the locks of the transcripts
+    ``first`` found, so no commit to them can start until the delete is done."""
+    path = w.path(ref.comps)
+    again = _look(w, ref)
+    if again.unseen is not None:
+        return _unseen(path, again.unseen)
+    if not again.transcripts:
+        return Action("delete", path, "deleted meanwhile", False)
+    if {t.comps for t in again.transcripts} != {t.comps for t in first.transcripts}:
+        return Action("keep", path, "a transcript was added or removed meanwhile; kept (the "
+                      "next prune looks again)", False)
+    young = [g for g in again.temps if g.age <= older_than]
+    if young:
+        return Action("keep", path, f"an append is in flight ({young[0].path}, "
+                      f"{_age_text(young[0].age)} old); kept", False)
+    if again.mtime_ns is None or w.now - again.mtime_ns / 1e9 <= older_than:
+        return Action("keep", path, "written to meanwhile; kept", False)
+    return None
 
 
-def _keep_mtime(w: Walker, ref: TranscriptRef, before: TranscriptInfo) -> None:
-    """Give a segment made on demand the time of the newest file it merged.
-
-    A segment is a new file, so it would look modified *now* and restart the
-    retention clock of ``fsstore prune``; its content was last written when the
-    newest merged file was.
-    """
-    after = w.inspect(ref)
-    if after is None:
-        return
-    old = {(it.first, it.last): it.mtime_ns for it in before.live}
-    fd = w.open(ref.comps)
-    if fd is None:
-        return
+def _uncommitted(w: Walker, ref: SessionRef, older_than: float) -> Action | None:
+    """A session without any committed file is never deleted (nothing tells how old its
+    content is: a first append may be in flight); reported once its directory is old."""
     try:
-        for seg in after.live:
-            if seg.first == seg.last or (seg.first, seg.last) in old:
-                continue
-            inside = [mt for (f, l), mt in old.items() if seg.first <= f and l <= seg.last]
-            covered = sum(l - f + 1 for (f, l) in old if seg.first <= f and l <= seg.last)
-            if not inside or covered < seg.last - seg.first + 1:
-                continue  # it holds parts we never saw: its own time is the right one
-            newest = max(inside)
-            with contextlib.suppress(OSError):
-                st = os.stat(seg.name, dir_fd=fd, follow_symlinks=False)
-                os.utime(seg.name, ns=(st.st_atime_ns, newest), dir_fd=fd,
-                         follow_symlinks=False)
-    finally:
-        os.close(fd)
+        st = w._fs.stat_beneath(w.rfd, "/".join(ref.comps))
+    except OSError:
+        return None  # gone
+    age = w.now - _changed_at(st)
+    if age <= older_than:
+        return None
+    return Action("skip", w.path(ref.comps), f"no committed transcript (directory "
+                  f"{_age_text(age)} old): nothing to age it by; left alone", False, age)
+
+
+# -- compact ---------------------------------------------------------------------
 
 
 def compact(
@@ -1380,44 +1317,47 @@ def compact(
     stale_lock_seconds: float = 30.0,
     progress: Progress | None = None,
 ) -> list[Action]:
-    """``SyncStore.compact`` on every transcript with more than one committed file."""
-    store = SyncStore(root, summaries=False, stale_lock_seconds=stale_lock_seconds)
+    """``SyncStore.compact`` on every transcript with more than one committed file.
+
+    The store keeps the newest merged file's time on the segment, so compaction does
+    not restart the retention clock, and refuses (CORRUPT) to merge across a gap.
+    """
     actions: list[Action] = []
-    with open_root(root) as rfd:
-        w = Walker(rfd, root, stale_lock_seconds=stale_lock_seconds)
+    with walking(root, stale_lock_seconds=stale_lock_seconds) as w:
         refs = w.sessions(project, session)
         for i, ref in enumerate(refs):
             for tref in w.transcripts(ref):
-                mark = len(w.problems)
-                info = w.inspect(tref)
-                if info is None or (len(info.live) < 2 and len(info.items) == len(info.live)):
-                    continue
-                detail = f"{len(info.items)} files, {info.bytes} bytes"
-                damage = [p for p in w.problems[mark:] if p.kind in ("gap", "corrupt")]
-                if damage:
-                    # A segment would span the gap and hide it from check for good.
-                    actions.append(Action("skip", info.path, f"{detail}: not compacted: "
-                                          f"{damage[0].message} (see fsstore check)", False,
-                                          failed=True))
-                    continue
-                if dry_run:
-                    actions.append(Action("compact", info.path, detail, False))
-                    continue
-                try:
-                    merged = store.compact(tref.key())
-                except FsStoreError as err:
-                    actions.append(Action("compact", info.path, f"{detail}: {err}", False,
-                                          failed=True))
-                    continue
-                _keep_mtime(w, tref, info)
-                what = (f"merged {merged} files into one segment" if merged
-                        else "nothing to merge (leftovers removed)")
-                actions.append(Action("compact", info.path, what, merged > 0))
+                act = _compact_one(w, tref, dry_run)
+                if act is not None:
+                    actions.append(act)
             _tick(progress, i + 1, len(refs))
-        for p in w.problems:
-            if p.kind in ("unreadable", "symlink"):
-                actions.append(Action("skip", p.path, p.message, False, failed=True))
+        actions += [Action("skip", p.path, p.message, False, failed=True)
+                    for p in w.problems if p.kind in ("unreadable", "symlink")]
     return actions
+
+
+def _compact_one(w: Walker, tref: TranscriptRef, dry_run: bool) -> Action | None:
+    mark = len(w.problems)
+    info = w.inspect(tref)
+    if info is None or (len(info.live) < 2 and len(info.items) == len(info.live)):
+        return None
+    detail = f"{len(info.items)} files, {info.bytes} bytes"
+    if dry_run:
+        damage = next((p for p in w.problems[mark:] if p.kind in ("gap", "corrupt")), None)
+        if damage is None:
+            return Action("compact", info.path, detail, False)
+        return Action("skip", info.path, f"{detail}: compact would refuse: {damage.message}",
+                      False, failed=True)
+    try:
+        merged = w.store.compact(tref.key())
+    except FsStoreError as err:
+        if err.code == "CORRUPT":  # a gap or damage: merging would hide it
+            return Action("skip", info.path, f"{detail}: not compacted: {err.message} "
+                          "(see fsstore check)", False, failed=True)
+        return Action("compact", info.path, f"{detail}: {err}", False, failed=True)
+    what = (f"merged {merged} files into one segment" if merged
+            else "nothing to merge (leftovers removed)")
+    return Action("compact", info.path, what, merged > 0)
 
 
 # -- import ----------------------------------------------------------------------
@@ -1449,17 +1389,13 @@ class Transfer:
         }
 
 
-def _session_key_fn() -> Callable[[str, str], Mapping[str, str] | None]:
-    try:
-        from claude_agent_sdk._internal.session_store import file_path_to_session_key
+def file_path_to_session_key(file_path: str, projects_dir: str) -> dict[str, str] | None:
+    """The session key of a local transcript file, by the Claude SDK's rule.
 
-        return file_path_to_session_key  # type: ignore[return-value]
-    except ImportError:  # no Claude SDK installed: the same rule, written out
-        return _file_path_to_session_key
-
-
-def _file_path_to_session_key(file_path: str, projects_dir: str) -> dict[str, str] | None:
-    """What ``claude_agent_sdk``'s ``file_path_to_session_key`` derives (used without the SDK)."""
+    claude_agent_sdk has this only in a private module
+    (``_internal.session_store.file_path_to_session_key``), which can change under
+    us in any release, so the rule is written out here; the tests compare the two.
+    """
     rel = os.path.relpath(file_path, projects_dir)
     parts = rel.split(os.sep)
     if not parts or parts[0] == ".." or os.path.isabs(rel) or len(parts) < 2:
@@ -1526,21 +1462,24 @@ def local_transcripts(
     return files, skipped
 
 
+def _read_local_file(path: str) -> bytes:
+    """A local file's bytes, not through a symlink and never blocking on a FIFO;
+    ``_fsio.NotAFile`` for anything but a regular file."""
+    dfd = os.open(os.path.dirname(path) or ".", _fsio.DIR_FLAGS & ~os.O_NOFOLLOW)
+    try:
+        return _fsio.read_file(dfd, os.path.basename(path))
+    finally:
+        os.close(dfd)
+
+
 def read_local(path: str) -> tuple[list[dict[str, Any]], str]:
     """The entries of a local JSONL transcript and a note; ValueError (with the line) if bad.
 
     A last line without its newline is being written right now (or was torn by a
     crash): it is left out, and the note says so.
     """
-    fd = os.open(path, _fsio.READ_FLAGS | os.O_NONBLOCK)
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise ValueError("not a regular file")
-        data = _read_fd(fd)
-    finally:
-        os.close(fd)
+    lines = _read_local_file(path).split(b"\n")
     note = ""
-    lines = data.split(b"\n")
     tail = lines.pop()  # b"" after a final newline
     if tail.strip():
         note = f"last line {len(lines) + 1} has no newline yet; left out"
@@ -1556,15 +1495,6 @@ def read_local(path: str) -> tuple[list[dict[str, Any]], str]:
             raise ValueError(f"line {lineno} is not a JSON object")  # noqa: TRY004
         entries.append(entry)
     return entries, note
-
-
-def _read_fd(fd: int) -> bytes:
-    chunks: list[bytes] = []
-    while True:
-        chunk = os.read(fd, 1 << 20)
-        if not chunk:
-            return b"".join(chunks)
-        chunks.append(chunk)
 
 
 def _identity(entry: dict[str, Any], canon: str) -> tuple[str, str]:
@@ -1622,14 +1552,21 @@ def _meta_path(jsonl: str) -> str:
     return jsonl[: -len(".jsonl")] + ".meta.json"
 
 
-def _read_meta(jsonl: str) -> dict[str, Any] | None:
-    """The ``.meta.json`` sidecar of a subagent transcript (absent if unusable, like the SDK)."""
+def _read_meta(jsonl: str) -> tuple[dict[str, Any] | None, str]:
+    """The ``.meta.json`` sidecar of a subagent transcript (None if absent or unusable,
+    like the SDK) and a note on why an existing one was left out."""
+    path = _meta_path(jsonl)
     try:
-        with open(_meta_path(jsonl), encoding="utf-8") as fh:
-            meta = json.load(fh)
-    except (FileNotFoundError, ValueError):
-        return None
-    return meta if isinstance(meta, dict) else None
+        meta = json.loads(_read_local_file(path))
+    except FileNotFoundError:
+        return None, ""
+    except OSError as exc:
+        return None, f"{os.path.basename(path)} left out: {exc.strerror}"
+    except ValueError as exc:
+        return None, f"{os.path.basename(path)} left out: {exc}"
+    if not isinstance(meta, dict):
+        return None, f"{os.path.basename(path)} left out: not a JSON object"
+    return meta, ""
 
 
 def _batches(entries: list[dict[str, Any]]) -> Iterator[list[dict[str, Any]]]:
@@ -1650,23 +1587,37 @@ def _import_file(
 ) -> Transfer:
     try:
         _keys.parse_key(key, "import")
+        local, note = read_local(path)
     except FsStoreError as err:
         return Transfer(path, key, "failed", detail=err.message, failed=True)
-    try:
-        local, note = read_local(path)
     except ValueError as exc:
         return Transfer(path, key, "failed", detail=str(exc), failed=True)
     except OSError as exc:
         if _gone(exc):
             return Transfer(path, key, "gone", detail="removed while importing")
         return Transfer(path, key, "failed", detail=f"{_code(exc)} {exc.strerror}", failed=True)
+    t, todo, meta_entry = _compare(store, path, key, local, note)
+    if dry_run or not t.added:
+        return t
+    for batch in _batches(todo):
+        store.append(key, batch)
+    if meta_entry is not None:
+        store.append(key, [meta_entry])
+    return t
+
+
+def _compare(
+    store: SyncStore, path: str, key: dict[str, str], local: list[dict[str, Any]], note: str
+) -> tuple[Transfer, list[dict[str, Any]], dict[str, Any] | None]:
+    """What importing ``local`` means: the transfer, the entries to append, the sidecar entry."""
     stored = store.load(key) or []
     is_sub = "subpath" in key
     stored_meta, stored_rest = _split_metadata(stored) if is_sub else (None, stored)
     todo, status = missing_entries(stored_rest, local)
     meta_entry = None
     if is_sub:
-        meta = _read_meta(path)
+        meta, meta_note = _read_meta(path)
+        note = "; ".join(n for n in (note, meta_note) if n)
         if meta is not None:
             # Like the SDK's import: the sidecar travels as a synthetic entry, "type" last.
             meta_entry = {**meta, "type": "agent_metadata"}
@@ -1677,13 +1628,7 @@ def _import_file(
         status = "metadata"
     t = Transfer(path, key, status, local=len(local), stored=len(stored_rest), added=added,
                  detail=note)
-    if dry_run or not added:
-        return t
-    for batch in _batches(todo):
-        store.append(key, batch)
-    if meta_entry is not None:
-        store.append(key, [meta_entry])
-    return t
+    return t, todo, meta_entry
 
 
 def import_projects(
@@ -1692,23 +1637,30 @@ def import_projects(
     *,
     project: str | None = None,
     dry_run: bool = False,
+    create: bool = False,
     progress: Progress | None = None,
 ) -> tuple[list[Transfer], list[Problem]]:
-    """Import every local transcript under ``projects_dir`` (see :func:`missing_entries`)."""
+    """Import every local transcript under ``projects_dir`` (see :func:`missing_entries`).
+
+    ``root`` must be a store directory; with ``create`` it may also not exist yet (a
+    new store), so that a mistyped root is not silently made into one.
+    """
+    if not create and not os.path.lexists(root):
+        raise NoStore(f"{root}: no store here (does not exist; --create starts a new one)")
+    require_store(root, create=True)
     projects_dir = os.path.abspath(projects_dir)
     files, problems = local_transcripts(projects_dir, project)
-    to_key = _session_key_fn()
     store = SyncStore(root)
     out: list[Transfer] = []
     for i, path in enumerate(files):
-        key = to_key(path, projects_dir)
+        key = file_path_to_session_key(path, projects_dir)
         if key is None:
             out.append(Transfer(path, None, "skipped", detail="not a transcript path"))
         else:
             try:
-                out.append(_import_file(store, path, dict(key), dry_run))
+                out.append(_import_file(store, path, key, dry_run))
             except FsStoreError as err:
-                out.append(Transfer(path, dict(key), "failed", detail=str(err), failed=True))
+                out.append(Transfer(path, key, "failed", detail=str(err), failed=True))
         _tick(progress, i + 1, len(files))
     return out, problems
 
@@ -1764,8 +1716,7 @@ def _export_file(
             local, _note = read_local(path)
         except (ValueError, OSError) as exc:
             if not force:
-                return Transfer(path, key, "refused", stored=len(entries), failed=True,
-                                detail=f"existing file is unreadable ({exc}); --force overwrites")
+                return _refused(path, key, len(entries), exc)
             local = []
         local = dedupe([(0, local)])
         missing, status = missing_entries(local, entries)
@@ -1784,15 +1735,26 @@ def _export_file(
     return t
 
 
-def _export_meta(path: str, key: dict[str, str], meta: dict[str, Any], dry_run: bool) -> Transfer:
+def _refused(path: str, key: dict[str, str], stored: int, exc: Exception) -> Transfer:
+    why = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+    return Transfer(path, key, "refused", stored=stored, failed=True,
+                    detail=f"existing file is unreadable ({why}); --force overwrites")
+
+
+def _export_meta(
+    path: str, key: dict[str, str], meta: dict[str, Any], *, force: bool, dry_run: bool
+) -> Transfer:
     content = {k: v for k, v in meta.items() if k != "type"}
     existed = os.path.lexists(path)
-    try:
-        with open(path, encoding="utf-8") as fh:
-            if json.load(fh) == content:
+    if existed:
+        try:
+            if json.loads(_read_local_file(path)) == content:
                 return Transfer(path, key, "unchanged", stored=1)
-    except (OSError, ValueError):
-        pass
+        except OSError as exc:  # a FIFO, a symlink, no permission: not ours to replace
+            if not force:
+                return _refused(path, key, 1, exc)
+        except ValueError:
+            pass  # a damaged sidecar: rewritten
     if not dry_run:
         _atomic_write(path, json.dumps(content).encode("utf-8"))
     return Transfer(path, key, "updated" if existed else "new", stored=1, added=1)
@@ -1810,10 +1772,9 @@ def export_session(
     """Write a stored session to ``<projects_dir>/<project>/<session>.jsonl`` (+ subagents).
 
     Each file is written atomically and only if it changes; a local file holding
-    entries the store lacks is left alone unless ``force``.
+    entries the store lacks (or that cannot be read) is left alone unless ``force``.
     """
-    with open_root(root):
-        pass
+    require_store(root)
     store = SyncStore(root, summaries=False)
     key = {"project_key": project, "session_id": session}
     base = os.path.join(os.path.abspath(projects_dir), _safe_component(project, "project key"))
@@ -1839,5 +1800,6 @@ def export_session(
         if transcript:
             out.append(_export_file(target, skey, transcript, force=force, dry_run=dry_run))
         if meta is not None:
-            out.append(_export_meta(_meta_path(target), skey, meta, dry_run))
+            out.append(_export_meta(_meta_path(target), skey, meta, force=force,
+                                    dry_run=dry_run))
     return out

@@ -5,9 +5,10 @@ and :class:`fsstore._store.SyncStore`. Every command prints a human-readable tab
 by default and JSON with ``--json``; commands that walk a whole store draw a
 progress counter on stderr when stderr is a terminal.
 
-Exit codes: 0 ok; 1 problems found, or the operation failed; 2 usage error (bad
-arguments, or ROOT is not a directory). Interrupted: 130; stdout closed early
-(``| head``): 141.
+Exit codes: 0 ok; 1 problems found, or the operation failed (anything reported as
+FAILED); 2 usage error (bad arguments, an invalid key, ROOT is not a directory, or,
+for ``import`` without ``--create``, does not exist). Interrupted: 130; stdout
+closed early (``| head``): 141.
 
 Claude's project keys start with ``-`` (``-home-user-repo``). argparse alone would
 read such an argument as an option, so before parsing, every argument of a
@@ -168,6 +169,9 @@ def build_parser() -> tuple[argparse.ArgumentParser, _Options]:
                    help="a projects directory laid out like ~/.claude/projects")
     opts.add("import", p, "--project", metavar="P", type=_key_part, help="only this project")
     opts.add("import", p, "--dry-run", action="store_true", help="show what would be imported")
+    opts.add("import", p, "--create", action="store_true",
+             help="ROOT may not exist yet: start a new store there (without it, a missing "
+             "ROOT is an error, so a mistyped path does not become an empty store)")
 
     p = command("export", "Write a session back to the local ~/.claude/projects layout.")
     p.add_argument("project", metavar="PROJECT", type=_key_part)
@@ -238,6 +242,15 @@ def _version() -> str:
         return "unknown"
 
 
+def _raw(c: str) -> bytes:
+    """The bytes a character stands for on the command line: a lone surrogate from
+    os.fsdecode is the byte it escapes (the shell passes that byte back)."""
+    try:
+        return c.encode("utf-8", "surrogateescape")
+    except UnicodeEncodeError:  # a lone surrogate that escapes no byte
+        return c.encode("utf-8", "surrogatepass")
+
+
 def shown(key: str) -> str:
     """A key as the tables print it: as it is when the shell would pass it back unchanged."""
     if key.isprintable():
@@ -245,19 +258,21 @@ def shown(key: str) -> str:
     body = "".join(
         c if c.isprintable() and c not in "'\\" else
         ("\\'" if c == "'" else "\\\\" if c == "\\" else
-         "".join(f"\\x{b:02x}" for b in c.encode("utf-8", "surrogatepass")))
+         "".join(f"\\x{b:02x}" for b in _raw(c)))
         for c in key
     )
     return f"$'{body}'"
 
 
 def _size(n: int) -> str:
-    value = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if value < 1024 or unit == "TiB":
-            return f"{n} B" if unit == "B" else f"{value:.1f} {unit}"
+    if n < 1024:
+        return f"{n} B"
+    value = n / 1024
+    for unit in ("KiB", "MiB", "GiB"):
+        if value < 1024:
+            return f"{value:.1f} {unit}"
         value /= 1024
-    return f"{n} B"
+    return f"{value:.1f} TiB"
 
 
 def _when(ns: int | None) -> str:
@@ -303,7 +318,9 @@ def table(
 
 
 def _dump(out: TextIO, doc: Any) -> None:
-    json.dump(doc, out, indent=2, ensure_ascii=False)
+    # ASCII: a name that is not UTF-8 (a lone surrogate from os.fsdecode) is written as
+    # a \udcXX escape, which any JSON reader accepts, whatever the output encoding.
+    json.dump(doc, out, indent=2, ensure_ascii=True)
     out.write("\n")
 
 
@@ -347,11 +364,6 @@ class Progress:
 Handler = Callable[[argparse.Namespace, TextIO, TextIO, Progress], int]
 
 
-def _require_root(root: str) -> None:
-    if not os.path.isdir(root):
-        raise m.NoStore(f"{root}: no store here (not a directory)")
-
-
 def cmd_ls(args: argparse.Namespace, out: TextIO, err: TextIO, progress: Progress) -> int:
     sessions, problems = m.ls(args.root, project=args.project, progress=progress)
     progress.close()
@@ -378,7 +390,7 @@ def cmd_ls(args: argparse.Namespace, out: TextIO, err: TextIO, progress: Progres
 
 
 def cmd_cat(args: argparse.Namespace, out: TextIO, err: TextIO, progress: Progress) -> int:
-    _require_root(args.root)
+    m.require_store(args.root)
     store = SyncStore(args.root, summaries=False)
     key = {"project_key": args.project, "session_id": args.session}
     if args.subpath:
@@ -446,7 +458,7 @@ def _actions(
             elif a.done or dry:
                 verb = (_DRY_VERB if dry else _DONE_VERB)[a.action]
             else:
-                verb = "kept" if a.action == "keep" else "nothing"
+                verb = {"keep": "kept", "skip": "skipped"}.get(a.action, "nothing")
             out.write(f"{verb:<17} {_rel(args.root, a.path)}  {a.detail}\n")
         done = sum(1 for a in actions if a.done)
         summary = (f"{what}: {len(actions)} action(s) in a dry run; nothing changed" if dry
@@ -503,13 +515,13 @@ def cmd_locks(args: argparse.Namespace, out: TextIO, err: TextIO, progress: Prog
 
 def cmd_import(args: argparse.Namespace, out: TextIO, err: TextIO, progress: Progress) -> int:
     transfers, problems = m.import_projects(args.root, args.projects_dir, project=args.project,
-                                            dry_run=args.dry_run, progress=progress)
+                                            dry_run=args.dry_run, create=args.create,
+                                            progress=progress)
     progress.close()
     return _transfers(args, out, err, transfers, problems, "import")
 
 
 def cmd_export(args: argparse.Namespace, out: TextIO, err: TextIO, progress: Progress) -> int:
-    _require_root(args.root)
     transfers = m.export_session(args.root, args.project, args.session, args.dest,
                                  force=args.force, dry_run=args.dry_run)
     return _transfers(args, out, err, transfers, [], "export")
@@ -566,8 +578,18 @@ def _logging(verbose: int, err: TextIO) -> None:
     log.setLevel(logging.DEBUG if verbose > 1 else logging.INFO)
 
 
+def _tolerant_output() -> None:
+    """Names on disk need not be UTF-8 (os.fsdecode makes lone surrogates of their
+    bytes): print those as backslash escapes rather than fail with UnicodeEncodeError."""
+    for stream in (sys.stdout, sys.stderr):
+        reconfigure = getattr(stream, "reconfigure", None)
+        if reconfigure is not None:
+            reconfigure(errors="backslashreplace")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; return the exit code."""
+    _tolerant_output()
     parser, opts = build_parser()
     raw = list(sys.argv[1:] if argv is None else argv)
     args = parser.parse_args(_mark_values(raw, opts))

@@ -1,0 +1,265 @@
+"""The CLI never deletes what it could not look at or what is in use, never hangs on a
+FIFO, never crashes on a name that is not UTF-8, and says when it could not do its job.
+
+Each test here reproduces a finding of the CLI review (the scripts were /tmp/rv/r*).
+Permission cases run the CLI as uid 65534 (root ignores file modes), so they need root.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from fsstore import _maintenance as m
+from fsstore._store import SyncStore
+
+from .conftest import KEY, entry
+from .test_cli import DAY, P, S, age, age_tree, fsstore, lock_file, tdir, write_jsonl
+
+SUB = {**KEY, "subpath": "subagents/a"}
+NOBODY = 65534
+
+
+@pytest.fixture
+def shared() -> Iterator[Path]:
+    """A directory another uid can reach (pytest's tmp_path is 0700 root's)."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root, to run the CLI as another uid")
+    d = Path(tempfile.mkdtemp(prefix="fsstore-cli-", dir="/tmp"))
+    d.chmod(0o755)
+    try:
+        yield d
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
+
+
+def as_nobody(*args: object) -> tuple[int, str]:
+    """Run the CLI as uid 65534; its exit code and its stdout and stderr together.
+
+    In a forked child that drops root, not in a new interpreter: the interpreter is
+    installed under /root, which that uid cannot reach.
+    """
+    import filelock._identity  # noqa: F401 - lazily imported by the lock code; import it as root
+
+    import fsstore.cli
+
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child
+        rc = 99
+        try:
+            os.close(r)
+            os.setgroups([])
+            os.setgid(NOBODY)
+            os.setuid(NOBODY)
+            sys.stdout = sys.stderr = open(w, "w", closefd=False)  # noqa: SIM115
+            rc = fsstore.cli.main([str(a) for a in args])
+            sys.stdout.flush()
+        except BaseException:  # noqa: BLE001
+            import traceback
+
+            traceback.print_exc(file=sys.stdout)
+            sys.stdout.flush()
+        os._exit(rc)
+    os.close(w)
+    with open(r) as fh:
+        out = fh.read()
+    _pid, status = os.waitpid(pid, 0)
+    return os.waitstatus_to_exitcode(status), out
+
+
+def chown_tree(path: Path, uid: int) -> None:
+    for p in [path, *path.rglob("*")]:
+        os.chown(p, uid, uid, follow_symlinks=False)
+
+
+def actions(root: Path, older_than: float, **kw: object) -> list[tuple[str, bool, bool]]:
+    found, _examined = m.prune(str(root), older_than=older_than, **kw)  # type: ignore[arg-type]
+    return [(a.action, a.done, a.failed) for a in found]
+
+
+# -- prune -----------------------------------------------------------------------------
+
+
+def test_prune_skips_a_session_whose_transcript_it_cannot_read(shared: Path) -> None:
+    root = shared / "store"
+    store = SyncStore(root, summaries=False)
+    store.append(KEY, [entry(1)])  # written just now
+    session = tdir(root, KEY).parent
+    chown_tree(shared, NOBODY)
+    tdir(root, KEY).chmod(0)  # EACCES for the operator: its age cannot be known
+    age(session, 40 * DAY)  # only the session directory itself looks old
+
+    rc, out = as_nobody("prune", root, "--older-than", "30d")
+    assert rc == 1, out
+    assert "FAILED" in out and "cannot" in out
+    assert session.exists()
+    tdir(root, KEY).chmod(0o700)
+    assert store.load(KEY) == [entry(1)]
+
+
+def test_prune_skips_a_session_with_a_symlink_and_one_with_nothing_committed(
+    root: Path, store: SyncStore
+) -> None:
+    linked = {"project_key": P, "session_id": "linked"}
+    store.append({**linked, "subpath": "subagents/a"}, [entry(1)])
+    store.append(KEY, [entry(2)])
+    session = tdir(root, linked).parent
+    (session / "main").symlink_to(tdir(root, KEY))  # main cannot be looked at
+    empty = tdir(root, {"project_key": P, "session_id": "empty"})
+    empty.mkdir(parents=True)  # a first append that never committed
+    for d in (session, empty.parent):
+        age_tree(d, 40 * DAY)
+
+    found, examined = m.prune(str(root), older_than=30 * DAY)
+    assert examined == 3
+    by_name = {Path(a.path).name: a for a in found}
+    assert by_name["linked"].action == "skip" and by_name["linked"].failed
+    assert "symlink" in by_name["linked"].detail
+    # Nothing committed: never deleted (reported, not failed, once its directory's
+    # ctime is old too).
+    assert by_name.keys() <= {"linked", "empty"}
+    assert not any(a.done or (a.failed and name == "empty") for name, a in by_name.items())
+    assert session.exists() and empty.exists()
+
+
+def test_prune_keeps_a_session_with_an_append_in_flight(root: Path, store: SyncStore) -> None:
+    store.append(KEY, [entry(1)])
+    store.append(SUB, [entry(2)])
+    age_tree(tdir(root, KEY).parent, 40 * DAY)
+    # A writer that has written its batch to a temp file and now waits for the lock
+    # prune holds (in the main transcript, or in a subagent's).
+    for d in (tdir(root, KEY), tdir(root, SUB)):
+        temp = d / ".tmp-4242-00000000000000aa"
+        temp.write_bytes(b'{"uuid":"resumed"}\n')
+        age(temp, 40 * DAY)  # even back-dated: its ctime says it was written just now
+        found, _ = m.prune(str(root), older_than=30 * DAY)
+        assert [(a.action, a.done) for a in found] == [("keep", False)]
+        assert "in flight" in found[0].detail
+        assert store.load(KEY) == [entry(1)]
+        temp.unlink()
+
+    # A temp file older than the threshold is a crashed writer's: it keeps nothing.
+    (tdir(root, SUB) / ".tmp-4243-00000000000000bb").write_bytes(b"half")
+    time.sleep(1.1)
+    assert actions(root, 1.0) == [("delete", True, False)]
+    assert store.load(KEY) is None and store.load(SUB) is None
+
+
+def test_prune_holds_the_lock_of_every_transcript(root: Path, store: SyncStore) -> None:
+    store.append(KEY, [entry(1)])
+    store.append(SUB, [entry(2)])
+    age_tree(tdir(root, KEY).parent, 40 * DAY)
+    with store.locked(SUB):  # a subagent's commit in progress
+        found, _ = m.prune(str(root), older_than=30 * DAY, lock_timeout_seconds=0.3)
+    assert [(a.action, a.done, a.failed) for a in found] == [("delete", False, True)]
+    assert "LOCK_TIMEOUT" in found[0].detail
+    assert store.load(SUB) == [entry(2)]
+
+
+# -- gc --------------------------------------------------------------------------------
+
+
+def test_gc_ages_temp_files_by_ctime_too(root: Path, store: SyncStore) -> None:
+    store.append(KEY, [entry(1)])
+    temp = tdir(root, KEY) / ".tmp-4242-00000000000000cc"
+    temp.write_bytes(b"a batch being committed")
+    age(temp, 2 * 3600)  # mtime set back; its ctime cannot be
+    assert m.gc(str(root)) == []
+    assert temp.exists()
+    report = m.check(str(root))
+    assert report.ok and [p.kind for p in report.problems] == ["young-temp"]
+
+
+def test_gc_fails_on_a_lock_it_cannot_break(shared: Path) -> None:
+    root = shared / "store"
+    SyncStore(root, summaries=False, dir_mode=0o755, file_mode=0o644).append(KEY, [entry(1)])
+    lock = lock_file(root, KEY)
+    lock.write_text("999999\nother-host\n1\n")
+    age(lock, 7200)
+    rc, out = as_nobody("gc", root)  # .locks is root's: the operator cannot rename in it
+    assert rc == 1, out
+    assert "FAILED" in out and lock.name in out
+    assert "taken again" not in out
+    assert lock.exists()
+
+
+# -- import and export -----------------------------------------------------------------
+
+
+def test_import_and_export_do_not_hang_on_a_fifo_sidecar(
+    root: Path, store: SyncStore, tmp_path: Path
+) -> None:
+    store.append({"project_key": P, "session_id": "other"}, [entry(0)])
+    projects = tmp_path / "projects"
+    agent = projects / P / S / "subagents" / "agent-1.jsonl"
+    write_jsonl(agent, [entry(1)])
+    os.mkfifo(agent.with_name("agent-1.meta.json"))
+    proc = fsstore("import", root, projects, timeout=20)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "not a regular file" in proc.stdout
+    assert store.load({**KEY, "subpath": "subagents/agent-1"}) == [entry(1)]
+
+    store.append({**KEY, "subpath": "subagents/agent-1"},
+                 [{"type": "agent_metadata", "agentType": "Plan"}])
+    out = tmp_path / "out"
+    meta = out / P / S / "subagents" / "agent-1.meta.json"
+    meta.parent.mkdir(parents=True)
+    os.mkfifo(meta)
+    proc = fsstore("export", root, P, S, out, timeout=20)
+    assert proc.returncode == 1 and "refused" in proc.stdout, proc.stdout + proc.stderr
+    assert fsstore("export", root, P, S, out, "--force", timeout=20).returncode == 0
+    assert json.loads(meta.read_text()) == {"agentType": "Plan"}
+
+
+def test_import_root_must_exist_unless_create(tmp_path: Path) -> None:
+    projects = tmp_path / "projects"
+    write_jsonl(projects / P / f"{S}.jsonl", [entry(1)])
+    a_file = tmp_path / "a-file"
+    a_file.write_text("not a store")
+    typo = tmp_path / "typo" / "root"
+    proc = fsstore("import", typo, projects)
+    assert proc.returncode == 2 and "--create" in proc.stderr, proc.stdout + proc.stderr
+    assert not typo.parent.exists()
+    proc = fsstore("import", a_file, projects)
+    assert proc.returncode == 2 and "not a directory" in proc.stderr, proc.stdout + proc.stderr
+    transfers, _ = m.import_projects(str(typo), str(projects), create=True)
+    assert [t.status for t in transfers] == ["new"]
+    assert SyncStore(typo).load(KEY) == [entry(1)]
+
+
+# -- output ----------------------------------------------------------------------------
+
+
+def test_names_that_are_not_utf8_do_not_crash_the_output(root: Path, store: SyncStore,
+                                                          tmp_path: Path) -> None:
+    store.append(KEY, [entry(1)])
+    os.mkdir(os.fsencode(root / "projects") + b"/\xff")
+    projects = tmp_path / "projects"
+    (projects / P).mkdir(parents=True)
+    with open(os.fsencode(projects / P) + b"/\xfe.jsonl", "w") as fh:
+        fh.write('{"uuid":"x"}\n')
+    env = {**os.environ, "PYTHONIOENCODING": "utf-8"}  # strict: a lone surrogate cannot be written
+
+    def run(*args: object) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "fsstore", *map(str, args)], check=False,
+                              capture_output=True, text=True, timeout=60, env=env,
+                              errors="replace")
+
+    text = run("check", root)
+    assert text.returncode == 1 and "Traceback" not in text.stderr
+    assert "\\udcff" in text.stdout
+    doc = run("check", root, "--json")
+    assert doc.returncode == 1 and "Traceback" not in doc.stderr
+    assert any(p["path"].endswith("\udcff") for p in json.loads(doc.stdout)["problems"])
+    imp = run("import", root, projects)
+    assert imp.returncode == 1 and "Traceback" not in imp.stderr
