@@ -66,9 +66,14 @@ class Marker:
     age: float  # seconds, by this host's clock against the storage's mtime
 
     @property
+    def here(self) -> bool:
+        """Recorded on this host (as filelock names it)."""
+        return self.host == _host_name()
+
+    @property
     def dead_here(self) -> bool:
         """Recorded on this host by a process that no longer exists."""
-        return self.pid is not None and self.host == _host_name() and not _alive(self.pid)
+        return self.pid is not None and self.here and not _alive(self.pid)
 
 
 def read_marker(lock_path: str) -> Marker | None:

@@ -59,7 +59,7 @@ from typing import Any
 from . import _fsio, _keys, _layout
 from ._errors import FsStoreError
 from ._keys import TranscriptKey
-from ._lock import _host_name, read_marker, reclaim_if_stale
+from ._lock import read_marker, reclaim_if_stale
 from ._store import SyncStore, decode_entry
 from ._transcript import dedupe, parse, plan, read_state
 
@@ -732,7 +732,7 @@ class Walker:
             status = "dead"
         else:
             status = "expired" if age > self.stale_lock_seconds else "held"
-        local = host is not None and host == _host_name()
+        local = marker is not None and marker.here
         return LockInfo(path, None, pid, host, age, status, local, st.st_mtime,
                         (st.st_ino, st.st_mtime_ns))
 
