@@ -105,6 +105,12 @@ def compact(
     fs.write_new(dir_fd, tmp, b"".join(data))
     segment = _layout.segment_name(first, last)
     try:
+        # Compaction changes how entries are stored, not when they were written: the
+        # segment carries the newest merged mtime (retention goes by file age). Set
+        # on the temp file, so that the move is the last change of the segment's
+        # ctime: readers tell a leftover from a later commit by ctime. (`fsstore gc`
+        # ages temp files by their ctime too, so the back-dated temp is not garbage.)
+        os.utime(tmp, ns=(newest, newest), dir_fd=dir_fd, follow_symlinks=False)
         held.check(operation)
         if not _fsio.move_noreplace(fs, dir_fd, tmp, segment):
             return 0  # the same segment exists already: a crashed compaction made it
@@ -112,10 +118,6 @@ def compact(
     finally:
         if tmp:
             _fsio.unlink_quiet(dir_fd, tmp)
-    # Compaction changes how entries are stored, not when they were written: the
-    # segment carries the newest merged mtime (retention goes by file age). Only
-    # after the move: a back-dated temp file would look like garbage to `fsstore gc`.
-    os.utime(segment, ns=(newest, newest), dir_fd=dir_fd, follow_symlinks=False)
     fs.sync_dir(dir_fd)
     state.compacted = max(state.compacted, last)
     state.seq = max(state.seq, last)

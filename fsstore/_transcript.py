@@ -289,7 +289,9 @@ def check_no_late_parts(
             seg = os.stat(covering[2], dir_fd=dir_fd, follow_symlinks=False)
         except FileNotFoundError:
             continue  # the leftover was just removed
-        if part.st_ctime_ns > seg.st_ctime_ns:
+        # A leftover being unlinked right now has already had its ctime bumped (and
+        # its link count dropped to 0) while the name is still found: not late.
+        if part.st_nlink and part.st_ctime_ns > seg.st_ctime_ns:
             raise FsStoreError(
                 "CORRUPT",
                 f"part {name} was committed after segment {covering[2]} that covers it "
