@@ -111,6 +111,8 @@ def assert_transcript(
     want = set(expected)
     got = set(v.batches)
     assert got == want, {"lost": sorted(want - got)[:20], "extra": sorted(got - want)[:20]}
+    if expected_entries is not None:
+        assert v.entries == expected_entries, f"{v.entries} entries, {expected_entries} acknowledged"
     return v
 
 

@@ -114,13 +114,8 @@ def read_faults() -> dict[str, Case]:
         "readdir ESTALE of the transcript directory": Case("load", [rule("readdir", f"{T}$", "ESTALE")], "ESTALE", t),
         "read EIO of a part": Case("load", [rule("read", T + PART, "EIO")], "EIO", t),
         "open EACCES of a part": Case("load", [rule("open", T + PART, "EACCES")], "EACCES", t),
-        "lookup ESTALE on load": Case(
-            "load", [rule("getattr", f"{T}$", "ESTALE")], "ESTALE", t,
-            xfail="fsstore bug: load() treats ESTALE from opening the transcript directory as "
-            "a race and retries; when the mount keeps answering ESTALE it gives up after 50 "
-            "attempts with code EAGAIN ('transcript changed under the reader 50 times in a "
-            "row'), so operators alerting on ESTALE never see it and the message blames "
-            "concurrent writers; the last ESTALE should surface (code and errno ESTALE)"),
+        # found by this case: a persistent ESTALE used to come out as EAGAIN (fixed in cf83e95)
+        "lookup ESTALE on load": Case("load", [rule("getattr", f"{T}$", "ESTALE")], "ESTALE", t),
         "opendir EIO of the sessions directory": Case(
             "list_sessions", [rule("opendir", "{r}/projects/-faults/sessions$", "EIO")], "EIO", sessions),
         "readdir EACCES of the subkeys directory": Case(
