@@ -7,6 +7,7 @@ CLI and operators call them directly through ``store.sync``.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import errno
 import os
 import stat
@@ -21,6 +22,7 @@ from ._layout import Component
 from ._lock import Held, Locks
 from ._transcript import (
     State,
+    StateId,
     Vanished,
     commit,
     dedupe,
@@ -32,6 +34,7 @@ from ._transcript import (
     read_state,
     rebuild_state,
     scan_items,
+    state_id,
     write_state,
 )
 
@@ -97,6 +100,10 @@ class SyncStore:
         # The root with its own symlinks resolved (the operator's choice, resolved once):
         # lets an append open its transcript directory in a single openat2 call.
         self._real_root: str | None = None
+        # The state each transcript had when this process last wrote it, by its file
+        # identity: while state.json is still that file, an append needs one stat
+        # instead of reading and parsing it.
+        self._states: dict[str, tuple[StateId, State]] = {}
         if summaries is True and self._fold is None:
             raise ValueError("summaries=True needs claude-agent-sdk (pip install fsstore[claude])")
 
@@ -205,9 +212,7 @@ class SyncStore:
             committed = False
             try:
                 with self._locks.hold(self._lock_path(comps, op), op) as held:
-                    state, state_mtime = read_state(dfd)
-                    if state is None:
-                        state = rebuild_state(dfd)
+                    state, state_mtime = self._current_state(dfd, path)
                     held.check(op)
                     seq = commit(self._fs, dfd, tmp, state.seq)
                     committed = True
@@ -217,6 +222,26 @@ class SyncStore:
                     _fsio.unlink_quiet(dfd, tmp)
         finally:
             os.close(dfd)
+
+    def _current_state(self, dfd: int, path: str) -> tuple[State, int]:
+        """The transcript's state (under its lock) and state.json's mtime (0 if none)."""
+        try:
+            st = os.stat(_layout.STATE, dir_fd=dfd, follow_symlinks=False)
+        except FileNotFoundError:
+            st = None
+        known = self._states.get(path)
+        if st is not None and known is not None and known[0] == state_id(st):
+            return dataclasses.replace(known[1]), st.st_mtime_ns
+        state, mtime = read_state(dfd)
+        return (state if state is not None else rebuild_state(dfd)), mtime
+
+    def _remember_state(self, path: str, ident: StateId | None, state: State) -> None:
+        if ident is None:
+            self._states.pop(path, None)
+            return
+        if len(self._states) >= 4096:
+            self._states.clear()  # a bounded hint cache, not worth an LRU
+        self._states[path] = (ident, state)
 
     def _finish_commit(
         self,
@@ -251,14 +276,16 @@ class SyncStore:
             # on, and an old sequence in state.json could send later commits into a
             # segment's range. The state stays behind, which heals.
             held.check("append")
-            write_state(self._fs, dfd, new, after_ns=state_mtime)
+            self._remember_state(path, write_state(self._fs, dfd, new, after_ns=state_mtime), new)
         except (OSError, FsStoreError) as exc:
+            self._remember_state(path, None, new)
             log_state_failure(exc, path)
             return
         if self._compact_every and seq - new.compacted >= self._compact_every:
             self._auto_compact(dfd, path, held, new)
 
     def _auto_compact(self, dfd: int, path: str, held: Held, state: State) -> None:
+        self._remember_state(path, None, state)  # compaction rewrites state.json
         try:
             _compact.compact(self._fs, dfd, path, held, state, everything=False, operation="compact")
         except (OSError, FsStoreError) as exc:
@@ -580,9 +607,8 @@ class SyncStore:
                 return 0
             try:
                 with self._locks.hold(self._lock_path(comps, op), op) as held:
-                    state, _mtime = read_state(dfd)
-                    if state is None:
-                        state = rebuild_state(dfd)
+                    state, _mtime = self._current_state(dfd, path)
+                    self._remember_state(path, None, state)
                     return _compact.compact(
                         self._fs, dfd, path, held, state, everything=True, operation=op
                     )

@@ -135,7 +135,15 @@ def read_state(dir_fd: int) -> tuple[State | None, int]:
     return state, mtime
 
 
-def write_state(fs: _fsio.Fs, dir_fd: int, state: State, *, after_ns: int = 0) -> None:
+StateId = tuple[int, int, int]
+
+
+def state_id(st: os.stat_result) -> StateId:
+    """What identifies one written state file: every write makes a new inode."""
+    return (st.st_ino, st.st_mtime_ns, st.st_size)
+
+
+def write_state(fs: _fsio.Fs, dir_fd: int, state: State, *, after_ns: int = 0) -> StateId:
     """Replace state.json (temp + rename; a hint, so never fsynced).
 
     Its mtime is the session's mtime for the SDK, which compares a summary's mtime
@@ -145,14 +153,16 @@ def write_state(fs: _fsio.Fs, dir_fd: int, state: State, *, after_ns: int = 0) -
     """
     tmp = _fsio.temp_name("-state")
     st = fs.write_new(dir_fd, tmp, state.to_bytes(), sync=False)
+    mtime = st.st_mtime_ns
     try:
-        if after_ns and st.st_mtime_ns // 1_000_000 <= after_ns // 1_000_000:
-            bumped = (after_ns // 1_000_000 + 1) * 1_000_000
-            os.utime(tmp, ns=(bumped, bumped), dir_fd=dir_fd, follow_symlinks=False)
+        if after_ns and mtime // 1_000_000 <= after_ns // 1_000_000:
+            mtime = (after_ns // 1_000_000 + 1) * 1_000_000
+            os.utime(tmp, ns=(mtime, mtime), dir_fd=dir_fd, follow_symlinks=False)
         os.rename(tmp, _layout.STATE, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
     except OSError:
         _fsio.unlink_quiet(dir_fd, tmp)
         raise
+    return (st.st_ino, mtime, st.st_size)
 
 
 def scan_items(dir_fd: int) -> list[tuple[int, int, str]]:

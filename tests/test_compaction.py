@@ -11,8 +11,7 @@ from typing import Any
 
 import pytest
 
-from fsstore import FsStoreError
-from fsstore import _compact, _layout, _transcript
+from fsstore import FsStoreError, _compact, _layout
 from fsstore._store import SyncStore
 
 from .conftest import KEY, entry
@@ -117,13 +116,13 @@ def test_summary_heals_across_a_compaction(root: Path) -> None:
 def test_a_holder_past_half_its_lease_publishes_nothing(root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     store = SyncStore(root, stale_lock_seconds=0.2)
     store.append(KEY, [entry(1)])
-    real = _transcript.read_state
+    real = SyncStore._current_state
 
-    def slow_read(fd: int) -> Any:
+    def slow_read(self: SyncStore, *args: Any) -> Any:
         time.sleep(0.15)  # a stall (hung NFS server) between taking the lock and committing
-        return real(fd)
+        return real(self, *args)
 
-    monkeypatch.setattr("fsstore._store.read_state", slow_read)
+    monkeypatch.setattr(SyncStore, "_current_state", slow_read)
     with pytest.raises(FsStoreError) as info:
         store.append(KEY, [entry(2)])
     assert info.value.code == "LOCK_EXPIRED" and info.value.operation == "append"

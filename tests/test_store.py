@@ -633,3 +633,21 @@ def test_a_fifo_named_like_a_part_is_corruption_not_a_hang(store: SyncStore, roo
     with pytest.raises(FsStoreError) as info:
         store.load(KEY)
     assert info.value.code == "CORRUPT" and info.value.path.endswith(_layout.part_name(2))  # type: ignore[union-attr]
+
+
+def test_two_writers_alternating_keep_sequence_and_summary_right(root: Path) -> None:
+    """Each store object remembers the state it wrote; another writer's write must win."""
+    a, b = SyncStore(root), SyncStore(root)
+    batches = [[entry(i, message={"role": "user", "content": f"p{i}"}),
+                {"type": "t", "customTitle": f"title {i}"}] for i in range(6)]
+    for i, batch in enumerate(batches):
+        (a if i % 2 == 0 else b).append(KEY, batch)
+    assert a.load(KEY) == [e for batch in batches for e in batch]
+    [s] = a.list_session_summaries(KEY["project_key"])
+    assert s["data"] == _reference_summary(batches, KEY)
+    assert json.loads((tdir(root, KEY) / _layout.STATE).read_text())["seq"] == 6
+    b.delete(KEY)  # a's remembered state now describes a transcript that is gone
+    a.append(KEY, batches[0])
+    assert a.load(KEY) == batches[0]
+    [s] = b.list_session_summaries(KEY["project_key"])
+    assert s["data"] == _reference_summary(batches[:1], KEY)
