@@ -138,7 +138,9 @@ def bench_append(n: int) -> None:
     print("append, one writer, fsync off (async API vs floor a + thread hop b)", flush=True)
     with scratch() as d:
         store = FsSessionStore(d / "store")
+        plain = FsSessionStore(d / "plain", summaries=False)
         floor, raw = Floor(d / "floor"), Floor(d / "raw", raw_lock=True)
+        t_plain: list[float] = []
         t_store: list[float] = []
         t_a: list[float] = []
         t_b: list[float] = []
@@ -156,19 +158,24 @@ def bench_append(n: int) -> None:
                 t3 = time.perf_counter()
                 raw.op(b)
                 t4 = time.perf_counter()
+                await plain.append(KEY, b)
+                t5 = time.perf_counter()
                 if i >= 20:  # warm-up
                     t_store.append(t1 - t0)
                     t_a.append(t2 - t1)
                     t_b.append(t3 - t2)
                     t_raw.append(t4 - t3)
+                    t_plain.append(t5 - t4)
 
         anyio.run(main)
-    s, a, b, r = (p50(x) * 1e6 for x in (t_store, t_a, t_b, t_raw))
+    s, a, b, r, pl = (p50(x) * 1e6 for x in (t_store, t_a, t_b, t_raw, t_plain))
     row("append p50 / (floor a + hop b)", s, a + b, 1.3,
         note=f"floor a {a:.0f} µs (SoftFileLock {a - r:.0f} µs of it), hop b {b:.0f} µs")
+    row("append p50 without summary upkeep / (floor a + hop b)", pl, a + b, float("inf"),
+        note="informational: summaries=False, i.e. without claude_agent_sdk's fold")
     row("append p50 / (raw O_EXCL floor + hop b)", s, r + b, float("inf"),
         note="informational: what the filelock lock costs")
-    EXTRA["append"] = {"store_p50_us": s, "floor_a_p50_us": a, "hop_b_p50_us": b,
+    EXTRA["append"] = {"store_p50_us": s, "no_summary_p50_us": pl, "floor_a_p50_us": a, "hop_b_p50_us": b,
                        "raw_floor_p50_us": r, "filelock_cost_us": a - r}
 
 
