@@ -466,8 +466,8 @@ except OSError: pass
             if not m or m.group(1) not in _META:
                 continue
             call = m.group(1)
-            if in_lock:
-                comp = "lock"
+            if in_lock or "/.locks" in ln:
+                comp = "lock"  # filelock's own calls, and fsstore's check of .locks
             elif "state" in ln:
                 comp = "state+summary"
             else:
