@@ -76,8 +76,11 @@ def append_faults() -> dict[str, Case]:
         "create EIO of the lock file": Case("append", [rule("create", lock, "EIO")], "EIO", None),
         "create EACCES of the lock file": Case("append", [rule("create", lock, "EACCES")], "EACCES", None),
         "write ENOSPC of the lock marker": Case("append", [rule("write", lock, "ENOSPC")], "ENOSPC", None),
-        # reading the state under the lock
-        "open EIO of state.json": Case("append", [rule("open", f"{T}/state.json$", "EIO")], "EIO", None),
+        # reading the state under the lock: a stat of state.json (the state this store
+        # object wrote is remembered), or opening it when another writer changed it
+        "stat/open EIO of state.json": Case(
+            "append", [rule("getattr", f"{T}/state.json$", "EIO"), rule("open", f"{T}/state.json$", "EIO")],
+            "EIO", None),
         # the commit move (link() on libfuse2, rename(RENAME_NOREPLACE) on libfuse3)
         "link/rename EIO to the part name": Case(
             "append", [rule("link", T + PART, "EIO"), rule("rename", T + PART, "EIO")], "EIO", t),
