@@ -88,6 +88,13 @@ class SyncStore:
     ) -> None:
         if compact_every < 0:
             raise ValueError("compact_every must be >= 0 (0 turns automatic compaction off)")
+        if not stale_lock_seconds > 0:
+            raise ValueError("stale_lock_seconds must be > 0")
+        if not lock_timeout_seconds >= 0:
+            raise ValueError("lock_timeout_seconds must be >= 0")
+        for name, mode in (("dir_mode", dir_mode), ("file_mode", file_mode)):
+            if not 0 <= mode <= 0o7777:
+                raise ValueError(f"{name} must be a permission mode like 0o700, not {mode!r}")
         self.root = os.path.abspath(os.fspath(root))
         self._compact_every = compact_every
         self._fs = Fs(fsync=fsync, dir_mode=dir_mode, file_mode=file_mode)

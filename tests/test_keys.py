@@ -8,8 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fsstore import FsStoreError
-from fsstore import _keys
+from fsstore import FsStoreError, _keys
 
 # Valid key parts: any Unicode scalar string without NUL (lone surrogates are refused).
 parts = st.text(

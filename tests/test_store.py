@@ -6,6 +6,7 @@ import errno
 import hashlib
 import json
 import logging
+import math
 import os
 import threading
 import time
@@ -16,8 +17,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from fsstore import FsSessionStore, FsStoreError
-from fsstore import _fsio, _layout
+from fsstore import FsSessionStore, FsStoreError, _fsio, _layout
 from fsstore._store import SyncStore
 
 from .conftest import KEY, entry
@@ -118,7 +118,7 @@ def test_nan_and_infinity_round_trip(store: SyncStore) -> None:
     loaded = store.load(KEY)
     assert loaded is not None
     inf, ninf, nan = loaded[0]["v"]
-    assert inf == float("inf") and ninf == float("-inf") and nan != nan
+    assert inf == float("inf") and ninf == float("-inf") and math.isnan(nan)
 
 
 @pytest.mark.parametrize(
@@ -385,7 +385,7 @@ def test_reader_sees_whole_transcript_or_none_during_delete(store: SyncStore) ->
             store.append(KEY, [entry(i)])
         stop = threading.Event()
 
-        def reader() -> None:
+        def reader(stop: threading.Event = stop) -> None:
             while not stop.is_set():
                 results.append(store.load(KEY))
 
@@ -400,13 +400,13 @@ def test_reader_sees_whole_transcript_or_none_during_delete(store: SyncStore) ->
 
 
 def test_append_racing_delete_leaves_no_half_deleted_session(store: SyncStore, root: Path) -> None:
-    errors: list[BaseException] = []
+    errors: list[Exception] = []
 
     def writer(key: dict[str, Any]) -> None:
         try:
             for i in range(40):
                 store.append(key, [entry(i)])
-        except BaseException as exc:  # collected and asserted below
+        except Exception as exc:  # noqa: BLE001 - any failure in the thread is collected and asserted below
             errors.append(exc)
 
     threads = [threading.Thread(target=writer, args=(k,)) for k in (KEY, SUB)]
@@ -651,3 +651,11 @@ def test_two_writers_alternating_keep_sequence_and_summary_right(root: Path) -> 
     assert a.load(KEY) == batches[0]
     [s] = b.list_session_summaries(KEY["project_key"])
     assert s["data"] == _reference_summary(batches[:1], KEY)
+
+
+@pytest.mark.parametrize("option", [{"stale_lock_seconds": 0}, {"lock_timeout_seconds": -1},
+                                    {"compact_every": -1}, {"file_mode": 0o70000}])
+def test_bad_options_are_refused_up_front(root: Path, option: dict[str, Any]) -> None:
+    with pytest.raises(ValueError):
+        FsSessionStore(root, **option)
+    assert not root.exists()
