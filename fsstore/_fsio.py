@@ -16,6 +16,7 @@ import logging
 import os
 import secrets
 import stat
+import sys
 from collections.abc import Sequence
 from typing import Any
 
@@ -77,7 +78,11 @@ def temp_name(tag: str = "") -> str:
 # symlinks anywhere in it (RESOLVE_NO_SYMLINKS) and escapes (RESOLVE_BENEATH): the
 # component-by-component walk below in one system call. Called through ctypes
 # because the os module has no wrapper.
-_SYS_OPENAT2 = {"x86_64": 437, "aarch64": 437, "arm64": 437}.get(os.uname().machine)
+_SYS_OPENAT2 = (
+    {"x86_64": 437, "aarch64": 437, "arm64": 437}.get(os.uname().machine)
+    if sys.platform == "linux"
+    else None
+)
 _RESOLVE_NO_MAGICLINKS, _RESOLVE_NO_SYMLINKS, _RESOLVE_BENEATH = 0x02, 0x04, 0x08
 
 
