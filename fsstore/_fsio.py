@@ -12,7 +12,6 @@ import ctypes
 import ctypes.util
 import errno
 import itertools
-import logging
 import os
 import secrets
 import stat
@@ -20,9 +19,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from ._errors import FsStoreError
-
-log = logging.getLogger("fsstore")
+from ._errors import FsStoreError, log
 
 _CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | _CLOEXEC

@@ -421,21 +421,21 @@ class SyncStore:
 
     # -- listing -------------------------------------------------------------------
 
-    def _has_transcript(self, parent_fd: int, name: str) -> int | None:
+    def _transcript_mtime(self, parent_fd: int, name: str) -> int | None:
         """mtime (epoch ms) of the transcript ``parent/name``, or None if it has no part.
 
         The state file is rewritten at every commit, so its mtime is the time of the
-        last commit by the storage's own clock; the summary uses the same stat.
+        last commit by the storage's own clock; the summary uses the same stat. One
+        symlink-proof probe per transcript: this runs over every session of a
+        project each time the SDK lists them.
         """
-        try:
-            st = self._fs.stat_beneath(parent_fd, f"{name}/{_layout.STATE}")
-            return st.st_mtime_ns // 1_000_000
-        except (FileNotFoundError, NotADirectoryError):
-            pass
-        except OSError as exc:
-            if exc.errno not in (errno.ELOOP, errno.EXDEV):
-                raise
+        ns = self._fs.mtime_beneath(parent_fd, f"{name}/{_layout.STATE}")
+        if ns >= 0:
+            return ns // 1_000_000
+        if -ns in (errno.ELOOP, errno.EXDEV):
             return None  # a symlink inside the transcript path: not ours to report
+        if -ns not in (errno.ENOENT, errno.ENOTDIR):
+            raise OSError(-ns, os.strerror(-ns))  # reported at the listed directory
         # No state file: a first commit whose writer died before writing it.
         try:
             fd = self._fs.open_dir(parent_fd, [(n, None) for n in name.split("/")],
@@ -475,21 +475,9 @@ class SyncStore:
         _keys.check_part(project_key, "project_key", op)
         comps = _layout.project_dirs(project_key)
         out: list[dict[str, Any]] = []
-        state_rel = f"/{_layout.MAIN}/{_layout.STATE}"
         with translating(op, self._path(comps)):
-            # One scandir and one stat per session: this runs over every session of
-            # a project each time the SDK lists them.
-            mtime_beneath = self._fs.mtime_beneath
             for pfd, entry, session_id in self._children(comps, op):
-                ns = mtime_beneath(pfd, entry.name + state_rel)
-                if ns >= 0:
-                    mtime: int | None = ns // 1_000_000
-                elif -ns in (errno.ENOENT, errno.ENOTDIR):
-                    mtime = self._has_transcript(pfd, f"{entry.name}/{_layout.MAIN}")
-                elif -ns in (errno.ELOOP, errno.EXDEV):
-                    continue  # a symlink where the session's transcript should be: not ours
-                else:
-                    raise OSError(-ns, os.strerror(-ns), f"{self._path(comps)}/{entry.name}")
+                mtime = self._transcript_mtime(pfd, f"{entry.name}/{_layout.MAIN}")
                 if mtime is not None:
                     out.append({"session_id": session_id, "mtime": mtime})
         return out
@@ -505,7 +493,7 @@ class SyncStore:
                     _keys.parse_key({**tk.as_dict(), "subpath": subpath}, op)
                 except FsStoreError:
                     continue  # a name no valid key encodes to: not ours to report
-                if self._has_transcript(pfd, entry.name) is not None:
+                if self._transcript_mtime(pfd, entry.name) is not None:
                     out.append(subpath)
         return out
 

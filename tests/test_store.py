@@ -659,3 +659,33 @@ def test_bad_options_are_refused_up_front(root: Path, option: dict[str, Any]) ->
     with pytest.raises(ValueError):
         FsSessionStore(root, **option)
     assert not root.exists()
+
+
+def test_session_mtime_moves_at_every_commit_even_within_one_millisecond(store: SyncStore) -> None:
+    """The SDK compares summary and listing mtimes in whole ms: each commit must show."""
+    seen = []
+    for i in range(40):  # far faster than 1 ms apart on tmpfs, several per ms
+        store.append(KEY, [entry(i)])
+        [listed] = store.list_sessions(KEY["project_key"])
+        seen.append(listed["mtime"])
+    assert seen == sorted(set(seen))  # strictly increasing
+
+
+def test_link_fallback_treats_a_replayed_link_as_done(
+    store: SyncStore, root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """NFS: a LINK retransmitted after a lost reply answers EEXIST for a link that happened."""
+    store.append(KEY, [entry(1)])
+    store._fs.renameat2_ok = False  # as on NFS: link() + unlink()
+    real_link = os.link
+
+    def link_then_eexist(src: Any, dst: Any, **kw: Any) -> None:
+        real_link(src, dst, **kw)
+        raise FileExistsError(errno.EEXIST, "File exists")
+
+    monkeypatch.setattr(os, "link", link_then_eexist)
+    store.append(KEY, [{"type": "last-prompt", "lastPrompt": "no uuid"}])
+    monkeypatch.undo()
+    assert store.load(KEY) == [entry(1), {"type": "last-prompt", "lastPrompt": "no uuid"}]
+    assert parts_of(root, KEY) == [_layout.part_name(1), _layout.part_name(2)]
+    assert not [p for p in tdir(root, KEY).iterdir() if p.name.startswith(".tmp-")]
