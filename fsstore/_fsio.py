@@ -110,6 +110,9 @@ _PATH_HOW_REF = ctypes.byref(_PATH_HOW)
 _ABS_DIR_HOW = _OpenHow(
     os.O_RDONLY | os.O_DIRECTORY | _CLOEXEC, 0, _RESOLVE_NO_MAGICLINKS | _RESOLVE_NO_SYMLINKS
 )
+_ABS_PATH_HOW_REF = ctypes.byref(
+    _OpenHow(_O_PATH | os.O_NOFOLLOW | _CLOEXEC, 0, _RESOLVE_NO_MAGICLINKS | _RESOLVE_NO_SYMLINKS)
+)
 _HOW_SIZE = ctypes.c_size_t(ctypes.sizeof(_OpenHow))
 _AT_FDCWD = -100
 
@@ -207,6 +210,23 @@ class Fs:
             if exc.errno in (errno.ENOENT, errno.ELOOP, errno.ENOTDIR):
                 return None  # the walk decides: create, or UNSAFE_PATH
             raise
+
+    def stat_abs(self, path: bytes) -> os.stat_result | None:
+        """``lstat`` of an absolute path without following a symlink in any component.
+
+        None if there is nothing there, or a symlink is in the way. Only where
+        :attr:`openat2_ok` (callers check): one ``openat2(O_PATH)`` and an ``fstat``.
+        """
+        fd = _syscall(_SYS_OPENAT2, _AT_FDCWD, path, _ABS_PATH_HOW_REF, _HOW_SIZE)
+        if fd < 0:
+            err = ctypes.get_errno()
+            if err in (errno.ENOENT, errno.ENOTDIR, errno.ELOOP, errno.EXDEV):
+                return None
+            raise OSError(err, os.strerror(err), os.fsdecode(path))
+        try:
+            return os.fstat(fd)
+        finally:
+            os.close(fd)
 
     def mtime_beneath(self, base_fd: int, relpath: str) -> int:
         """st_mtime_ns of ``base/relpath`` (no symlink followed), or ``-errno`` on failure.
@@ -336,6 +356,17 @@ class Fs:
 
         Returns the file's stat as written (an fstat: no lookup).
         """
+        st = self._write_new(dir_fd, name, data, sync=sync, want_stat=True)
+        assert st is not None
+        return st
+
+    def write_temp(self, dir_fd: int, name: str, data: bytes) -> None:
+        """:meth:`write_new` without the final fstat (a part's temp file: nobody asks)."""
+        self._write_new(dir_fd, name, data, sync=None, want_stat=False)
+
+    def _write_new(
+        self, dir_fd: int, name: str, data: bytes, *, sync: bool | None, want_stat: bool
+    ) -> os.stat_result | None:
         fd = os.open(name, CREATE_FLAGS, self.file_mode, dir_fd=dir_fd)
         try:
             if self._fchmod_files:
@@ -345,7 +376,7 @@ class Fs:
                 view = view[os.write(fd, view) :]
             if self.fsync if sync is None else sync:
                 os.fsync(fd)
-            st = os.fstat(fd)
+            st = os.fstat(fd) if want_stat else None
         except BaseException:
             os.close(fd)
             unlink_quiet(dir_fd, name)

@@ -6,11 +6,14 @@ CLI and operators call them directly through ``store.sync``.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import errno
 import os
 import stat
+import threading
+import weakref
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -32,6 +35,7 @@ from ._transcript import (
     probe_latest,
     read_batches,
     read_state,
+    read_state_stat,
     rebuild_state,
     scan_items,
     state_id,
@@ -42,6 +46,52 @@ from ._transcript import (
 _LOAD_ATTEMPTS = 50
 # An append whose transcript directory is deleted under it starts over this often.
 _APPEND_ATTEMPTS = 5
+
+
+# Transcripts an appending process keeps open (directory descriptor, state).
+_APPENDING = 64
+
+
+class _Moved(Exception):
+    """The kept directory descriptor no longer names the transcript: start over."""
+
+
+@dataclasses.dataclass(eq=False)
+class _Appending:
+    """One transcript as a process that appends to it keeps it between appends.
+
+    The key is validated and its paths worked out once. ``dir_fd`` keeps the
+    transcript directory open (opened symlink-proof), so an append does not walk
+    the path again; ``state``/``state_id`` are the state this process last wrote
+    and the identity of the state.json it wrote (see ``SyncStore._current_state``).
+    ``dir_fd`` is only touched under the store's guard; users take a ``dup``.
+    """
+
+    key: TranscriptKey
+    comps: list[Component]
+    path: str  # <root>/<rel>, for messages
+    rel: str
+    lock_name: str
+    dir_fd: int = -1
+    state_path: bytes | None = None  # <real root>/<rel>/state.json
+    state: State | None = None
+    state_id: StateId | None = None
+
+    @property
+    def ident(self) -> tuple[str, str, str | None]:
+        return (self.key.project_key, self.key.session_id, self.key.subpath)
+
+    def close_dir(self) -> None:
+        if self.dir_fd >= 0:
+            fd, self.dir_fd = self.dir_fd, -1
+            os.close(fd)
+
+
+def _close_all(appending: dict[Any, _Appending], guard: threading.Lock) -> None:
+    with guard:
+        for t in appending.values():
+            t.close_dir()
+        appending.clear()
 
 
 def decode_entry(parent_fd: int, entry: os.DirEntry[str]) -> str | None:
@@ -107,10 +157,12 @@ class SyncStore:
         # The root with its own symlinks resolved (the operator's choice, resolved once):
         # lets an append open its transcript directory in a single openat2 call.
         self._real_root: str | None = None
-        # The state each transcript had when this process last wrote it, by its file
-        # identity: while state.json is still that file, an append needs one stat
-        # instead of reading and parsing it.
-        self._states: dict[str, tuple[StateId, State]] = {}
+        # The transcripts this process appended to lately (see _Appending).
+        self._appending: collections.OrderedDict[tuple[str, str, str | None], _Appending] = (
+            collections.OrderedDict()
+        )
+        self._appending_guard = threading.Lock()
+        weakref.finalize(self, _close_all, self._appending, self._appending_guard)
         if summaries is True and self._fold is None:
             raise ValueError("summaries=True needs claude-agent-sdk (pip install fsstore[claude])")
 
@@ -144,7 +196,7 @@ class SyncStore:
     def _path(self, comps: list[Component]) -> str:
         return f"{self.root}/{_layout.rel(comps)}"
 
-    def _lock_path(self, comps: list[Component], operation: str) -> str:
+    def _lock_path(self, lock_name: str, operation: str) -> str:
         """Path of a transcript's lock file, ``<root>/.locks`` checked to be a real directory.
 
         filelock opens the lock by path, so this runs before every acquire: a ``.locks``
@@ -161,7 +213,7 @@ class SyncStore:
             st = os.lstat(locks)
         if not stat.S_ISDIR(st.st_mode):
             raise _fsio.unsafe(locks, operation)
-        return f"{locks}/{_layout.lock_name(comps)}"
+        return f"{locks}/{lock_name}"
 
     def _open_transcript(self, comps: list[Component], operation: str) -> int:
         """Open (creating if needed) a transcript directory for writing."""
@@ -178,20 +230,50 @@ class SyncStore:
 
     # -- append --------------------------------------------------------------------
 
+    def _appending_to(self, key: Mapping[str, Any], operation: str) -> _Appending:
+        """The transcript ``key`` names, validated once per process and then remembered."""
+        ident: Any = None
+        if type(key) is dict:
+            subpath = key.get("subpath")
+            ident = (key.get("project_key"), key.get("session_id"), subpath if subpath != "" else None)
+            with self._appending_guard:
+                try:
+                    known = self._appending.get(ident)
+                except TypeError:  # an unhashable value: parse_key says what is wrong
+                    known = None
+                if known is not None:
+                    self._appending.move_to_end(ident)
+                    return known
+        tk = _keys.parse_key(key, operation)
+        comps = _layout.transcript_dirs(tk)
+        rel = _layout.rel(comps)
+        t = _Appending(
+            key=tk,
+            comps=comps,
+            path=f"{self.root}/{rel}",
+            rel=rel,
+            lock_name=_layout.lock_name(comps),
+        )
+        with self._appending_guard:
+            ident = (tk.project_key, tk.session_id, tk.subpath)
+            self._appending[ident] = t
+            while len(self._appending) > _APPENDING:
+                _ident, old = self._appending.popitem(last=False)
+                old.close_dir()
+        return t
+
     def append(self, key: Mapping[str, Any], entries: list[Any]) -> None:
         op = "append"
-        tk = _keys.parse_key(key, op)
+        t = self._appending_to(key, op)
         if isinstance(entries, list) and not entries:
             return
         payload = encode_batch(entries, op)
-        comps = _layout.transcript_dirs(tk)
-        path = self._path(comps)
-        with translating(op, path):
+        with translating(op, t.path):
             for _attempt in range(_APPEND_ATTEMPTS):
                 try:
-                    self._append_once(tk, entries, payload, comps, path)
+                    self._append_once(t, entries, payload)
                     return
-                except FileNotFoundError:
+                except (FileNotFoundError, _Moved):
                     # The transcript directory was moved away (a concurrent delete)
                     # before our commit: nothing of ours is visible; start over.
                     continue
@@ -199,62 +281,100 @@ class SyncStore:
                 "ENOENT",
                 "transcript directory kept disappearing (concurrent deletes)",
                 operation=op,
-                path=path,
+                path=t.path,
                 errno=errno.ENOENT,
             )
 
-    def _append_once(
-        self,
-        tk: TranscriptKey,
-        entries: list[dict[str, Any]],
-        payload: bytes,
-        comps: list[Component],
-        path: str,
-    ) -> None:
+    def _transcript_dir(self, t: _Appending, operation: str) -> tuple[int, bool]:
+        """A descriptor of ``t``'s directory for this append, and whether it was kept open.
+
+        A kept descriptor saves the path walk, but the directory may have been moved
+        (deleted) since: :meth:`_current_state` proves it is still in place.
+        """
+        with self._appending_guard:
+            if t.dir_fd >= 0:
+                return os.dup(t.dir_fd), True
+        dfd = self._open_transcript(t.comps, operation)
+        if self._fs.openat2_ok and self._real_root is not None:
+            with self._appending_guard:
+                if t.dir_fd < 0 and self._appending.get(t.ident) is t:
+                    t.dir_fd = os.dup(dfd)
+                    t.state_path = os.fsencode(f"{self._real_root}/{t.rel}/{_layout.STATE}")
+        return dfd, False
+
+    def _append_once(self, t: _Appending, entries: list[dict[str, Any]], payload: bytes) -> None:
         op = "append"
-        dfd = self._open_transcript(comps, op)
+        dfd, kept = self._transcript_dir(t, op)
         try:
             tmp = _fsio.temp_name()
-            self._fs.write_new(dfd, tmp, payload)
+            self._fs.write_temp(dfd, tmp, payload)
             committed = False
             try:
-                with self._locks.hold(self._lock_path(comps, op), op) as held:
-                    state, state_mtime = self._current_state(dfd, path)
+                with self._locks.hold(self._lock_path(t.lock_name, op), op) as held:
+                    state, state_mtime = self._current_state(t, dfd, kept)
                     held.check(op)
                     seq = commit(self._fs, dfd, tmp, state.seq)
                     committed = True
-                    self._finish_commit(tk, dfd, path, held, state, state_mtime, seq, entries)
+                    self._finish_commit(t, dfd, held, state, state_mtime, seq, entries)
             finally:
                 if not committed:
                     _fsio.unlink_quiet(dfd, tmp)
+        except OSError as exc:
+            if kept:
+                # Whatever went wrong, the next attempt walks the path afresh. (On
+                # NFS a directory deleted by another host answers ESTALE.)
+                self._forget_dir(t)
+                if exc.errno == errno.ESTALE:
+                    raise _Moved from exc
+            raise
         finally:
             os.close(dfd)
 
-    def _current_state(self, dfd: int, path: str) -> tuple[State, int]:
-        """The transcript's state (under its lock) and state.json's mtime (0 if none)."""
-        try:
-            st = os.stat(_layout.STATE, dir_fd=dfd, follow_symlinks=False)
-        except FileNotFoundError:
-            st = None
-        known = self._states.get(path)
-        if st is not None and known is not None and known[0] == state_id(st):
-            return dataclasses.replace(known[1]), st.st_mtime_ns
-        state, mtime = read_state(dfd)
+    def _forget_dir(self, t: _Appending) -> None:
+        with self._appending_guard:
+            t.close_dir()
+
+    def _current_state(self, t: _Appending, dfd: int, kept: bool) -> tuple[State, int]:
+        """The transcript's state (under its lock) and state.json's mtime (0 if none).
+
+        While state.json is still the file this process last wrote (same inode, mtime
+        and size), nobody else committed since and the state remembered is current:
+        one stat instead of reading and parsing it. With a kept directory descriptor
+        that stat goes by path (symlink-proof), which also proves the directory is
+        still the one at the transcript's path: a transcript that was deleted or
+        moved has no such file there, and the append starts over (:class:`_Moved`).
+        """
+        found: os.stat_result | None
+        if kept:
+            assert t.state_path is not None
+            found = self._fs.stat_abs(t.state_path)
+            if found is None or found.st_nlink != 1:
+                raise self._moved(t)
+        else:
+            try:
+                found = os.stat(_layout.STATE, dir_fd=dfd, follow_symlinks=False)
+            except FileNotFoundError:
+                found = None
+        if found is not None and t.state is not None and t.state_id == state_id(found):
+            return t.state.copy(), found.st_mtime_ns
+        state, st = read_state_stat(dfd)
+        if kept and (st is None or found is None or (st.st_dev, st.st_ino) != (found.st_dev, found.st_ino)):
+            # The file at the path is not the one in our directory: moved under us.
+            raise self._moved(t)
+        mtime = st.st_mtime_ns if st is not None else 0
         return (state if state is not None else rebuild_state(dfd)), mtime
 
-    def _remember_state(self, path: str, ident: StateId | None, state: State) -> None:
-        if ident is None:
-            self._states.pop(path, None)
-            return
-        if len(self._states) >= 4096:
-            self._states.clear()  # a bounded hint cache, not worth an LRU
-        self._states[path] = (ident, state)
+    def _moved(self, t: _Appending) -> _Moved:
+        self._forget_dir(t)
+        return _Moved()
+
+    def _remember_state(self, t: _Appending, ident: StateId | None, state: State) -> None:
+        t.state, t.state_id = (state, ident) if ident is not None else (None, None)
 
     def _finish_commit(
         self,
-        tk: TranscriptKey,
+        t: _Appending,
         dfd: int,
-        path: str,
         held: Held,
         state: State,
         state_mtime: int,
@@ -268,6 +388,7 @@ class SyncStore:
         uuid are not de-duplicated). So failures here are logged: the state file
         and summary heal, and a failed directory fsync is the operator's to see.
         """
+        path = t.path
         try:
             self._fs.sync_dir(dfd)
         except OSError as exc:
@@ -277,22 +398,23 @@ class SyncStore:
                 "survive a power loss", exc,
                 extra={"code": code, "operation": "append", "path": path, "errno": exc.errno},
             )
-        new = self._after_commit(tk, dfd, path, state, seq, entries)
+        new = self._after_commit(t, dfd, state, seq, entries)
         try:
             # A holder past its lease skips the write: another holder may have moved
             # on, and an old sequence in state.json could send later commits into a
             # segment's range. The state stays behind, which heals.
             held.check("append")
-            self._remember_state(path, write_state(self._fs, dfd, new, after_ns=state_mtime), new)
+            self._remember_state(t, write_state(self._fs, dfd, new, after_ns=state_mtime), new)
         except (OSError, FsStoreError) as exc:
-            self._remember_state(path, None, new)
+            self._remember_state(t, None, new)
             log_state_failure(exc, path)
             return
         if self._compact_every and seq - new.compacted >= self._compact_every:
-            self._auto_compact(dfd, path, held, new)
+            self._auto_compact(t, dfd, held, new)
 
-    def _auto_compact(self, dfd: int, path: str, held: Held, state: State) -> None:
-        self._remember_state(path, None, state)  # compaction rewrites state.json
+    def _auto_compact(self, t: _Appending, dfd: int, held: Held, state: State) -> None:
+        path = t.path
+        self._remember_state(t, None, state)  # compaction rewrites state.json
         try:
             _compact.compact(self._fs, dfd, path, held, state, everything=False, operation="compact")
         except (OSError, FsStoreError) as exc:
@@ -309,18 +431,17 @@ class SyncStore:
 
     def _after_commit(
         self,
-        tk: TranscriptKey,
+        t: _Appending,
         dfd: int,
-        path: str,
         state: State,
         seq: int,
         entries: list[dict[str, Any]],
     ) -> State:
         """The next state: new sequence, and for a main transcript the folded summary."""
         new = State(max(seq, state.seq), state.folded, state.summary, state.compacted)
-        if tk.subpath is not None or self._fold is None:
+        if t.key.subpath is not None or self._fold is None:
             return new
-        key = tk.as_dict()
+        key, path = t.key.as_dict(), t.path
         try:
             summary, folded = self._catch_up(dfd, path, key, state.summary, state.folded, seq - 1)
             if folded < seq:
@@ -564,6 +685,18 @@ class SyncStore:
                 self._move_to_trash(rfd, parent, comps[-1][0], path)
             finally:
                 os.close(parent)
+                self._forget_dirs(tk)
+
+    def _forget_dirs(self, tk: TranscriptKey) -> None:
+        """Close what appends kept open of a deleted session (or subagent transcript).
+
+        Not needed for correctness (an append proves its kept directory is still in
+        place), only to give the descriptors back at once.
+        """
+        with self._appending_guard:
+            for ident in [i for i in self._appending if i[:2] == (tk.project_key, tk.session_id)
+                          and (tk.subpath is None or i[2] == tk.subpath)]:
+                self._appending.pop(ident).close_dir()
 
     def _move_to_trash(self, rfd: int, parent: int, name: str, path: str) -> None:
         """Rename ``parent/name`` into ``.trash`` (atomic: readers see all or None), then remove it."""
@@ -601,9 +734,10 @@ class SyncStore:
             if dfd is None:
                 return 0
             try:
-                with self._locks.hold(self._lock_path(comps, op), op) as held:
-                    state, _mtime = self._current_state(dfd, path)
-                    self._remember_state(path, None, state)
+                with self._locks.hold(self._lock_path(_layout.lock_name(comps), op), op) as held:
+                    state, _st = read_state_stat(dfd)
+                    if state is None:
+                        state = rebuild_state(dfd)
                     return _compact.compact(
                         self._fs, dfd, path, held, state, everything=True, operation=op
                     )
@@ -618,7 +752,7 @@ class SyncStore:
         comps = _layout.transcript_dirs(tk)
         path = self._path(comps)
         with translating(op, path):
-            hold = self._locks.hold(self._lock_path(comps, op), op)
+            hold = self._locks.hold(self._lock_path(_layout.lock_name(comps), op), op)
             hold.__enter__()
         # The caller's own errors pass through untranslated.
         try:

@@ -102,25 +102,35 @@ class State:
     summary: dict[str, Any] | None = None
     compacted: int = 0  # last sequence merged into a segment
 
+    def copy(self) -> State:
+        return State(self.seq, self.folded, self.summary, self.compacted)
+
     def to_bytes(self) -> bytes:
-        return json.dumps(
+        return _encode(
             {"format": 1, "seq": self.seq, "folded": self.folded,
-             "compacted": self.compacted, "summary": self.summary},
-            separators=(",", ":"),
+             "compacted": self.compacted, "summary": self.summary}
         ).encode("ascii")
 
 
 def read_state(dir_fd: int) -> tuple[State | None, int]:
     """The state and its mtime in ns; (None, 0) if it is missing or unreadable as JSON."""
+    state, st = read_state_stat(dir_fd)
+    return state, st.st_mtime_ns if st is not None else 0
+
+
+def read_state_stat(dir_fd: int) -> tuple[State | None, os.stat_result | None]:
+    """The state and the fstat of the file it was read from (None if there is none).
+
+    The state is None when the file is missing or unreadable as JSON.
+    """
     try:
         fd = os.open(_layout.STATE, _fsio.READ_FLAGS | os.O_NONBLOCK, dir_fd=dir_fd)
     except FileNotFoundError:
-        return None, 0
+        return None, None
     try:
         st = os.fstat(fd)
-        mtime = st.st_mtime_ns
         if not stat.S_ISREG(st.st_mode):
-            return None, mtime  # not a state file we wrote: rebuilt from the parts
+            return None, st  # not a state file we wrote: rebuilt from the parts
         raw = os.read(fd, st.st_size + 1)
     finally:
         os.close(fd)
@@ -128,11 +138,11 @@ def read_state(dir_fd: int) -> tuple[State | None, int]:
         doc = json.loads(raw)
         state = State(int(doc["seq"]), int(doc["folded"]), doc["summary"], int(doc["compacted"]))
     except (ValueError, KeyError, TypeError):  # torn or foreign: rebuilt from the parts
-        return None, mtime
+        return None, st
     summary = state.summary
     if summary is not None and not (isinstance(summary, dict) and isinstance(summary.get("data"), dict)):
         state.summary, state.folded = None, 0  # not a summary we wrote: refold it
-    return state, mtime
+    return state, st
 
 
 StateId = tuple[int, int, int]
