@@ -135,6 +135,7 @@ def is_hashed(name: str) -> bool:
 
 # Names that are their own key part: the common case, recognized without decoding.
 _SELF = re.compile(r"[a-z0-9_-]|[a-z0-9_-][a-z0-9._-]*[a-z0-9_-]")
+is_own_name = _SELF.fullmatch
 
 
 def decode(name: str) -> str | None:

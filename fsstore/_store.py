@@ -48,6 +48,7 @@ _LOAD_ATTEMPTS = 50
 _APPEND_ATTEMPTS = 5
 
 
+_STATE_SUFFIX = f"/{_layout.STATE}".encode("ascii")
 # Transcripts an appending process keeps open (directory descriptor, state).
 _APPENDING = 64
 
@@ -102,7 +103,12 @@ def decode_entry(parent_fd: int, entry: os.DirEntry[str]) -> str | None:
     not keys.
     """
     name = entry.name
-    if name.startswith(".") or not _fsio.is_dir_entry(entry):
+    if name.startswith("."):
+        return None
+    try:
+        if not entry.is_dir(follow_symlinks=False):
+            return None
+    except OSError:  # vanished between readdir and stat: not there any more
         return None
     if not _keys.is_hashed(name):
         return _keys.decode(name)
@@ -542,21 +548,27 @@ class SyncStore:
 
     # -- listing -------------------------------------------------------------------
 
-    def _transcript_mtime(self, parent_fd: int, name: str) -> int | None:
-        """mtime (epoch ms) of the transcript ``parent/name``, or None if it has no part.
+    def _transcript_mtimes(self, parent_fd: int, names: list[str]) -> list[int | None]:
+        """mtime (epoch ms) of each transcript ``parent/name``; None where it has no part.
 
         The state file is rewritten at every commit, so its mtime is the time of the
         last commit by the storage's own clock; the summary uses the same stat. One
         symlink-proof probe per transcript: this runs over every session of a
-        project each time the SDK lists them.
+        project each time the SDK lists them (names are ASCII: names
+        :func:`decode_entry` accepted).
         """
-        ns = self._fs.mtime_beneath(parent_fd, f"{name}/{_layout.STATE}")
-        if ns >= 0:
-            return ns // 1_000_000
-        if -ns in (errno.ELOOP, errno.EXDEV):
+        found = self._fs.mtimes_beneath(
+            parent_fd, [name.encode("ascii") + _STATE_SUFFIX for name in names]
+        )
+        return [ns // 1_000_000 if ns >= 0 else self._mtime_without_state(parent_fd, name, -ns)
+                for name, ns in zip(names, found)]
+
+    def _mtime_without_state(self, parent_fd: int, name: str, err: int) -> int | None:
+        """:meth:`_transcript_mtime` where state.json could not be stat'ed (``err``)."""
+        if err in (errno.ELOOP, errno.EXDEV):
             return None  # a symlink inside the transcript path: not ours to report
-        if -ns not in (errno.ENOENT, errno.ENOTDIR):
-            raise OSError(-ns, os.strerror(-ns))  # reported at the listed directory
+        if err not in (errno.ENOENT, errno.ENOTDIR):
+            raise OSError(err, os.strerror(err))  # reported at the listed directory
         # No state file: a first commit whose writer died before writing it.
         try:
             fd = self._fs.open_dir(parent_fd, [(n, None) for n in name.split("/")],
@@ -572,22 +584,29 @@ class SyncStore:
         finally:
             os.close(fd)
 
-    def _children(
-        self, comps: list[Component], op: str
-    ) -> Iterator[tuple[int, os.DirEntry[str], str]]:
-        """``(dir fd, entry, decoded key part)`` for each directory under ``comps``."""
+    @contextlib.contextmanager
+    def _children(self, comps: list[Component], op: str) -> Iterator[tuple[int, list[tuple[str, str]]]]:
+        """The directory under ``comps`` (fd) and ``(name, decoded key part)`` of each
+        directory in it; no children if it does not exist."""
         with self._open_root(create=False) as rfd:
-            if rfd is None:
-                return
-            pfd = self._open(rfd, comps, op)
+            pfd = self._open(rfd, comps, op) if rfd is not None else None
             if pfd is None:
+                yield -1, []
                 return
             try:
+                children: list[tuple[str, str]] = []
+                # decode_entry's common case inline: this loop runs once per session
+                # each time the SDK lists a project.
+                own, is_dir, add = _keys.is_own_name, _fsio.is_dir_entry, children.append
                 with os.scandir(pfd) as it:
                     for entry in it:
-                        part = decode_entry(pfd, entry)
-                        if part is not None:
-                            yield pfd, entry, part
+                        name = entry.name
+                        if own(name):
+                            if is_dir(entry):
+                                add((name, name))
+                        elif (part := decode_entry(pfd, entry)) is not None:
+                            add((name, part))
+                yield pfd, children
             finally:
                 os.close(pfd)
 
@@ -595,44 +614,41 @@ class SyncStore:
         op = "list_sessions"
         _keys.check_part(project_key, "project_key", op)
         comps = _layout.project_dirs(project_key)
-        out: list[dict[str, Any]] = []
-        with translating(op, self._path(comps)):
-            for pfd, entry, session_id in self._children(comps, op):
-                mtime = self._transcript_mtime(pfd, f"{entry.name}/{_layout.MAIN}")
-                if mtime is not None:
-                    out.append({"session_id": session_id, "mtime": mtime})
-        return out
+        with translating(op, self._path(comps)), self._children(comps, op) as (pfd, children):
+            mtimes = self._transcript_mtimes(pfd, [f"{name}/{_layout.MAIN}" for name, _ in children])
+            return [{"session_id": session_id, "mtime": mtime}
+                    for (_name, session_id), mtime in zip(children, mtimes) if mtime is not None]
 
     def list_subkeys(self, key: Mapping[str, Any]) -> list[str]:
         op = "list_subkeys"
         tk = _keys.parse_key(key, op, allow_subpath=False)
         comps = [*_layout.session_dirs(tk.project_key, tk.session_id), (_layout.SUBKEYS, None)]
-        out: list[str] = []
-        with translating(op, self._path(comps)):
-            for pfd, entry, subpath in self._children(comps, op):
+        with translating(op, self._path(comps)), self._children(comps, op) as (pfd, children):
+            valid = []
+            for name, subpath in children:
                 try:
                     _keys.parse_key({**tk.as_dict(), "subpath": subpath}, op)
                 except FsStoreError:
                     continue  # a name no valid key encodes to: not ours to report
-                if self._transcript_mtime(pfd, entry.name) is not None:
-                    out.append(subpath)
-        return out
+                valid.append((name, subpath))
+            mtimes = self._transcript_mtimes(pfd, [name for name, _ in valid])
+            return [subpath for (_name, subpath), mtime in zip(valid, mtimes) if mtime is not None]
 
     def list_session_summaries(self, project_key: str) -> list[dict[str, Any]]:
         op = "list_session_summaries"
         _keys.check_part(project_key, "project_key", op)
         comps = _layout.project_dirs(project_key)
         out: list[dict[str, Any]] = []
-        with translating(op, self._path(comps)):
-            for pfd, entry, session_id in self._children(comps, op):
+        with translating(op, self._path(comps)), self._children(comps, op) as (pfd, children):
+            for name, session_id in children:
                 mfd = self._fs.open_dir(
-                    pfd, [(entry.name, None), (_layout.MAIN, None)],
+                    pfd, [(name, None), (_layout.MAIN, None)],
                     create=False, base_path=self._path(comps), operation=op,
                 )
                 if mfd is None:
                     continue
                 try:
-                    path = f"{self._path(comps)}/{entry.name}/{_layout.MAIN}"
+                    path = f"{self._path(comps)}/{name}/{_layout.MAIN}"
                     key = {"project_key": project_key, "session_id": session_id}
                     summary, mtime_ns = self._fresh_summary(mfd, path, key)
                 finally:
