@@ -136,6 +136,10 @@ class Fs:
         self.dir_fsync_ok = True
         self.openat2_ok = _SYS_OPENAT2 is not None and _syscall is not None
         self.renameat2_ok = _renameat2 is not None
+        # Whether state.json may be rewritten in place (see _transcript.write_state):
+        # decided by SyncStore from the root's file-system type, and turned off for
+        # good where RENAME_EXCHANGE is refused.
+        self.exchange_ok = False
         self._fchmod_files = (file_mode & ~UMASK) != file_mode
         self._fchmod_dirs = (dir_mode & ~UMASK) != dir_mode
 
@@ -436,6 +440,56 @@ try:
     _renameat2.restype = ctypes.c_int
 except (OSError, AttributeError):  # no glibc >= 2.28 (musl, macOS): link()+unlink() only
     _renameat2 = None
+
+
+_RENAME_EXCHANGE = 2
+# Local file systems (statfs f_type): one host's page cache and attributes are the
+# only ones, so a file rewritten in place is seen at once by every process.
+_LOCAL_FS = {
+    0xEF53,  # ext2/3/4
+    0x58465342,  # xfs
+    0x9123683E,  # btrfs
+    0x01021994,  # tmpfs
+    0xF2F52010,  # f2fs
+    0x2FC12FC1,  # zfs
+}
+
+
+class _StatFs(ctypes.Structure):
+    _fields_ = [("f_type", ctypes.c_long), ("_rest", ctypes.c_byte * 120)]
+
+
+def is_local_fs(path: str) -> bool:
+    """Whether ``path`` is on a local file system fsstore knows (never a network or FUSE one)."""
+    if sys.platform != "linux":
+        return False
+    try:
+        statfs = ctypes.CDLL(None, use_errno=True).statfs
+    except (OSError, AttributeError):
+        return False
+    buf = _StatFs()
+    if statfs(os.fsencode(path), ctypes.byref(buf)) != 0:
+        return False
+    return (buf.f_type & 0xFFFFFFFF) in _LOCAL_FS
+
+
+def exchange(fs: Fs, dir_fd: int, a: str, b: str) -> bool:
+    """Swap the names ``a`` and ``b`` in one atomic step; False if ``b`` does not exist.
+
+    Where the file system refuses RENAME_EXCHANGE, :attr:`Fs.exchange_ok` is turned
+    off and NotImplementedError raised (nothing was moved).
+    """
+    if _renameat2 is not None and _renameat2(
+        dir_fd, os.fsencode(a), dir_fd, os.fsencode(b), _RENAME_EXCHANGE
+    ) == 0:
+        return True
+    err = ctypes.get_errno() if _renameat2 is not None else errno.ENOSYS
+    if err == errno.ENOENT:
+        return False
+    if err in (errno.EINVAL, errno.ENOSYS, errno.ENOTSUP, errno.EOPNOTSUPP):
+        fs.exchange_ok = False
+        raise NotImplementedError("RENAME_EXCHANGE")
+    raise OSError(err, os.strerror(err), b)
 
 
 def move_noreplace(fs: Fs, dir_fd: int, src: str, dst: str) -> bool:

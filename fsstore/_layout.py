@@ -11,6 +11,7 @@ transcript directory:
     00000000000000000001.jsonl                        a part: one committed batch
     00000000000000000001-00000000000000000300.jsonl   a segment: parts 1..300 merged
     state.json                                        last sequence, summary (a hint)
+    .state.spare                                      the state before (local file systems)
     .tmp-*                                            temp files (garbage once old)
 """
 
@@ -29,6 +30,7 @@ SUBKEYS = "subkeys"
 TRASH = ".trash"
 LOCKS = ".locks"
 STATE = "state.json"
+STATE_SPARE = ".state.spare"  # the previous state.json, rewritten into the next one
 
 Component = tuple[str, "str | None"]
 

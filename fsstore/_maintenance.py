@@ -645,7 +645,9 @@ class Walker:
                 temps.append(self._garbage("temp", ref.comps, entry, st))
             elif name.startswith(NFS_SILLY_PREFIX):
                 self._silly(f"{path}/{name}")
-            elif name != _layout.STATE and not (name == _fsio.KEY_FILE and ref.subpath):
+            elif name not in (_layout.STATE, _layout.STATE_SPARE) and not (
+                name == _fsio.KEY_FILE and ref.subpath
+            ):
                 self.problem("warning", "unexpected", f"{path}/{name}",
                              "unexpected entry in a transcript directory (load() ignores it)")
         items.sort(key=lambda it: (it.first, -it.last))

@@ -232,6 +232,7 @@ class SyncStore:
             dfd = self._open(rfd, comps, operation, create=True)
             assert dfd is not None
             self._real_root = os.path.realpath(self.root)
+            self._fs.exchange_ok = _fsio.is_local_fs(self._real_root)
             return dfd
 
     # -- append --------------------------------------------------------------------

@@ -54,6 +54,7 @@ import errno
 import json
 import os
 import stat
+import zlib
 from dataclasses import dataclass
 from typing import Any
 
@@ -106,10 +107,25 @@ class State:
         return State(self.seq, self.folded, self.summary, self.compacted)
 
     def to_bytes(self) -> bytes:
-        return _encode(
-            {"format": 1, "seq": self.seq, "folded": self.folded,
+        """JSON ending in ``"check"``: the CRC-32 of the same object without it."""
+        body = _encode(
+            {"format": 2, "seq": self.seq, "folded": self.folded,
              "compacted": self.compacted, "summary": self.summary}
         ).encode("ascii")
+        return b'%s,"check":%d}' % (body[:-1], zlib.crc32(body))
+
+
+def _checked(raw: bytes, doc: dict[str, Any]) -> bool:
+    """Whether a state file read whole is one a writer finished (not a torn mix).
+
+    Format 1 (fsstore before the in-place state file) had no check and was always
+    replaced whole by rename.
+    """
+    check = doc.get("check")
+    if check is None:
+        return bool(doc.get("format") == 1)
+    cut = raw.rfind(b',"check":')
+    return cut > 0 and zlib.crc32(raw[:cut] + b"}") == check
 
 
 def read_state(dir_fd: int) -> tuple[State | None, int]:
@@ -136,8 +152,10 @@ def read_state_stat(dir_fd: int) -> tuple[State | None, os.stat_result | None]:
         os.close(fd)
     try:
         doc = json.loads(raw)
+        if not _checked(raw, doc):
+            return None, st  # torn (a rewrite read halfway): rebuilt from the parts
         state = State(int(doc["seq"]), int(doc["folded"]), doc["summary"], int(doc["compacted"]))
-    except (ValueError, KeyError, TypeError):  # torn or foreign: rebuilt from the parts
+    except (ValueError, KeyError, TypeError, AttributeError):  # torn or foreign: rebuilt from the parts
         return None, st
     summary = state.summary
     if summary is not None and not (isinstance(summary, dict) and isinstance(summary.get("data"), dict)):
@@ -154,25 +172,94 @@ def state_id(st: os.stat_result) -> StateId:
 
 
 def write_state(fs: _fsio.Fs, dir_fd: int, state: State, *, after_ns: int = 0) -> StateId:
-    """Replace state.json (temp + rename; a hint, so never fsynced).
+    """Replace state.json (a hint, so never fsynced); return the new file's identity.
 
     Its mtime is the session's mtime for the SDK, which compares a summary's mtime
     with list_sessions' in whole milliseconds: with ``after_ns`` (the previous
     state's mtime) the new one is made at least 1 ms later, so two writes inside
     one millisecond (or one coarse filesystem tick) still read as a change.
+
+    On local file systems (:attr:`fsstore._fsio.Fs.exchange_ok`) the previous
+    state file is kept as ``.state.spare``, rewritten with the new state and swapped
+    with state.json in one RENAME_EXCHANGE: no file is created or freed per commit,
+    which on ext4 is most of what a commit costs. A reader that opened state.json
+    just before two such swaps could read a mix; the check field tells (see
+    :func:`read_state_stat`). Elsewhere (NFS, FUSE) every write is a new temp file
+    renamed over state.json: a new inode each time, which other hosts' caches
+    cannot confuse with an old one.
     """
+    data = state.to_bytes()
+    if fs.exchange_ok:
+        try:
+            fd = _open_spare(fs, dir_fd)
+        except OSError:
+            fd = -1  # something that cannot be replaced sits there: a new file instead
+        if fd >= 0:
+            return _rewrite_spare(fs, dir_fd, fd, data, after_ns)
     tmp = _fsio.temp_name("-state")
-    st = fs.write_new(dir_fd, tmp, state.to_bytes(), sync=False)
-    mtime = st.st_mtime_ns
+    st = fs.write_new(dir_fd, tmp, data, sync=False)
     try:
-        if after_ns and mtime // 1_000_000 <= after_ns // 1_000_000:
-            mtime = (after_ns // 1_000_000 + 1) * 1_000_000
-            os.utime(tmp, ns=(mtime, mtime), dir_fd=dir_fd, follow_symlinks=False)
+        mtime = _later_than(st.st_mtime_ns, after_ns, tmp, dir_fd)
         os.rename(tmp, _layout.STATE, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
     except OSError:
         _fsio.unlink_quiet(dir_fd, tmp)
         raise
     return (st.st_ino, mtime, st.st_size)
+
+
+def _later_than(mtime: int, after_ns: int, target: int | str, dir_fd: int) -> int:
+    """``mtime``, or (set on ``target``) the first millisecond after ``after_ns``."""
+    if after_ns and mtime // 1_000_000 <= after_ns // 1_000_000:
+        mtime = (after_ns // 1_000_000 + 1) * 1_000_000
+        if isinstance(target, int):
+            os.utime(target, ns=(mtime, mtime))
+        else:
+            os.utime(target, ns=(mtime, mtime), dir_fd=dir_fd, follow_symlinks=False)
+    return mtime
+
+
+def _rewrite_spare(fs: _fsio.Fs, dir_fd: int, fd: int, data: bytes, after_ns: int) -> StateId:
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.pwrite(fd, view, len(data) - len(view)) :]
+        os.ftruncate(fd, len(data))
+        st = os.fstat(fd)
+        mtime = _later_than(st.st_mtime_ns, after_ns, fd, dir_fd)
+    finally:
+        os.close(fd)
+    try:
+        swapped = _fsio.exchange(fs, dir_fd, _layout.STATE_SPARE, _layout.STATE)
+    except NotImplementedError:  # refused by this mount: new files from now on
+        swapped = False
+    if not swapped:  # no state.json yet (or no exchange): the spare becomes it
+        os.rename(_layout.STATE_SPARE, _layout.STATE, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+    return (st.st_ino, mtime, st.st_size)
+
+
+def _open_spare(fs: _fsio.Fs, dir_fd: int) -> int:
+    """The spare state file for writing; anything else found under its name is replaced.
+
+    Only a regular file with one link is written into: a symlink, FIFO or a hard
+    link planted there would make the rewrite land elsewhere.
+    """
+    flags = os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
+    for _attempt in range(2):
+        try:
+            fd = os.open(_layout.STATE_SPARE, flags, fs.file_mode, dir_fd=dir_fd)
+        except OSError as exc:
+            if exc.errno not in (errno.ELOOP, errno.ENXIO, errno.EISDIR):
+                raise
+        else:
+            st = os.fstat(fd)
+            if stat.S_ISREG(st.st_mode) and st.st_nlink == 1:
+                if stat.S_IMODE(st.st_mode) != fs.file_mode:
+                    os.fchmod(fd, fs.file_mode)  # created under a umask, or changed by hand
+                return fd
+            os.close(fd)
+        _fsio.unlink_quiet(dir_fd, _layout.STATE_SPARE)
+    raise OSError(errno.EEXIST, "cannot replace what sits at the spare state file's name",
+                  _layout.STATE_SPARE)
 
 
 def scan_items(dir_fd: int) -> list[tuple[int, int, str]]:

@@ -209,6 +209,21 @@ def install(tracer: Tracer) -> None:
         tracer.step("after", "write", (name,))
         return n
 
+    real_pwrite = os.pwrite
+
+    def t_pwrite(fd: int, data: Any, offset: int) -> int:  # the in-place state file
+        name = tracer.fdnames.get(fd)
+        if name is None:
+            return real_pwrite(fd, data, offset)
+        tracer.step("before", "write", (name,))
+        try:
+            n = real_pwrite(fd, data, offset)
+        except OSError:
+            tracer.step("after", "write", (name,), False)
+            raise
+        tracer.step("after", "write", (name,))
+        return n
+
     def t_fsync(fd: int) -> None:
         call = "fsync_dir" if stat.S_ISDIR(os.fstat(fd).st_mode) else "fsync"
         name = tracer.fdnames.get(fd, "?")
@@ -251,6 +266,7 @@ def install(tracer: Tracer) -> None:
     os.open = t_open  # type: ignore[assignment]
     os.close = t_close
     os.write = t_write
+    os.pwrite = t_pwrite
     os.fsync = t_fsync
     os.rename = two("rename", real_rename)
     os.replace = two("rename", real_replace)
@@ -311,9 +327,12 @@ POINTS: dict[str, tuple[str, bool, Callable[[Tracer, str, str, tuple[str, ...], 
         lambda t, ph, c, n, ok: ph == "before" and c == "fsync_dir" and any(_moved_to(x, y, PART) for x, y, _o in t.events)),
     "during_summary_update": ("append", False, lambda t, ph, c, n, ok: ph == "fold"),
     "state_temp_written": ("append", False,
-        lambda t, ph, c, n, ok: ph == "after" and c == "write" and n[0].endswith("-state")),
+        lambda t, ph, c, n, ok: ph == "after" and c == "write"
+        and (n[0].endswith("-state") or n[0] == ".state.spare")),
+    # state.json replaced: renamed over (new files) or swapped with the spare (in place)
     "after_state_before_lock_release": ("append", False,
-        lambda t, ph, c, n, ok: ph == "after" and c == "rename" and n[1] == "state.json"),
+        lambda t, ph, c, n, ok: ph == "after" and ok and c in ("rename", "renameat2")
+        and n[1] == "state.json"),
     # compaction (automatic, inside an append that reaches compact_every)
     "compaction_segment_temp_written": ("append_compacting", False,
         lambda t, ph, c, n, ok: ph == "after" and c == "write" and n[0].endswith("-segment")),

@@ -132,7 +132,7 @@ def _kind(name: str) -> str:
         return "temp"
     if name.endswith(".lock") or name == "lock" or ".stale-" in name or ".break." in name:
         return "lock"
-    if name in ("state.json", ".key", ".trash", ".locks", "summary"):
+    if name in ("state.json", ".state.spare", ".key", ".trash", ".locks", "summary"):
         return name
     return "dir"
 

@@ -1,0 +1,174 @@
+"""state.json: rewritten in place on local file systems, and a torn one is never trusted."""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from fsstore import _fsio, _layout, _transcript
+from fsstore._store import SyncStore
+from fsstore._transcript import State, read_state
+
+from .conftest import KEY, entry
+from .test_store import parts_of, tdir
+
+LOCAL = _fsio.is_local_fs(tempfile.gettempdir())
+
+
+def state_inode(root: Path) -> int:
+    return (tdir(root, KEY) / _layout.STATE).stat().st_ino
+
+
+def write_raw_state(root: Path, raw: bytes) -> None:
+    (tdir(root, KEY) / _layout.STATE).write_bytes(raw)
+
+
+def test_local_file_systems_are_told_from_network_and_fuse_ones() -> None:
+    assert _fsio.is_local_fs("/dev/shm") if os.path.isdir("/dev/shm") else True
+    assert not _fsio.is_local_fs("/proc")
+    assert not _fsio.is_local_fs("/no/such/path")
+
+
+@pytest.mark.skipif(not LOCAL, reason="the temp directory is not on a local file system")
+def test_on_a_local_fs_two_state_files_take_turns_and_nothing_else_is_created(root: Path) -> None:
+    store = SyncStore(root, compact_every=0)
+    inodes = set()
+    for i in range(10):
+        store.append(KEY, [entry(i)])
+        inodes.add(state_inode(root))
+    assert len(inodes) == 2  # state.json and .state.spare swap names; no file per commit
+    names = sorted(p.name for p in tdir(root, KEY).iterdir())
+    assert names == sorted([_layout.STATE, _layout.STATE_SPARE, *parts_of(root, KEY)])
+    assert json.loads((tdir(root, KEY) / _layout.STATE).read_text())["seq"] == 10
+    assert json.loads((tdir(root, KEY) / _layout.STATE_SPARE).read_text())["seq"] == 9
+    assert stat.S_IMODE((tdir(root, KEY) / _layout.STATE_SPARE).stat().st_mode) == 0o600
+
+
+def test_a_state_whose_check_fails_is_rebuilt_not_trusted(root: Path) -> None:
+    store = SyncStore(root, compact_every=0)
+    for i in range(5):
+        store.append(KEY, [entry(i)])
+    good = (tdir(root, KEY) / _layout.STATE).read_bytes()
+    torn = good.replace(b'"seq":5', b'"seq":9')  # still JSON: a mix of two writes could be
+    assert torn != good and json.loads(torn)["seq"] == 9
+    write_raw_state(root, torn)
+    other = SyncStore(root, compact_every=0)  # remembers nothing: must read the file
+    other.append(KEY, [entry(5)])
+    # trusting seq 9 would have committed part 10 and left a gap 6..9
+    assert parts_of(root, KEY) == [_layout.part_name(n) for n in range(1, 7)]
+    assert other.load(KEY) == [entry(i) for i in range(6)]
+    [summary] = other.list_session_summaries(KEY["project_key"])
+    assert summary["session_id"] == KEY["session_id"]
+
+
+def test_a_format_1_state_without_check_is_still_read(root: Path) -> None:
+    store = SyncStore(root, compact_every=0)
+    for i in range(3):
+        store.append(KEY, [entry(i)])
+    doc = json.loads((tdir(root, KEY) / _layout.STATE).read_text())
+    del doc["check"]
+    doc["format"] = 1  # what fsstore wrote before the check existed
+    write_raw_state(root, json.dumps(doc).encode())
+    d = os.open(tdir(root, KEY), os.O_RDONLY)
+    try:
+        state, _mtime = read_state(d)
+    finally:
+        os.close(d)
+    assert state is not None and state.seq == 3
+    doc["format"] = 2  # a newer file that lost its check is a torn one
+    write_raw_state(root, json.dumps(doc).encode())
+    d = os.open(tdir(root, KEY), os.O_RDONLY)
+    try:
+        assert read_state(d)[0] is None
+    finally:
+        os.close(d)
+
+
+_summaries = st.none() | st.fixed_dictionaries(
+    {"session_id": st.text(max_size=8), "mtime": st.integers(0, 2**40),
+     "data": st.dictionaries(st.text(max_size=6), st.text(max_size=12) | st.integers(), max_size=3)})
+_states = st.builds(State, st.integers(0, 10**6), st.integers(0, 10**6), _summaries, st.integers(0, 10**6))
+
+
+@settings(max_examples=60, deadline=None)
+@given(a=_states, b=_states, data=st.data())
+def test_a_read_that_mixes_two_writes_is_never_taken_for_a_state(a: State, b: State, data: Any) -> None:
+    """A reader of a file being rewritten in place sees a prefix of the new bytes over
+    the old ones (or the reverse): every such mix other than the two states is refused."""
+    old, new = a.to_bytes(), b.to_bytes()
+    cut = data.draw(st.integers(0, max(len(old), len(new))))
+    with tempfile.TemporaryDirectory() as d:
+        fd = os.open(d, os.O_RDONLY)
+        try:
+            for mix in (new[:cut] + old[cut:], old[:cut] + new[cut:]):
+                Path(d, _layout.STATE).write_bytes(mix)
+                state, _mtime = read_state(fd)
+                assert state is None or (mix in (old, new) and state in (a, b)), mix
+        finally:
+            os.close(fd)
+
+
+@pytest.mark.skipif(not LOCAL, reason="the temp directory is not on a local file system")
+@pytest.mark.parametrize("planted", ["symlink", "fifo", "hardlink", "directory"])
+def test_whatever_is_planted_at_the_spare_name_is_never_written_through(
+    root: Path, tmp_path: Path, planted: str
+) -> None:
+    store = SyncStore(root, compact_every=0)
+    store.append(KEY, [entry(0)])
+    spare = tdir(root, KEY) / _layout.STATE_SPARE
+    spare.unlink(missing_ok=True)
+    victim = tmp_path / "victim"
+    victim.write_text("precious")
+    if planted == "symlink":
+        spare.symlink_to(victim)
+    elif planted == "fifo":
+        os.mkfifo(spare)
+    elif planted == "hardlink":
+        os.link(victim, spare)
+    else:
+        spare.mkdir()
+    for i in range(1, 4):
+        store.append(KEY, [entry(i)])
+    assert victim.read_text() == "precious"
+    assert SyncStore(root).load(KEY) == [entry(i) for i in range(4)]
+    assert json.loads((tdir(root, KEY) / _layout.STATE).read_text())["seq"] == 4
+
+
+@pytest.mark.skipif(not LOCAL, reason="the temp directory is not on a local file system")
+def test_a_mount_refusing_rename_exchange_falls_back_to_new_files(
+    root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    store = SyncStore(root, compact_every=0)
+    store.append(KEY, [entry(0)])
+    store.append(KEY, [entry(1)])
+    calls = []
+
+    def refuse(fs: _fsio.Fs, dir_fd: int, a: str, b: str) -> bool:
+        calls.append(a)
+        fs.exchange_ok = False
+        raise NotImplementedError("RENAME_EXCHANGE")
+
+    monkeypatch.setattr(_fsio, "exchange", refuse)
+    before = state_inode(root)
+    for i in range(2, 5):
+        store.append(KEY, [entry(i)])
+    assert len(calls) == 1 and not store._fs.exchange_ok  # asked once, then never again
+    assert state_inode(root) != before
+    assert not (tdir(root, KEY) / _layout.STATE_SPARE).exists()
+    assert json.loads((tdir(root, KEY) / _layout.STATE).read_text())["seq"] == 5
+    assert store.load(KEY) == [entry(i) for i in range(5)]
+
+
+def test_state_bytes_end_in_a_check_of_everything_before_it() -> None:
+    raw = State(3, 3, {"data": {"x": "é"}}, 0).to_bytes()
+    doc = json.loads(raw)
+    assert doc["format"] == 2 and raw.endswith(b',"check":%d}' % doc["check"])
+    assert _transcript._checked(raw, doc)
