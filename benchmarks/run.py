@@ -20,6 +20,7 @@ import json
 import multiprocessing as mp
 import os
 import platform
+import random
 import re
 import shutil
 import statistics
@@ -41,6 +42,8 @@ import filelock  # noqa: E402
 from fsstore import FsSessionStore  # noqa: E402
 from fsstore._store import SyncStore  # noqa: E402
 
+# tmpfs: keeps disk noise out of the sections that do not fsync
+_SHM = "/dev/shm" if os.path.isdir("/dev/shm") else None
 KEY = {"project_key": "-home-user-repo", "session_id": "6f1c2a34-5b6d-4e7f-8a9b-0c1d2e3f4a5b"}
 ROWS: list[dict[str, Any]] = []
 EXTRA: dict[str, Any] = {}
@@ -134,49 +137,62 @@ def _noop() -> None:
 # -- sections --------------------------------------------------------------------
 
 
-def bench_append(n: int) -> None:
-    print("append, one writer, fsync off (async API vs floor a + thread hop b)", flush=True)
-    with scratch() as d:
+def fs_type(path: str) -> str:
+    """The file-system type ``path`` is on, from /proc/mounts (longest mount prefix)."""
+    best, kind = "", "?"
+    with contextlib.suppress(OSError), open("/proc/mounts") as fh:
+        for line in fh:
+            _dev, mnt, typ = line.split()[:3]
+            real = os.path.realpath(path)
+            if (real == mnt or real.startswith(mnt.rstrip("/") + "/")) and len(mnt) > len(best):
+                best, kind = mnt, typ
+    return kind
+
+
+def bench_append(n: int, base: str | None, where: str) -> None:
+    print(f"append, one writer, fsync off, on {where} (async API vs floor a + thread hop b)", flush=True)
+    with scratch(base) as d:
+        kind = fs_type(str(d))
         store = FsSessionStore(d / "store")
         plain = FsSessionStore(d / "plain", summaries=False)
         floor, raw = Floor(d / "floor"), Floor(d / "raw", raw_lock=True)
-        t_plain: list[float] = []
-        t_store: list[float] = []
-        t_a: list[float] = []
-        t_b: list[float] = []
-        t_raw: list[float] = []
+        times: dict[str, list[float]] = {k: [] for k in ("store", "a", "b", "raw", "plain")}
         batches = [batch(i) for i in range(n)]
+
+        async def hop(_b: Any) -> None:
+            await anyio.to_thread.run_sync(_noop)
+
+        async def sync(fn: Callable[[Any], None], b: Any) -> None:
+            fn(b)
+
+        ops: list[tuple[str, Callable[[Any], Any]]] = [
+            ("store", lambda b: store.append(KEY, b)),
+            ("a", lambda b: sync(floor.op, b)),
+            ("b", hop),
+            ("raw", lambda b: sync(raw.op, b)),
+            ("plain", lambda b: plain.append(KEY, b)),
+        ]
+        rng = random.Random(5)
 
         async def main() -> None:
             for i, b in enumerate(batches):
-                t0 = time.perf_counter()
-                await store.append(KEY, b)
-                t1 = time.perf_counter()
-                floor.op(b)
-                t2 = time.perf_counter()
-                await anyio.to_thread.run_sync(_noop)
-                t3 = time.perf_counter()
-                raw.op(b)
-                t4 = time.perf_counter()
-                await plain.append(KEY, b)
-                t5 = time.perf_counter()
-                if i >= 20:  # warm-up
-                    t_store.append(t1 - t0)
-                    t_a.append(t2 - t1)
-                    t_b.append(t3 - t2)
-                    t_raw.append(t4 - t3)
-                    t_plain.append(t5 - t4)
+                rng.shuffle(ops)  # no operation always runs right after another one
+                for name, op in ops:
+                    t0 = time.perf_counter()
+                    await op(b)
+                    if i >= 20:  # warm-up
+                        times[name].append(time.perf_counter() - t0)
 
         anyio.run(main)
-    s, a, b, r, pl = (p50(x) * 1e6 for x in (t_store, t_a, t_b, t_raw, t_plain))
-    row("append p50 / (floor a + hop b)", s, a + b, 1.3,
+    s, a, b, r, pl = (p50(times[k]) * 1e6 for k in ("store", "a", "b", "raw", "plain"))
+    row(f"append p50 / (floor a + hop b), {where} ({kind})", s, a + b, 1.3,
         note=f"floor a {a:.0f} µs (SoftFileLock {a - r:.0f} µs of it), hop b {b:.0f} µs")
-    row("append p50 without summary upkeep / (floor a + hop b)", pl, a + b, float("inf"),
+    row(f"append p50 without summary upkeep / (floor a + hop b), {where}", pl, a + b, float("inf"),
         note="informational: summaries=False, i.e. without claude_agent_sdk's fold")
-    row("append p50 / (raw O_EXCL floor + hop b)", s, r + b, float("inf"),
+    row(f"append p50 / (raw O_EXCL floor + hop b), {where}", s, r + b, float("inf"),
         note="informational: what the filelock lock costs")
-    EXTRA["append"] = {"store_p50_us": s, "no_summary_p50_us": pl, "floor_a_p50_us": a, "hop_b_p50_us": b,
-                       "raw_floor_p50_us": r, "filelock_cost_us": a - r}
+    EXTRA[f"append_{where}"] = {"fs": kind, "store_p50_us": s, "no_summary_p50_us": pl, "floor_a_p50_us": a,
+                                "hop_b_p50_us": b, "raw_floor_p50_us": r, "filelock_cost_us": a - r}
 
 
 def bench_fsync(n: int, base: str | None) -> None:
@@ -211,7 +227,7 @@ def _strace_counts(script: str, marks: tuple[str, str]) -> int:
 
 def bench_flat(n: int) -> None:
     print(f"flat append cost over {n} appends on tmpfs", flush=True)
-    with scratch("/dev/shm" if os.path.isdir("/dev/shm") else None) as d:
+    with scratch(_SHM) as d:
         store = SyncStore(d / "store")
         times = []
         batches = [batch(i) for i in range(200)]
@@ -298,7 +314,7 @@ def _time(fn: Callable[[], Any], repeat: int) -> float:
 def bench_load(sizes: list[int], chart: Path) -> None:
     print(f"load of transcripts built by {sizes} appends vs one JSONL file", flush=True)
     series: dict[str, list[float]] = {"compacted": [], "not compacted": [], "single file": []}
-    with scratch("/dev/shm" if os.path.isdir("/dev/shm") else None) as d:
+    with scratch(_SHM) as d:
         for n in sizes:
             single = _build(d / f"c{n}", n, 64)
             _build(d / f"u{n}", n, 0)
@@ -344,7 +360,7 @@ def bench_load(sizes: list[int], chart: Path) -> None:
 
 def bench_list(n: int) -> None:
     print(f"list_sessions over {n} sessions vs scandir + one stat each", flush=True)
-    with scratch("/dev/shm" if os.path.isdir("/dev/shm") else None) as d:
+    with scratch(_SHM) as d:
         store = SyncStore(d / "store", summaries=False)
         b = batch(0)[:1]
         for i in range(n):
@@ -390,7 +406,7 @@ def _throughput(root: str, sessions: list[str], n: int) -> float:
 
 def bench_contention(n: int) -> None:
     print("contention: 8 processes vs 1 (appends per second)", flush=True)
-    with scratch("/dev/shm" if os.path.isdir("/dev/shm") else None) as d:
+    with scratch(_SHM) as d:
         one = _throughput(str(d / "a"), ["s0"], n)
         same = _throughput(str(d / "b"), ["s0"] * 8, n)
         diff = _throughput(str(d / "c"), [f"s{i}" for i in range(8)], n)
@@ -493,14 +509,17 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--only", action="append")
     ap.add_argument("--out", default=str(HERE / "results"))
-    ap.add_argument("--fsync-dir", default=None, help="where to run the fsync section (a real disk)")
+    ap.add_argument("--disk-dir", "--fsync-dir", default=str(HERE.parent),
+                    help="a directory on a real disk, for the fsync section and the disk run of append")
     args = ap.parse_args()
+    disk = args.disk_dir
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     q = args.quick
     sections: dict[str, Callable[[], None]] = {
-        "append": lambda: bench_append(600 if q else 3000),
-        "fsync": lambda: bench_fsync(60 if q else 300, args.fsync_dir or str(HERE.parent)),
+        "append": lambda: (bench_append(600 if q else 3000, _SHM, "tmpfs"),
+                           bench_append(600 if q else 3000, disk, "disk")),
+        "fsync": lambda: bench_fsync(60 if q else 300, disk),
         "flat": lambda: bench_flat(2000 if q else 10000),
         "load": lambda: bench_load([100, 1000] if q else [100, 300, 1000, 3000, 10000], out / "load.png"),
         "list": lambda: bench_list(1000 if q else 10000),

@@ -473,6 +473,21 @@ def is_local_fs(path: str) -> bool:
     return (buf.f_type & 0xFFFFFFFF) in _LOCAL_FS
 
 
+_boot_id: str | None = None
+
+
+def boot_id() -> str:
+    """This boot of this machine (Linux: a random id the kernel draws at boot)."""
+    global _boot_id
+    if _boot_id is None:
+        try:
+            with open("/proc/sys/kernel/random/boot_id", encoding="ascii") as fh:
+                _boot_id = fh.read().strip()
+        except OSError:  # no /proc: a value no other boot shares either
+            _boot_id = f"unknown-{secrets.token_hex(8)}"
+    return _boot_id
+
+
 def exchange(fs: Fs, dir_fd: int, a: str, b: str) -> bool:
     """Swap the names ``a`` and ``b`` in one atomic step; False if ``b`` does not exist.
 

@@ -106,12 +106,16 @@ class State:
     def copy(self) -> State:
         return State(self.seq, self.folded, self.summary, self.compacted)
 
-    def to_bytes(self) -> bytes:
-        """JSON ending in ``"check"``: the CRC-32 of the same object without it."""
-        body = _encode(
-            {"format": 2, "seq": self.seq, "folded": self.folded,
-             "compacted": self.compacted, "summary": self.summary}
-        ).encode("ascii")
+    def to_bytes(self, boot: str | None = None) -> bytes:
+        """JSON ending in ``"check"``: the CRC-32 of the same object without it.
+
+        ``boot`` marks a state rewritten in place (see :func:`write_state`).
+        """
+        doc: dict[str, Any] = {"format": 2, "seq": self.seq, "folded": self.folded,
+                               "compacted": self.compacted, "summary": self.summary}
+        if boot is not None:
+            doc["boot"] = boot
+        body = _encode(doc).encode("ascii")
         return b'%s,"check":%d}' % (body[:-1], zlib.crc32(body))
 
 
@@ -154,6 +158,8 @@ def read_state_stat(dir_fd: int) -> tuple[State | None, os.stat_result | None]:
         doc = json.loads(raw)
         if not _checked(raw, doc):
             return None, st  # torn (a rewrite read halfway): rebuilt from the parts
+        if doc.get("boot", _fsio.boot_id()) != _fsio.boot_id():
+            return None, st  # rewritten in place before a reboot: maybe stale (see write_state)
         state = State(int(doc["seq"]), int(doc["folded"]), doc["summary"], int(doc["compacted"]))
     except (ValueError, KeyError, TypeError, AttributeError):  # torn or foreign: rebuilt from the parts
         return None, st
@@ -184,18 +190,25 @@ def write_state(fs: _fsio.Fs, dir_fd: int, state: State, *, after_ns: int = 0) -
     with state.json in one RENAME_EXCHANGE: no file is created or freed per commit,
     which on ext4 is most of what a commit costs. A reader that opened state.json
     just before two such swaps could read a mix; the check field tells (see
-    :func:`read_state_stat`). Elsewhere (NFS, FUSE) every write is a new temp file
-    renamed over state.json: a new inode each time, which other hosts' caches
-    cannot confuse with an old one.
+    :func:`read_state_stat`). A rewrite of existing blocks is not ordered with the
+    journal, so after a power loss state.json may hold an older state that passes
+    its check; a sequence from before a compaction would then send the next commit
+    into the segment's range. So a state rewritten in place records the boot that
+    wrote it and is only trusted in that boot (after a reboot it is rebuilt from
+    the directory, once per transcript). Elsewhere (NFS, FUSE) every write is a new
+    temp file renamed over state.json: a new inode each time, which other hosts'
+    caches cannot confuse with an old one.
     """
-    data = state.to_bytes()
     if fs.exchange_ok:
+        data = state.to_bytes(_fsio.boot_id())
         try:
             fd = _open_spare(fs, dir_fd)
         except OSError:
             fd = -1  # something that cannot be replaced sits there: a new file instead
         if fd >= 0:
             return _rewrite_spare(fs, dir_fd, fd, data, after_ns)
+    else:
+        data = state.to_bytes()
     tmp = _fsio.temp_name("-state")
     st = fs.write_new(dir_fd, tmp, data, sync=False)
     try:
@@ -240,23 +253,28 @@ def _rewrite_spare(fs: _fsio.Fs, dir_fd: int, fd: int, data: bytes, after_ns: in
 def _open_spare(fs: _fsio.Fs, dir_fd: int) -> int:
     """The spare state file for writing; anything else found under its name is replaced.
 
-    Only a regular file with one link is written into: a symlink, FIFO or a hard
-    link planted there would make the rewrite land elsewhere.
+    Only a regular file with one link, owned by this user, is written into: a
+    symlink, FIFO or hard link planted there would make the rewrite land elsewhere,
+    and another user's file could not take our mode or mtime.
     """
     flags = os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
     for _attempt in range(2):
         try:
             fd = os.open(_layout.STATE_SPARE, flags, fs.file_mode, dir_fd=dir_fd)
         except OSError as exc:
-            if exc.errno not in (errno.ELOOP, errno.ENXIO, errno.EISDIR):
+            if exc.errno not in (errno.ELOOP, errno.ENXIO, errno.EISDIR, errno.EACCES):
                 raise
         else:
-            st = os.fstat(fd)
-            if stat.S_ISREG(st.st_mode) and st.st_nlink == 1:
-                if stat.S_IMODE(st.st_mode) != fs.file_mode:
-                    os.fchmod(fd, fs.file_mode)  # created under a umask, or changed by hand
-                return fd
-            os.close(fd)
+            try:
+                st = os.fstat(fd)
+                if stat.S_ISREG(st.st_mode) and st.st_nlink == 1 and st.st_uid == os.geteuid():
+                    if stat.S_IMODE(st.st_mode) != fs.file_mode:
+                        os.fchmod(fd, fs.file_mode)  # created under a umask, or changed by hand
+                    fd, spare = -1, fd
+                    return spare
+            finally:
+                if fd >= 0:
+                    os.close(fd)
         _fsio.unlink_quiet(dir_fd, _layout.STATE_SPARE)
     raise OSError(errno.EEXIST, "cannot replace what sits at the spare state file's name",
                   _layout.STATE_SPARE)

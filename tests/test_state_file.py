@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import stat
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -172,3 +174,63 @@ def test_state_bytes_end_in_a_check_of_everything_before_it() -> None:
     doc = json.loads(raw)
     assert doc["format"] == 2 and raw.endswith(b',"check":%d}' % doc["check"])
     assert _transcript._checked(raw, doc)
+
+
+@pytest.mark.skipif(not LOCAL, reason="the temp directory is not on a local file system")
+def test_a_state_rewritten_in_place_before_a_reboot_is_rebuilt_not_trusted(root: Path) -> None:
+    """After a power loss an in-place rewrite may be lost while the swap survived: the
+    old content passes its check. Only the boot that wrote it trusts it."""
+    store = SyncStore(root, compact_every=0)
+    for i in range(5):
+        store.append(KEY, [entry(i)])
+    doc = json.loads((tdir(root, KEY) / _layout.STATE).read_text())
+    assert doc["boot"] == _fsio.boot_id()
+    stale = State(9, 0, None, 0).to_bytes(boot="an-earlier-boot")  # valid, and wrong
+    write_raw_state(root, stale)
+    after_reboot = SyncStore(root, compact_every=0)
+    after_reboot.append(KEY, [entry(5)])
+    assert parts_of(root, KEY) == [_layout.part_name(n) for n in range(1, 7)]  # not part 10
+    assert json.loads((tdir(root, KEY) / _layout.STATE).read_text())["boot"] == _fsio.boot_id()
+
+
+@pytest.mark.skipif(not LOCAL or os.geteuid() != 0, reason="needs root (to be two users) on a local fs")
+def test_two_users_sharing_a_store_by_group_take_the_spare_over_in_turn(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Another user's spare cannot take our mode or mtime: it is replaced, not written."""
+    import subprocess
+    import sys
+
+    shared = Path(tempfile.mkdtemp(dir="/tmp"))  # pytest's own tmp_path is 0700 root's
+    os.chmod(shared, 0o755)
+    root = shared / "store"
+    root.mkdir()
+    os.chown(root, 0, 65534)
+    os.chmod(root, 0o2770)  # setgid: everything below belongs to the shared group
+    opts = {"dir_mode": 0o2770, "file_mode": 0o660, "compact_every": 0}
+    store = SyncStore(root, **opts)
+    store.append(KEY, [entry(0)])
+    store.append(KEY, [entry(1)])  # the spare now exists, owned by root
+    ahead = time.time_ns() + 10**10  # the next state must be dated after this: a utime
+    os.utime(tdir(root, KEY) / _layout.STATE, ns=(ahead, ahead))
+    code = f"""
+import os, tempfile
+from fsstore._store import SyncStore
+# everything imported lazily is imported now, while the interpreter's files are readable
+SyncStore(tempfile.mkdtemp(), **{opts!r}).append({KEY!r}, [{entry(9)!r}])
+os.setgroups([]); os.setgid(65534); os.setuid(65534)
+import logging
+logging.basicConfig(format="%(code)s %(message)s")  # every fsstore record carries a code
+s = SyncStore({str(root)!r}, **{opts!r})
+s.append({KEY!r}, [{entry(2)!r}])
+s.append({KEY!r}, [{entry(3)!r}])
+"""
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=False)
+    assert r.returncode == 0 and not r.stderr, r.stderr
+    with caplog.at_level("WARNING", logger="fsstore"):
+        store.append(KEY, [entry(4)])
+    assert not caplog.records
+    assert store.load(KEY) == [entry(i) for i in range(5)]
+    doc = json.loads((tdir(root, KEY) / _layout.STATE).read_text())
+    assert doc["seq"] == 5 and doc["folded"] == 5
+    shutil.rmtree(shared)
