@@ -28,8 +28,10 @@ Commit (``append``), step by step, and what a crash at each step leaves:
    that refuse directory fsync).
 7. Main transcript: fold the batch into the Claude summary, first folding any
    parts committed since ``state.folded`` (the self-healing step).
-8. Write ``state.json`` (temp file + rename over the old one; not fsynced: it is a
-   hint), unless the lock was held past half its lifetime. A failure here is logged, not raised: the batch is committed and the next
+8. Write ``state.json`` (not fsynced: it is a hint; on local file systems the
+   previous state file is rewritten and swapped in, elsewhere a temp file is
+   renamed over it: see :func:`write_state`), unless the lock was held past half
+   its lifetime. A failure here is logged, not raised: the batch is committed and the next
    writer or reader heals the state. A crash here leaves the state behind, which
    step 5 (for the sequence) and step 7 or the reader (for the summary) repair.
 9. Release the lock.
