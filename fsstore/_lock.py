@@ -214,7 +214,9 @@ class Locks:
         """Hold the transcript lock at ``lock_path``; LOCK_TIMEOUT if not had in time."""
         deadline = time.monotonic() + self.timeout
         with self._guard:
-            entry = self._local.setdefault(lock_path, _Local())
+            entry = self._local.get(lock_path)
+            if entry is None:
+                entry = self._local[lock_path] = _Local()
             entry.users += 1
             if entry.soft is None:
                 entry.soft = self._idle.pop(lock_path, None)

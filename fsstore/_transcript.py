@@ -204,11 +204,11 @@ def write_state(fs: _fsio.Fs, dir_fd: int, state: State, *, after_ns: int = 0) -
     if fs.exchange_ok:
         data = state.to_bytes(_fsio.boot_id())
         try:
-            fd = _open_spare(fs, dir_fd)
+            fd, size = _open_spare(fs, dir_fd)
         except OSError:
             fd = -1  # something that cannot be replaced sits there: a new file instead
         if fd >= 0:
-            return _rewrite_spare(fs, dir_fd, fd, data, after_ns)
+            return _rewrite_spare(fs, dir_fd, fd, size, data, after_ns)
     else:
         data = state.to_bytes()
     tmp = _fsio.temp_name("-state")
@@ -233,12 +233,15 @@ def _later_than(mtime: int, after_ns: int, target: int | str, dir_fd: int) -> in
     return mtime
 
 
-def _rewrite_spare(fs: _fsio.Fs, dir_fd: int, fd: int, data: bytes, after_ns: int) -> StateId:
+def _rewrite_spare(
+    fs: _fsio.Fs, dir_fd: int, fd: int, size: int, data: bytes, after_ns: int
+) -> StateId:
     try:
         view = memoryview(data)
         while view:
             view = view[os.pwrite(fd, view, len(data) - len(view)) :]
-        os.ftruncate(fd, len(data))
+        if size > len(data):
+            os.ftruncate(fd, len(data))
         st = os.fstat(fd)
         mtime = _later_than(st.st_mtime_ns, after_ns, fd, dir_fd)
     finally:
@@ -252,8 +255,9 @@ def _rewrite_spare(fs: _fsio.Fs, dir_fd: int, fd: int, data: bytes, after_ns: in
     return (st.st_ino, mtime, st.st_size)
 
 
-def _open_spare(fs: _fsio.Fs, dir_fd: int) -> int:
-    """The spare state file for writing; anything else found under its name is replaced.
+def _open_spare(fs: _fsio.Fs, dir_fd: int) -> tuple[int, int]:
+    """The spare state file for writing, and its size; anything else found under its
+    name is replaced.
 
     Only a regular file with one link, owned by this user, is written into: a
     symlink, FIFO or hard link planted there would make the rewrite land elsewhere,
@@ -273,7 +277,7 @@ def _open_spare(fs: _fsio.Fs, dir_fd: int) -> int:
                     if stat.S_IMODE(st.st_mode) != fs.file_mode:
                         os.fchmod(fd, fs.file_mode)  # created under a umask, or changed by hand
                     fd, spare = -1, fd
-                    return spare
+                    return spare, st.st_size
             finally:
                 if fd >= 0:
                     os.close(fd)

@@ -234,3 +234,19 @@ s.append({KEY!r}, [{entry(3)!r}])
     doc = json.loads((tdir(root, KEY) / _layout.STATE).read_text())
     assert doc["seq"] == 5 and doc["folded"] == 5
     shutil.rmtree(shared)
+
+
+@pytest.mark.skipif(not LOCAL, reason="the temp directory is not on a local file system")
+def test_a_shorter_state_rewritten_over_a_longer_one_leaves_no_tail(tmp_path: Path) -> None:
+    fs = _fsio.Fs(fsync=False, dir_mode=0o700, file_mode=0o600)
+    fs.exchange_ok = True
+    d = os.open(tmp_path, os.O_RDONLY)
+    try:
+        big = State(1, 1, {"data": {"first_prompt": "x" * 500}}, 0)
+        _transcript.write_state(fs, d, big)
+        _transcript.write_state(fs, d, State(2, 2, big.summary, 0))
+        _transcript.write_state(fs, d, State(3, 0, None, 0))  # into the inode of the first
+        assert read_state(d)[0] == State(3, 0, None, 0)
+        assert (tmp_path / _layout.STATE).stat().st_size == len(State(3, 0, None, 0).to_bytes(_fsio.boot_id()))
+    finally:
+        os.close(d)
