@@ -412,17 +412,25 @@ def _throughput(root: str, sessions: list[str], n: int) -> float:
 
 def bench_contention(n: int) -> None:
     print("contention: 8 processes vs 1 (appends per second)", flush=True)
+    rounds = []
     with scratch(_SHM) as d:
-        one = _throughput(str(d / "a"), ["s0"], n)
-        same = _throughput(str(d / "b"), ["s0"] * 8, n)
-        diff = _throughput(str(d / "c"), [f"s{i}" for i in range(8)], n)
-        one2 = _throughput(str(d / "d"), ["s0"], n)
-        assert len(SyncStore(d / "b").load({**KEY, "session_id": "s0"}) or []) == 8 * n * 5
-    base = (one + one2) / 2
-    row("8 writers, one transcript / 1 writer", same, base, 0.5, unit="appends/s",
-        higher_is_better=True)
+        # Three rounds, each with one writer measured right before and after the eight:
+        # the VM's speed drifts by 2x within a minute, so each round is its own ratio.
+        for r in range(3):
+            before = _throughput(str(d / f"a{r}"), ["s0"], n)
+            same = _throughput(str(d / f"b{r}"), ["s0"] * 8, n)
+            diff = _throughput(str(d / f"c{r}"), [f"s{i}" for i in range(8)], n)
+            after = _throughput(str(d / f"d{r}"), ["s0"], n)
+            assert len(SyncStore(d / f"b{r}").load({**KEY, "session_id": "s0"}) or []) == 8 * n * 5
+            rounds.append(((before + after) / 2, same, diff))
+    rounds.sort(key=lambda t: t[2] / t[0])
+    base, _same, diff = rounds[1]  # the median round for the eight-transcript ratio
     row("8 writers, 8 transcripts / 1 writer", diff, base, 1.5, unit="appends/s",
-        higher_is_better=True)
+        higher_is_better=True, note="median of 3 rounds")
+    rounds.sort(key=lambda t: t[1] / t[0])
+    base, same, _diff = rounds[1]
+    row("8 writers, one transcript / 1 writer", same, base, 0.5, unit="appends/s",
+        higher_is_better=True, note="median of 3 rounds")
 
 
 _META = {"openat", "open", "openat2", "mkdir", "mkdirat", "link", "linkat", "rename", "renameat",
@@ -431,17 +439,28 @@ _META = {"openat", "open", "openat2", "mkdir", "mkdirat", "link", "linkat", "ren
          "faccessat", "faccessat2", "fchmod", "utimensat"}
 
 
-def bench_syscalls(n: int) -> None:
-    """Metadata operations per append by component, counted with strace -y."""
-    if not shutil.which("strace"):
-        print("syscalls: strace not installed, skipped")
+@contextlib.contextmanager
+def _bindfs() -> Iterator[Path | None]:
+    """A FUSE mount (bindfs) of a scratch directory, or None where that is not possible."""
+    if not shutil.which("bindfs") or os.geteuid() != 0:
+        yield None
         return
-    print("metadata operations per append (strace)", flush=True)
-    for fsync in (False, True):
-        with scratch() as d:
-            script = f"""
+    with scratch() as d:
+        (d / "under").mkdir()
+        (d / "mnt").mkdir()
+        r = subprocess.run(["bindfs", str(d / "under"), str(d / "mnt")], capture_output=True, check=False)
+        if r.returncode != 0:
+            yield None
+            return
+        try:
+            yield d / "mnt"
+        finally:
+            subprocess.run(["fusermount", "-u", str(d / "mnt")], capture_output=True, check=False)
+
+
+_COUNT_SCRIPT = """
 import os, sys
-sys.path.insert(0, {str(HERE.parent)!r})
+sys.path.insert(0, {here!r})
 import filelock
 from fsstore._store import SyncStore
 
@@ -461,53 +480,82 @@ def bracket(fn, name):
 # Everything filelock does inside acquire()/release() is the lock's own cost.
 filelock.SoftFileLock.acquire = bracket(filelock.SoftFileLock.acquire, "lock")
 filelock.SoftFileLock.release = bracket(filelock.SoftFileLock.release, "lock")
-s = SyncStore({str(d / 'store')!r}, fsync={fsync}, compact_every=0)
+s = SyncStore({root!r}, fsync={fsync}, compact_every=0)
 b = [{{"type": "x", "t": "y" * 300}} for _ in range(5)]
 for i in range(20):
-    s.append({KEY!r}, b)
-try: os.stat("/MARK-begin")
-except OSError: pass
+    s.append({key!r}, b)
+mark("begin")
 for i in range({n}):
-    s.append({KEY!r}, b)
-try: os.stat("/MARK-end")
-except OSError: pass
+    s.append({key!r}, b)
+mark("end")
 """
-            out = subprocess.run(["strace", "-f", "-qq", "-y", "-o", "/dev/stdout", sys.executable,
-                                  "-c", script], capture_output=True, text=True, check=True).stdout
-        lines = out.splitlines()
-        s = next(k for k, ln in enumerate(lines) if "/MARK-begin" in ln)
-        e = next(k for k, ln in enumerate(lines) if "/MARK-end" in ln)
-        by: Counter[tuple[str, str]] = Counter()
-        in_lock = False
-        for ln in lines[s + 1:e]:
-            if "/MARK-lock-in" in ln:
-                in_lock = True
-                continue
-            if "/MARK-lock-out" in ln:
-                in_lock = False
-                continue
-            m = re.match(r"(?:\d+\s+)?(\w+)\(", ln)
-            if not m or m.group(1) not in _META:
-                continue
-            call = m.group(1)
-            if in_lock or "/.locks" in ln:
-                comp = "lock"  # filelock's own calls, and fsstore's check of .locks
-            elif "state" in ln:
-                comp = "state+summary"
+
+
+def _count_ops(base: Path, n: int, fsync: bool) -> dict[tuple[str, str], float]:
+    """Metadata calls per append by component, counted with strace -y in a child."""
+    script = _COUNT_SCRIPT.format(here=str(HERE.parent), root=str(base / "store"), fsync=fsync, key=KEY, n=n)
+    out = subprocess.run(["strace", "-f", "-qq", "-y", "-o", "/dev/stdout", sys.executable,
+                          "-c", script], capture_output=True, text=True, check=True).stdout
+    lines = out.splitlines()
+    s = next(k for k, ln in enumerate(lines) if "/MARK-begin" in ln)
+    e = next(k for k, ln in enumerate(lines) if "/MARK-end" in ln)
+    by: Counter[tuple[str, str]] = Counter()
+    in_lock = False
+    for ln in lines[s + 1:e]:
+        if "/MARK-lock-in" in ln:
+            in_lock = True
+            continue
+        if "/MARK-lock-out" in ln:
+            in_lock = False
+            continue
+        m = re.match(r"(?:\d+\s+)?(\w+)\(", ln)
+        if not m or m.group(1) not in _META:
+            continue
+        call = m.group(1)
+        if in_lock or "/.locks" in ln:
+            comp = "lock"  # filelock's own calls, and fsstore's check of .locks
+        elif "state" in ln:
+            comp = "state+summary"
+        else:
+            comp = "commit"
+        if call == "fstat" or (call == "newfstatat" and "AT_EMPTY_PATH" in ln):
+            continue  # fstat of an open fd: no lookup, served from the inode
+        by[(comp, call)] += 1
+    return {k: v / n for k, v in by.items()}
+
+
+def bench_syscalls(n: int) -> None:
+    """Metadata operations per append by component: on the local disk (state.json
+    rewritten in place) and, where bindfs can mount, on FUSE (a new state file each time)."""
+    if not shutil.which("strace"):
+        print("syscalls: strace not installed, skipped")
+        return
+    print("metadata operations per append (strace)", flush=True)
+    with _bindfs() as fuse:
+        runs: list[tuple[str, Path | None, bool]] = [("local disk", None, False), ("local disk", None, True)]
+        if fuse is not None:
+            runs.append(("FUSE", fuse, False))
+        for where, base, fsync in runs:
+            if base is None:
+                with scratch(str(HERE.parent)) as d:
+                    per = _count_ops(d, n, fsync)
             else:
-                comp = "commit"
-            if call == "fstat" or (call == "newfstatat" and "AT_EMPTY_PATH" in ln):
-                continue  # fstat of an open fd: no lookup, served from the inode
-            by[(comp, call)] += 1
-        per = {f"{c}:{k}": v / n for (c, k), v in sorted(by.items())}
-        outside = sum(v for (c, _k), v in by.items() if c != "lock") / n
-        dirreads = sum(v for (_c, k), v in by.items() if k == "getdents64") / n
-        label = "on" if fsync else "off"
-        print(f"  fsync {label}: " + ", ".join(f"{k} {v:.1f}" for k, v in per.items()))
-        EXTRA[f"metadata_ops_fsync_{label}"] = per
-        if not fsync:
-            row("metadata ops per append outside the lock (fsync off)", outside, 5, 1.0, unit="ops")
-            row("directory reads per append", dirreads, 1, 0.0, unit="reads")
+                per = _count_ops(base, n, fsync)
+            outside = sum(v for (c, _k), v in per.items() if c != "lock")
+            dirreads = sum(v for (_c, k), v in per.items() if k == "getdents64")
+            label = f"{where}, fsync {'on' if fsync else 'off'}"
+            print(f"  {label}: " + ", ".join(f"{c}:{k} {v:.1f}" for (c, k), v in sorted(per.items())))
+            EXTRA[f"metadata_ops {label}"] = {f"{c}:{k}": v for (c, k), v in sorted(per.items())}
+            if fsync:
+                continue
+            if base is None:
+                row(f"metadata ops per append outside the lock, {label}", outside, 5, 1.0, unit="ops")
+            else:
+                # No RENAME_NOREPLACE on FUSE (nor NFS): the commit is link() + unlink(),
+                # as in floor a itself; state.json is a new file each time (2 ops).
+                row(f"metadata ops per append outside the lock, {label}", outside, 5, float("inf"),
+                    unit="ops", note="informational: link()+unlink() commit, like floor a")
+            row(f"directory reads per append, {label}", dirreads, 1, 0.0, unit="reads")
 
 
 def main() -> None:

@@ -110,8 +110,9 @@ _PATH_HOW_REF = ctypes.byref(_PATH_HOW)
 _ABS_DIR_HOW = _OpenHow(
     os.O_RDONLY | os.O_DIRECTORY | _CLOEXEC, 0, _RESOLVE_NO_MAGICLINKS | _RESOLVE_NO_SYMLINKS
 )
-_ABS_PATH_HOW_REF = ctypes.byref(
-    _OpenHow(_O_PATH | os.O_NOFOLLOW | _CLOEXEC, 0, _RESOLVE_NO_MAGICLINKS | _RESOLVE_NO_SYMLINKS)
+_ABS_READ_HOW_REF = ctypes.byref(
+    _OpenHow(os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | _CLOEXEC, 0,
+             _RESOLVE_NO_MAGICLINKS | _RESOLVE_NO_SYMLINKS)
 )
 _HOW_SIZE = ctypes.c_size_t(ctypes.sizeof(_OpenHow))
 _AT_FDCWD = -100
@@ -215,22 +216,19 @@ class Fs:
                 return None  # the walk decides: create, or UNSAFE_PATH
             raise
 
-    def stat_abs(self, path: bytes) -> os.stat_result | None:
-        """``lstat`` of an absolute path without following a symlink in any component.
+    def open_abs_file(self, path: bytes) -> int | None:
+        """Open an absolute file path for reading, no symlink followed in any component.
 
         None if there is nothing there, or a symlink is in the way. Only where
-        :attr:`openat2_ok` (callers check): one ``openat2(O_PATH)`` and an ``fstat``.
+        :attr:`openat2_ok` (callers check). ``O_NONBLOCK``: a FIFO there must not hang.
         """
-        fd = _syscall(_SYS_OPENAT2, _AT_FDCWD, path, _ABS_PATH_HOW_REF, _HOW_SIZE)
+        fd = _syscall(_SYS_OPENAT2, _AT_FDCWD, path, _ABS_READ_HOW_REF, _HOW_SIZE)
         if fd < 0:
             err = ctypes.get_errno()
             if err in (errno.ENOENT, errno.ENOTDIR, errno.ELOOP, errno.EXDEV):
                 return None
             raise OSError(err, os.strerror(err), os.fsdecode(path))
-        try:
-            return os.fstat(fd)
-        finally:
-            os.close(fd)
+        return int(fd)
 
     def mtimes_beneath(self, base_fd: int, relpaths: list[bytes]) -> list[int]:
         """st_mtime_ns of each ``base/relpath`` (no symlink followed), or ``-errno``.

@@ -35,6 +35,7 @@ from ._transcript import (
     probe_latest,
     read_batches,
     read_state,
+    read_state_open,
     read_state_stat,
     rebuild_state,
     scan_items,
@@ -346,30 +347,39 @@ class SyncStore:
 
         While state.json is still the file this process last wrote (same inode, mtime
         and size), nobody else committed since and the state remembered is current:
-        one stat instead of reading and parsing it. With a kept directory descriptor
-        that stat goes by path (symlink-proof), which also proves the directory is
-        still the one at the transcript's path: a transcript that was deleted or
-        moved has no such file there, and the append starts over (:class:`_Moved`).
+        one open and fstat instead of reading and parsing it (an open, not a stat, so
+        that NFS revalidates). With a kept directory descriptor state.json is opened
+        by path (symlink-proof), which also proves the directory is still the one at
+        the transcript's path: a transcript that was deleted or moved has no such
+        file there (or another one), and the append starts over (:class:`_Moved`).
         """
-        found: os.stat_result | None
         if kept:
             assert t.state_path is not None
-            found = self._fs.stat_abs(t.state_path)
-            if found is None or found.st_nlink != 1:
+            fd = self._fs.open_abs_file(t.state_path)
+            if fd is None:
                 raise self._moved(t)
         else:
             try:
-                found = os.stat(_layout.STATE, dir_fd=dfd, follow_symlinks=False)
+                fd = os.open(_layout.STATE, _fsio.READ_FLAGS | os.O_NONBLOCK, dir_fd=dfd)
             except FileNotFoundError:
-                found = None
-        if found is not None and t.state is not None and t.state_id == state_id(found):
-            return t.state.copy(), found.st_mtime_ns
-        state, st = read_state_stat(dfd)
-        if kept and (st is None or found is None or (st.st_dev, st.st_ino) != (found.st_dev, found.st_ino)):
-            # The file at the path is not the one in our directory: moved under us.
-            raise self._moved(t)
-        mtime = st.st_mtime_ns if st is not None else 0
-        return (state if state is not None else rebuild_state(dfd)), mtime
+                return rebuild_state(dfd), 0
+        try:
+            found = os.fstat(fd)
+            if t.state is not None and t.state_id == state_id(found) and found.st_nlink == 1:
+                return t.state.copy(), found.st_mtime_ns
+            state = read_state_open(fd, found)
+        finally:
+            os.close(fd)
+        if kept:
+            # Read by path: is it the file in our directory? (One more stat, only when
+            # someone else wrote since, or after this process's own compaction.)
+            try:
+                here = os.stat(_layout.STATE, dir_fd=dfd, follow_symlinks=False)
+            except FileNotFoundError:
+                raise self._moved(t) from None
+            if (here.st_dev, here.st_ino) != (found.st_dev, found.st_ino):
+                raise self._moved(t)
+        return (state if state is not None else rebuild_state(dfd)), found.st_mtime_ns
 
     def _moved(self, t: _Appending) -> _Moved:
         self._forget_dir(t)

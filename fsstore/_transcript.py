@@ -151,24 +151,33 @@ def read_state_stat(dir_fd: int) -> tuple[State | None, os.stat_result | None]:
         return None, None
     try:
         st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            return None, st  # not a state file we wrote: rebuilt from the parts
-        raw = os.read(fd, st.st_size + 1)
+        return read_state_open(fd, st), st
     finally:
         os.close(fd)
+
+
+def read_state_open(fd: int, st: os.stat_result) -> State | None:
+    """The state in the open file ``fd`` (``st`` its fstat); None if it is not one.
+
+    Opening the file (rather than a stat by name) is what makes NFS revalidate it
+    (close-to-open consistency), so a writer under the lock sees the newest state.
+    """
+    if not stat.S_ISREG(st.st_mode):
+        return None  # not a state file we wrote: rebuilt from the parts
+    raw = os.read(fd, st.st_size + 1)
     try:
         doc = json.loads(raw)
         if not _checked(raw, doc):
-            return None, st  # torn (a rewrite read halfway): rebuilt from the parts
+            return None  # torn (a rewrite read halfway): rebuilt from the parts
         if doc.get("boot", _fsio.boot_id()) != _fsio.boot_id():
-            return None, st  # rewritten in place before a reboot: maybe stale (see write_state)
+            return None  # rewritten in place before a reboot: maybe stale (see write_state)
         state = State(int(doc["seq"]), int(doc["folded"]), doc["summary"], int(doc["compacted"]))
     except (ValueError, KeyError, TypeError, AttributeError):  # torn or foreign: rebuilt from the parts
-        return None, st
+        return None
     summary = state.summary
     if summary is not None and not (isinstance(summary, dict) and isinstance(summary.get("data"), dict)):
         state.summary, state.folded = None, 0  # not a summary we wrote: refold it
-    return state, st
+    return state
 
 
 StateId = tuple[int, int, int]
