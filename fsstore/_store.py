@@ -45,8 +45,10 @@ from ._transcript import (
 
 # A reader that keeps losing races with compactions and deletes gives up after this.
 _LOAD_ATTEMPTS = 50
+# ... and after this many, reads under the transcript lock (see _hold_for_reading).
+_OPTIMISTIC_LOADS = 8
 # An append whose transcript directory is deleted under it starts over this often.
-_APPEND_ATTEMPTS = 5
+_APPEND_ATTEMPTS = 50
 
 
 _STATE_SUFFIX = f"/{_layout.STATE}".encode("ascii")
@@ -521,9 +523,11 @@ class SyncStore:
         with translating(op, path):
             stale: OSError | None = None
             for attempt in range(_LOAD_ATTEMPTS):
-                with self._open_root(create=False) as rfd:
+                with contextlib.ExitStack() as guard, self._open_root(create=False) as rfd:
                     if rfd is None:
                         return None
+                    if attempt >= _OPTIMISTIC_LOADS:
+                        self._hold_for_reading(guard, comps)
                     try:
                         dfd = self._open(rfd, comps, op)
                     except OSError as exc:
@@ -556,6 +560,22 @@ class SyncStore:
                 path=path,
                 errno=errno.EAGAIN,
             )
+
+    def _hold_for_reading(self, guard: contextlib.ExitStack, comps: list[Component]) -> None:
+        """Take the transcript's lock into ``guard`` for a reader that keeps losing races.
+
+        A load lists, then reads every file; a writer compacting faster than that
+        (many writers, a small ``compact_every``) can make each listing stale before it
+        is read, forever. Under the lock the read is one consistent snapshot; writers
+        wait one read. A reader that may not take the lock (a read-only mount or user)
+        or does not get it in time goes on without it.
+        """
+        try:
+            guard.enter_context(
+                self._locks.hold(self._lock_path(_layout.lock_name(comps), "load"), "load")
+            )
+        except (OSError, FsStoreError) as exc:
+            log.debug("load goes on without the transcript lock: %s", exc)
 
     # -- listing -------------------------------------------------------------------
 

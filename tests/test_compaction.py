@@ -260,3 +260,43 @@ def test_a_part_committed_after_the_segment_covering_it_is_reported_not_dropped(
     with pytest.raises(FsStoreError):
         store.compact(KEY)  # and compaction does not unlink it as a leftover
     assert late.exists()
+
+
+def _fast_writer(root: str, stop: Any) -> None:
+    store = SyncStore(root, compact_every=4, summaries=False)
+    i = 0
+    while not stop.is_set():
+        store.append(KEY, [entry(100_000 + i)])
+        i += 1
+
+
+def test_a_reader_outpaced_by_compaction_reads_under_the_lock(
+    root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Writers compacting every few appends can make every listing stale before it is
+    read; a reader that keeps losing reads under the lock instead of giving up."""
+    from fsstore import _store
+
+    seed = SyncStore(root, compact_every=0, summaries=False)
+    for i in range(2000):
+        seed.append(KEY, [entry(i)])
+    monkeypatch.setattr(_store, "_LOAD_ATTEMPTS", 10)  # fewer chances, so losing is likely
+    monkeypatch.setattr(_store, "_OPTIMISTIC_LOADS", 3)
+    ctx = mp.get_context("fork")
+    stop = ctx.Event()
+    writers = [ctx.Process(target=_fast_writer, args=(str(root), stop)) for _ in range(3)]
+    for w in writers:
+        w.start()
+    try:
+        loads = 0
+        deadline = time.monotonic() + 6
+        while time.monotonic() < deadline:
+            got = seed.load(KEY)
+            assert got is not None and got[:2000] == [entry(i) for i in range(2000)]
+            assert len({e["uuid"] for e in got}) == len(got)
+            loads += 1
+    finally:
+        stop.set()
+        for w in writers:
+            w.join(30)
+    assert loads >= 5

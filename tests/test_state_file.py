@@ -25,6 +25,15 @@ from .test_store import parts_of, tdir
 LOCAL = _fsio.is_local_fs(tempfile.gettempdir())
 
 
+@pytest.fixture
+def local_root(root: Path) -> Path:
+    """The store root, where the state file is rewritten in place (a local file system);
+    the suite also runs with its roots on FUSE (FSSTORE_TEST_ROOT)."""
+    if not _fsio.is_local_fs(str(root.parent)):
+        pytest.skip("the store root is not on a local file system")
+    return root
+
+
 def state_inode(root: Path) -> int:
     return (tdir(root, KEY) / _layout.STATE).stat().st_ino
 
@@ -39,8 +48,8 @@ def test_local_file_systems_are_told_from_network_and_fuse_ones() -> None:
     assert not _fsio.is_local_fs("/no/such/path")
 
 
-@pytest.mark.skipif(not LOCAL, reason="the temp directory is not on a local file system")
-def test_on_a_local_fs_two_state_files_take_turns_and_nothing_else_is_created(root: Path) -> None:
+def test_on_a_local_fs_two_state_files_take_turns_and_nothing_else_is_created(local_root: Path) -> None:
+    root = local_root
     store = SyncStore(root, compact_every=0)
     inodes = set()
     for i in range(10):
@@ -118,16 +127,16 @@ def test_a_read_that_mixes_two_writes_is_never_taken_for_a_state(a: State, b: St
             os.close(fd)
 
 
-@pytest.mark.skipif(not LOCAL, reason="the temp directory is not on a local file system")
 @pytest.mark.parametrize("planted", ["symlink", "fifo", "hardlink", "directory"])
 def test_whatever_is_planted_at_the_spare_name_is_never_written_through(
-    root: Path, tmp_path: Path, planted: str
+    local_root: Path, planted: str
 ) -> None:
+    root = local_root
     store = SyncStore(root, compact_every=0)
     store.append(KEY, [entry(0)])
     spare = tdir(root, KEY) / _layout.STATE_SPARE
     spare.unlink(missing_ok=True)
-    victim = tmp_path / "victim"
+    victim = root.parent / "victim"  # beside root: a hard link needs the same file system
     victim.write_text("precious")
     if planted == "symlink":
         spare.symlink_to(victim)
@@ -144,10 +153,10 @@ def test_whatever_is_planted_at_the_spare_name_is_never_written_through(
     assert json.loads((tdir(root, KEY) / _layout.STATE).read_text())["seq"] == 4
 
 
-@pytest.mark.skipif(not LOCAL, reason="the temp directory is not on a local file system")
 def test_a_mount_refusing_rename_exchange_falls_back_to_new_files(
-    root: Path, monkeypatch: pytest.MonkeyPatch
+    local_root: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    root = local_root
     store = SyncStore(root, compact_every=0)
     store.append(KEY, [entry(0)])
     store.append(KEY, [entry(1)])
@@ -176,10 +185,10 @@ def test_state_bytes_end_in_a_check_of_everything_before_it() -> None:
     assert _transcript._checked(raw, doc)
 
 
-@pytest.mark.skipif(not LOCAL, reason="the temp directory is not on a local file system")
-def test_a_state_rewritten_in_place_before_a_reboot_is_rebuilt_not_trusted(root: Path) -> None:
+def test_a_state_rewritten_in_place_before_a_reboot_is_rebuilt_not_trusted(local_root: Path) -> None:
     """After a power loss an in-place rewrite may be lost while the swap survived: the
     old content passes its check. Only the boot that wrote it trusts it."""
+    root = local_root
     store = SyncStore(root, compact_every=0)
     for i in range(5):
         store.append(KEY, [entry(i)])
@@ -236,8 +245,9 @@ s.append({KEY!r}, [{entry(3)!r}])
     shutil.rmtree(shared)
 
 
-@pytest.mark.skipif(not LOCAL, reason="the temp directory is not on a local file system")
 def test_a_shorter_state_rewritten_over_a_longer_one_leaves_no_tail(tmp_path: Path) -> None:
+    if not _fsio.is_local_fs(str(tmp_path)):
+        pytest.skip("the temp directory is not on a local file system")
     fs = _fsio.Fs(fsync=False, dir_mode=0o700, file_mode=0o600)
     fs.exchange_ok = True
     d = os.open(tmp_path, os.O_RDONLY)
