@@ -110,10 +110,6 @@ _PATH_HOW_REF = ctypes.byref(_PATH_HOW)
 _ABS_DIR_HOW = _OpenHow(
     os.O_RDONLY | os.O_DIRECTORY | _CLOEXEC, 0, _RESOLVE_NO_MAGICLINKS | _RESOLVE_NO_SYMLINKS
 )
-_ABS_READ_HOW_REF = ctypes.byref(
-    _OpenHow(os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | _CLOEXEC, 0,
-             _RESOLVE_NO_MAGICLINKS | _RESOLVE_NO_SYMLINKS)
-)
 _HOW_SIZE = ctypes.c_size_t(ctypes.sizeof(_OpenHow))
 _AT_FDCWD = -100
 
@@ -125,6 +121,10 @@ def _openat2_dir(base_fd: int, relpath: bytes, how: _OpenHow = _DIR_HOW) -> int:
         err = ctypes.get_errno()
         raise OSError(err, os.strerror(err))
     return int(fd)
+
+
+# mtimes_beneath's errors: below every real mtime (those fit in 63 bits of ns).
+MTIME_ERROR = -(1 << 63)
 
 
 class Fs:
@@ -216,22 +216,9 @@ class Fs:
                 return None  # the walk decides: create, or UNSAFE_PATH
             raise
 
-    def open_abs_file(self, path: bytes) -> int | None:
-        """Open an absolute file path for reading, no symlink followed in any component.
-
-        None if there is nothing there, or a symlink is in the way. Only where
-        :attr:`openat2_ok` (callers check). ``O_NONBLOCK``: a FIFO there must not hang.
-        """
-        fd = _syscall(_SYS_OPENAT2, _AT_FDCWD, path, _ABS_READ_HOW_REF, _HOW_SIZE)
-        if fd < 0:
-            err = ctypes.get_errno()
-            if err in (errno.ENOENT, errno.ENOTDIR, errno.ELOOP, errno.EXDEV):
-                return None
-            raise OSError(err, os.strerror(err), os.fsdecode(path))
-        return int(fd)
-
     def mtimes_beneath(self, base_fd: int, relpaths: list[bytes]) -> list[int]:
-        """st_mtime_ns of each ``base/relpath`` (no symlink followed), or ``-errno``.
+        """st_mtime_ns of each ``base/relpath`` (no symlink followed), or
+        ``MTIME_ERROR - errno`` (below any mtime, even one before 1970).
 
         The listing hot path (one path per session, thousands per call): one loop
         with errors as numbers, so a session without a state file costs no exception.
@@ -251,12 +238,12 @@ class Fs:
                 if err in (errno.ENOSYS, errno.E2BIG, errno.EPERM):
                     self.openat2_ok = False  # old kernel or seccomp filter: walk instead
                     break
-                add(-err)
+                add(MTIME_ERROR - err)
         for rel in relpaths[len(out):]:
             try:
                 out.append(self.stat_beneath(base_fd, os.fsdecode(rel)).st_mtime_ns)
             except OSError as exc:
-                out.append(-(exc.errno or errno.EIO))
+                out.append(MTIME_ERROR - (exc.errno or errno.EIO))
         return out
 
     def stat_beneath(self, base_fd: int, relpath: str) -> os.stat_result:

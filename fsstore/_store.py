@@ -13,7 +13,6 @@ import errno
 import os
 import stat
 import threading
-import weakref
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -25,21 +24,20 @@ from ._layout import Component
 from ._lock import Held, Locks
 from ._transcript import (
     State,
-    StateId,
     Vanished,
     commit,
     dedupe,
     encode_batch,
     log_state_failure,
     parse,
+    parse_state,
     probe_latest,
     read_batches,
+    read_raw_state,
     read_state,
-    read_state_open,
     read_state_stat,
     rebuild_state,
     scan_items,
-    state_id,
     write_state,
 )
 
@@ -52,50 +50,44 @@ _APPEND_ATTEMPTS = 50
 
 
 _STATE_SUFFIX = f"/{_layout.STATE}".encode("ascii")
-# Transcripts an appending process keeps open (directory descriptor, state).
+# Transcripts an appending process remembers (validated key, paths, state, a spare fd).
 _APPENDING = 64
-
-
-class _Moved(Exception):
-    """The kept directory descriptor no longer names the transcript: start over."""
+_STATE_RW = os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
 
 
 @dataclasses.dataclass(eq=False)
 class _Appending:
-    """One transcript as a process that appends to it keeps it between appends.
+    """One transcript as a process that appends to it remembers it between appends.
 
-    The key is validated and its paths worked out once. ``dir_fd`` keeps the
-    transcript directory open (opened symlink-proof), so an append does not walk
-    the path again; ``state``/``state_id`` are the state this process last wrote
-    and the identity of the state.json it wrote (see ``SyncStore._current_state``).
-    ``dir_fd`` is only touched under the store's guard; users take a ``dup``.
+    The key is validated and its paths worked out once. ``state`` is the state this
+    process last wrote and ``head`` how that write's state.json begins (its write
+    id): while state.json still begins so, nobody else has written since. Then the
+    spare state file is also still the one this process swapped out last time, and
+    ``spare_fd`` (kept open since) saves opening it by name. Both are only used
+    under the transcript's lock; ``spare_fd`` is closed when replaced or when the
+    object goes (an append in flight keeps its object alive).
     """
 
     key: TranscriptKey
     comps: list[Component]
     path: str  # <root>/<rel>, for messages
-    rel: str
     lock_name: str
-    dir_fd: int = -1
-    state_path: bytes | None = None  # <real root>/<rel>/state.json
     state: State | None = None
-    state_id: StateId | None = None
+    head: bytes | None = None
+    spare_fd: int = -1
 
-    @property
-    def ident(self) -> tuple[str, str, str | None]:
-        return (self.key.project_key, self.key.session_id, self.key.subpath)
+    def keep_spare(self, fd: int) -> None:
+        old, self.spare_fd = self.spare_fd, fd
+        if old >= 0:
+            os.close(old)
 
-    def close_dir(self) -> None:
-        if self.dir_fd >= 0:
-            fd, self.dir_fd = self.dir_fd, -1
-            os.close(fd)
+    def take_spare(self) -> int:
+        fd, self.spare_fd = self.spare_fd, -1
+        return fd
 
-
-def _close_all(appending: dict[Any, _Appending], guard: threading.Lock) -> None:
-    with guard:
-        for t in appending.values():
-            t.close_dir()
-        appending.clear()
+    def __del__(self) -> None:
+        if self.spare_fd >= 0:
+            os.close(self.spare_fd)
 
 
 def decode_entry(parent_fd: int, entry: os.DirEntry[str]) -> str | None:
@@ -171,7 +163,6 @@ class SyncStore:
             collections.OrderedDict()
         )
         self._appending_guard = threading.Lock()
-        weakref.finalize(self, _close_all, self._appending, self._appending_guard)
         if summaries is True and self._fold is None:
             raise ValueError("summaries=True needs claude-agent-sdk (pip install fsstore[claude])")
 
@@ -256,20 +247,11 @@ class SyncStore:
                     return known
         tk = _keys.parse_key(key, operation)
         comps = _layout.transcript_dirs(tk)
-        rel = _layout.rel(comps)
-        t = _Appending(
-            key=tk,
-            comps=comps,
-            path=f"{self.root}/{rel}",
-            rel=rel,
-            lock_name=_layout.lock_name(comps),
-        )
+        t = _Appending(key=tk, comps=comps, path=self._path(comps), lock_name=_layout.lock_name(comps))
         with self._appending_guard:
-            ident = (tk.project_key, tk.session_id, tk.subpath)
-            self._appending[ident] = t
+            t = self._appending.setdefault((tk.project_key, tk.session_id, tk.subpath), t)
             while len(self._appending) > _APPENDING:
-                _ident, old = self._appending.popitem(last=False)
-                old.close_dir()
+                self._appending.popitem(last=False)  # an append in flight keeps its own
         return t
 
     def append(self, key: Mapping[str, Any], entries: list[Any]) -> None:
@@ -283,7 +265,7 @@ class SyncStore:
                 try:
                     self._append_once(t, entries, payload)
                     return
-                except (FileNotFoundError, _Moved):
+                except FileNotFoundError:
                     # The transcript directory was moved away (a concurrent delete)
                     # before our commit: nothing of ours is visible; start over.
                     continue
@@ -295,100 +277,73 @@ class SyncStore:
                 errno=errno.ENOENT,
             )
 
-    def _transcript_dir(self, t: _Appending, operation: str) -> tuple[int, bool]:
-        """A descriptor of ``t``'s directory for this append, and whether it was kept open.
-
-        A kept descriptor saves the path walk, but the directory may have been moved
-        (deleted) since: :meth:`_current_state` proves it is still in place.
-        """
-        with self._appending_guard:
-            if t.dir_fd >= 0:
-                return os.dup(t.dir_fd), True
-        dfd = self._open_transcript(t.comps, operation)
-        if self._fs.openat2_ok and self._real_root is not None:
-            with self._appending_guard:
-                if t.dir_fd < 0 and self._appending.get(t.ident) is t:
-                    t.dir_fd = os.dup(dfd)
-                    t.state_path = os.fsencode(f"{self._real_root}/{t.rel}/{_layout.STATE}")
-        return dfd, False
-
     def _append_once(self, t: _Appending, entries: list[dict[str, Any]], payload: bytes) -> None:
         op = "append"
-        dfd, kept = self._transcript_dir(t, op)
+        dfd = self._open_transcript(t.comps, op)
         try:
             tmp = _fsio.temp_name()
             self._fs.write_temp(dfd, tmp, payload)
             committed = False
             try:
                 with self._locks.hold(self._lock_path(t.lock_name, op), op) as held:
-                    state, state_mtime = self._current_state(t, dfd, kept)
-                    held.check(op)
-                    seq = commit(self._fs, dfd, tmp, state.seq)
-                    committed = True
-                    self._finish_commit(t, dfd, held, state, state_mtime, seq, entries)
+                    state, state_mtime, opened = self._current_state(t, dfd)
+                    try:
+                        held.check(op)
+                        seq = commit(self._fs, dfd, tmp, state.seq)
+                        committed = True
+                        self._finish_commit(t, dfd, held, state, state_mtime, seq, entries, opened)
+                        opened = -1  # handed over
+                    finally:
+                        if opened >= 0:
+                            os.close(opened)
             finally:
                 if not committed:
                     _fsio.unlink_quiet(dfd, tmp)
-        except OSError as exc:
-            if kept:
-                # Whatever went wrong, the next attempt walks the path afresh. (On
-                # NFS a directory deleted by another host answers ESTALE.)
-                self._forget_dir(t)
-                if exc.errno == errno.ESTALE:
-                    raise _Moved from exc
-            raise
         finally:
             os.close(dfd)
 
-    def _forget_dir(self, t: _Appending) -> None:
-        with self._appending_guard:
-            t.close_dir()
+    def _current_state(self, t: _Appending, dfd: int) -> tuple[State, int, int]:
+        """The transcript's state (under its lock), state.json's mtime (0 if none), and
+        state.json kept open for writing where it may become the next spare (else -1).
 
-    def _current_state(self, t: _Appending, dfd: int, kept: bool) -> tuple[State, int]:
-        """The transcript's state (under its lock) and state.json's mtime (0 if none).
-
-        While state.json is still the file this process last wrote (same inode, mtime
-        and size), nobody else committed since and the state remembered is current:
-        one open and fstat instead of reading and parsing it (an open, not a stat, so
-        that NFS revalidates). With a kept directory descriptor state.json is opened
-        by path (symlink-proof), which also proves the directory is still the one at
-        the transcript's path: a transcript that was deleted or moved has no such
-        file there (or another one), and the append starts over (:class:`_Moved`).
+        If state.json still begins with the head of this process's last write, nobody
+        wrote since and the state remembered is current: no parse. It is opened, not
+        stat'ed by name, so that NFS revalidates it (close-to-open consistency).
         """
-        if kept:
-            assert t.state_path is not None
-            fd = self._fs.open_abs_file(t.state_path)
-            if fd is None:
-                raise self._moved(t)
-        else:
-            try:
-                fd = os.open(_layout.STATE, _fsio.READ_FLAGS | os.O_NONBLOCK, dir_fd=dfd)
-            except FileNotFoundError:
-                return rebuild_state(dfd), 0
+        read_only = _fsio.READ_FLAGS | os.O_NONBLOCK
         try:
-            found = os.fstat(fd)
-            if t.state is not None and t.state_id == state_id(found) and found.st_nlink == 1:
-                return t.state.copy(), found.st_mtime_ns
-            state = read_state_open(fd, found)
-        finally:
-            os.close(fd)
-        if kept:
-            # Read by path: is it the file in our directory? (One more stat, only when
-            # someone else wrote since, or after this process's own compaction.)
             try:
-                here = os.stat(_layout.STATE, dir_fd=dfd, follow_symlinks=False)
-            except FileNotFoundError:
-                raise self._moved(t) from None
-            if (here.st_dev, here.st_ino) != (found.st_dev, found.st_ino):
-                raise self._moved(t)
-        return (state if state is not None else rebuild_state(dfd)), found.st_mtime_ns
+                fd = os.open(_layout.STATE, _STATE_RW if self._fs.exchange_ok else read_only, dir_fd=dfd)
+            except PermissionError:
+                if not self._fs.exchange_ok:
+                    raise
+                fd = os.open(_layout.STATE, read_only, dir_fd=dfd)  # another user's: read it only
+        except FileNotFoundError:
+            t.keep_spare(-1)  # whatever the kept spare was, it is not this directory's
+            return rebuild_state(dfd), 0, -1
+        try:
+            st = os.fstat(fd)
+            raw = read_raw_state(fd, st)
+            if t.head is None or not raw.startswith(t.head):
+                t.keep_spare(-1)  # someone else wrote: the spare may be theirs now
+                state = parse_state(raw)
+            else:
+                assert t.state is not None
+                state = t.state.copy()
+            if self._fs.exchange_ok and stat.S_ISREG(st.st_mode) and st.st_nlink == 1 \
+                    and st.st_uid == os.geteuid():
+                keep, fd = fd, -1
+            else:
+                keep = -1
+        finally:
+            if fd >= 0:
+                os.close(fd)
+        return (state if state is not None else rebuild_state(dfd)), st.st_mtime_ns, keep
 
-    def _moved(self, t: _Appending) -> _Moved:
-        self._forget_dir(t)
-        return _Moved()
-
-    def _remember_state(self, t: _Appending, ident: StateId | None, state: State) -> None:
-        t.state, t.state_id = (state, ident) if ident is not None else (None, None)
+    def _remember_state(self, t: _Appending, head: bytes | None, state: State) -> None:
+        t.state, t.head = (state, head) if head is not None else (None, None)
+        if head is None:
+            t.keep_spare(-1)
 
     def _finish_commit(
         self,
@@ -399,8 +354,12 @@ class SyncStore:
         state_mtime: int,
         seq: int,
         entries: list[dict[str, Any]],
+        opened: int,
     ) -> None:
         """Everything after the commit point. Nothing here fails the append.
+
+        ``opened`` is state.json, open for writing (or -1): once the new state is
+        swapped in, it is the spare, kept for the next append (this takes it over).
 
         The batch is visible from the moment it got its name; raising now would make
         the SDK retry it, and a retried batch is stored twice (entries without a
@@ -423,11 +382,18 @@ class SyncStore:
             # on, and an old sequence in state.json could send later commits into a
             # segment's range. The state stays behind, which heals.
             held.check("append")
-            self._remember_state(t, write_state(self._fs, dfd, new, after_ns=state_mtime), new)
+            head, swapped = write_state(self._fs, dfd, new, after_ns=state_mtime, spare=t.take_spare())
         except (OSError, FsStoreError) as exc:
+            if opened >= 0:
+                os.close(opened)
             self._remember_state(t, None, new)
             log_state_failure(exc, path)
             return
+        self._remember_state(t, head, new)
+        if swapped and opened >= 0:
+            t.keep_spare(opened)
+        elif opened >= 0:
+            os.close(opened)
         if self._compact_every and seq - new.compacted >= self._compact_every:
             self._auto_compact(t, dfd, held, new)
 
@@ -591,7 +557,8 @@ class SyncStore:
         found = self._fs.mtimes_beneath(
             parent_fd, [name.encode("ascii") + _STATE_SUFFIX for name in names]
         )
-        return [ns // 1_000_000 if ns >= 0 else self._mtime_without_state(parent_fd, name, -ns)
+        error = _fsio.MTIME_ERROR
+        return [ns // 1_000_000 if ns > error else self._mtime_without_state(parent_fd, name, error - ns)
                 for name, ns in zip(names, found)]
 
     def _mtime_without_state(self, parent_fd: int, name: str, err: int) -> int | None:
@@ -732,18 +699,18 @@ class SyncStore:
                 self._move_to_trash(rfd, parent, comps[-1][0], path)
             finally:
                 os.close(parent)
-                self._forget_dirs(tk)
+                self._forget(tk)
 
-    def _forget_dirs(self, tk: TranscriptKey) -> None:
-        """Close what appends kept open of a deleted session (or subagent transcript).
+    def _forget(self, tk: TranscriptKey) -> None:
+        """Drop what appends remember of a deleted session (or subagent transcript).
 
-        Not needed for correctness (an append proves its kept directory is still in
-        place), only to give the descriptors back at once.
+        Not needed for correctness (a new state.json does not begin with the head
+        remembered), only to give the kept spare files' descriptors back at once.
         """
         with self._appending_guard:
             for ident in [i for i in self._appending if i[:2] == (tk.project_key, tk.session_id)
                           and (tk.subpath is None or i[2] == tk.subpath)]:
-                self._appending.pop(ident).close_dir()
+                del self._appending[ident]
 
     def _move_to_trash(self, rfd: int, parent: int, name: str, path: str) -> None:
         """Rename ``parent/name`` into ``.trash`` (atomic: readers see all or None), then remove it."""

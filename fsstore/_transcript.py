@@ -108,12 +108,14 @@ class State:
     def copy(self) -> State:
         return State(self.seq, self.folded, self.summary, self.compacted)
 
-    def to_bytes(self, boot: str | None = None) -> bytes:
-        """JSON ending in ``"check"``: the CRC-32 of the same object without it.
+    def to_bytes(self, write_id: str = "", boot: str | None = None) -> bytes:
+        """JSON starting with :func:`state_head` and ending in ``"check"``: the CRC-32
+        of the same object without it.
 
-        ``boot`` marks a state rewritten in place (see :func:`write_state`).
+        ``write_id`` names this one write (see :func:`write_state`); ``boot`` marks a
+        state rewritten in place.
         """
-        doc: dict[str, Any] = {"format": 2, "seq": self.seq, "folded": self.folded,
+        doc: dict[str, Any] = {"format": 2, "id": write_id, "seq": self.seq, "folded": self.folded,
                                "compacted": self.compacted, "summary": self.summary}
         if boot is not None:
             doc["boot"] = boot
@@ -157,14 +159,21 @@ def read_state_stat(dir_fd: int) -> tuple[State | None, os.stat_result | None]:
 
 
 def read_state_open(fd: int, st: os.stat_result) -> State | None:
-    """The state in the open file ``fd`` (``st`` its fstat); None if it is not one.
+    """The state in the open file ``fd`` (``st`` its fstat); None if it is not one."""
+    return parse_state(read_raw_state(fd, st))
+
+
+def read_raw_state(fd: int, st: os.stat_result) -> bytes:
+    """The bytes of an open state file (empty if it is not a regular file).
 
     Opening the file (rather than a stat by name) is what makes NFS revalidate it
     (close-to-open consistency), so a writer under the lock sees the newest state.
     """
-    if not stat.S_ISREG(st.st_mode):
-        return None  # not a state file we wrote: rebuilt from the parts
-    raw = os.read(fd, st.st_size + 1)
+    return os.pread(fd, st.st_size + 1, 0) if stat.S_ISREG(st.st_mode) else b""
+
+
+def parse_state(raw: bytes) -> State | None:
+    """The state in ``raw``; None if it is not a whole state this boot may trust."""
     try:
         doc = json.loads(raw)
         if not _checked(raw, doc):
@@ -174,22 +183,28 @@ def read_state_open(fd: int, st: os.stat_result) -> State | None:
         state = State(int(doc["seq"]), int(doc["folded"]), doc["summary"], int(doc["compacted"]))
     except (ValueError, KeyError, TypeError, AttributeError):  # torn or foreign: rebuilt from the parts
         return None
+    if not 0 <= state.seq < 10**20 or not 0 <= state.compacted <= state.seq:
+        return None  # not a sequence of ours (a hand-edited file): rebuilt from the parts
     summary = state.summary
     if summary is not None and not (isinstance(summary, dict) and isinstance(summary.get("data"), dict)):
         state.summary, state.folded = None, 0  # not a summary we wrote: refold it
     return state
 
 
-StateId = tuple[int, int, int]
+def state_head(write_id: str) -> bytes:
+    """How the state file of one write begins: every write has its own ``write_id``,
+    so a file that begins so is the file of that write."""
+    return b'{"format":2,"id":"%s",' % write_id.encode("ascii")
 
 
-def state_id(st: os.stat_result) -> StateId:
-    """What identifies one written state file: every write makes a new inode."""
-    return (st.st_ino, st.st_mtime_ns, st.st_size)
+def write_state(
+    fs: _fsio.Fs, dir_fd: int, state: State, *, after_ns: int = 0, spare: int = -1
+) -> tuple[bytes, bool]:
+    """Replace state.json (a hint, so never fsynced).
 
-
-def write_state(fs: _fsio.Fs, dir_fd: int, state: State, *, after_ns: int = 0) -> StateId:
-    """Replace state.json (a hint, so never fsynced); return the new file's identity.
+    Returns how the new file begins (:func:`state_head`: each write has its own id,
+    so a writer that later finds state.json beginning so knows nobody wrote since)
+    and whether it was swapped in (so the previous state file is now the spare).
 
     Its mtime is the session's mtime for the SDK, which compares a summary's mtime
     with list_sessions' in whole milliseconds: with ``after_ns`` (the previous
@@ -199,9 +214,11 @@ def write_state(fs: _fsio.Fs, dir_fd: int, state: State, *, after_ns: int = 0) -
     On local file systems (:attr:`fsstore._fsio.Fs.exchange_ok`) the previous
     state file is kept as ``.state.spare``, rewritten with the new state and swapped
     with state.json in one RENAME_EXCHANGE: no file is created or freed per commit,
-    which on ext4 is most of what a commit costs. A reader that opened state.json
-    just before two such swaps could read a mix; the check field tells (see
-    :func:`read_state_stat`). A rewrite of existing blocks is not ordered with the
+    which on ext4 is most of what a commit costs. ``spare`` is an open descriptor of
+    ``.state.spare`` if the caller has one it knows is still that file (it is
+    closed here); otherwise the spare is opened by name. A reader that opened
+    state.json just before two such swaps could read a mix; the check field tells
+    (see :func:`parse_state`). A rewrite of existing blocks is not ordered with the
     journal, so after a power loss state.json may hold an older state that passes
     its check; a sequence from before a compaction would then send the next commit
     into the segment's range. So a state rewritten in place records the boot that
@@ -210,25 +227,31 @@ def write_state(fs: _fsio.Fs, dir_fd: int, state: State, *, after_ns: int = 0) -
     temp file renamed over state.json: a new inode each time, which other hosts'
     caches cannot confuse with an old one.
     """
+    write_id = _fsio.temp_name()[len(_fsio.TEMP_PREFIX):]  # pid, random, counter: unique
+    head = state_head(write_id)
     if fs.exchange_ok:
-        data = state.to_bytes(_fsio.boot_id())
-        try:
-            fd, size = _open_spare(fs, dir_fd)
-        except OSError:
-            fd = -1  # something that cannot be replaced sits there: a new file instead
-        if fd >= 0:
-            return _rewrite_spare(fs, dir_fd, fd, size, data, after_ns)
+        data = state.to_bytes(write_id, _fsio.boot_id())
+        size = -1
+        if spare < 0:
+            try:
+                spare, size = _open_spare(fs, dir_fd)
+            except OSError:
+                spare = -1  # something that cannot be replaced sits there: a new file instead
+        if spare >= 0:
+            return head, _rewrite_spare(fs, dir_fd, spare, size, data, after_ns)
     else:
-        data = state.to_bytes()
+        data = state.to_bytes(write_id)
+    if spare >= 0:
+        os.close(spare)
     tmp = _fsio.temp_name("-state")
     st = fs.write_new(dir_fd, tmp, data, sync=False)
     try:
-        mtime = _later_than(st.st_mtime_ns, after_ns, tmp, dir_fd)
+        _later_than(st.st_mtime_ns, after_ns, tmp, dir_fd)
         os.rename(tmp, _layout.STATE, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
     except OSError:
         _fsio.unlink_quiet(dir_fd, tmp)
         raise
-    return (st.st_ino, mtime, st.st_size)
+    return head, False
 
 
 def _later_than(mtime: int, after_ns: int, target: int | str, dir_fd: int) -> int:
@@ -242,26 +265,27 @@ def _later_than(mtime: int, after_ns: int, target: int | str, dir_fd: int) -> in
     return mtime
 
 
-def _rewrite_spare(
-    fs: _fsio.Fs, dir_fd: int, fd: int, size: int, data: bytes, after_ns: int
-) -> StateId:
+def _rewrite_spare(fs: _fsio.Fs, dir_fd: int, fd: int, size: int, data: bytes, after_ns: int) -> bool:
+    """Write ``data`` into the open spare ``fd`` (closed here) and swap it in; True if
+    swapped (False: it was renamed to state.json, there being none, or no exchange)."""
     try:
         view = memoryview(data)
         while view:
             view = view[os.pwrite(fd, view, len(data) - len(view)) :]
-        if size > len(data):
+        if size < 0 or size > len(data):
             os.ftruncate(fd, len(data))
         st = os.fstat(fd)
-        mtime = _later_than(st.st_mtime_ns, after_ns, fd, dir_fd)
+        _later_than(st.st_mtime_ns, after_ns, fd, dir_fd)
     finally:
         os.close(fd)
     try:
-        swapped = _fsio.exchange(fs, dir_fd, _layout.STATE_SPARE, _layout.STATE)
+        if _fsio.exchange(fs, dir_fd, _layout.STATE_SPARE, _layout.STATE):
+            return True
     except NotImplementedError:  # refused by this mount: new files from now on
-        swapped = False
-    if not swapped:  # no state.json yet (or no exchange): the spare becomes it
-        os.rename(_layout.STATE_SPARE, _layout.STATE, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
-    return (st.st_ino, mtime, st.st_size)
+        pass
+    # No state.json yet (or no exchange): the spare becomes it.
+    os.rename(_layout.STATE_SPARE, _layout.STATE, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+    return False
 
 
 def _open_spare(fs: _fsio.Fs, dir_fd: int) -> tuple[int, int]:

@@ -257,6 +257,19 @@ def test_a_shorter_state_rewritten_over_a_longer_one_leaves_no_tail(tmp_path: Pa
         _transcript.write_state(fs, d, State(2, 2, big.summary, 0))
         _transcript.write_state(fs, d, State(3, 0, None, 0))  # into the inode of the first
         assert read_state(d)[0] == State(3, 0, None, 0)
-        assert (tmp_path / _layout.STATE).stat().st_size == len(State(3, 0, None, 0).to_bytes(_fsio.boot_id()))
+        raw = (tmp_path / _layout.STATE).read_bytes()
+        assert raw.endswith(b"}") and json.loads(raw)["seq"] == 3  # no tail of the longer one
     finally:
         os.close(d)
+
+
+@pytest.mark.parametrize("seq", [-5, 10**20, "1e20"])
+def test_a_state_with_a_sequence_no_part_can_carry_is_rebuilt(root: Path, seq: Any) -> None:
+    store = SyncStore(root, compact_every=0)
+    for i in range(3):
+        store.append(KEY, [entry(i)])
+    doc = {"format": 1, "seq": seq, "folded": 0, "compacted": 0, "summary": None}
+    write_raw_state(root, json.dumps(doc).encode())
+    SyncStore(root, compact_every=0).append(KEY, [entry(3)])
+    assert parts_of(root, KEY) == [_layout.part_name(n) for n in range(1, 5)]
+    assert store.load(KEY) == [entry(i) for i in range(4)]

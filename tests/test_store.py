@@ -756,3 +756,60 @@ def test_hard_linked_state_file_does_not_confuse_a_kept_directory(root: Path, tm
     store.append(KEY, [entry(3)])
     assert store.load(KEY) == [entry(1), entry(2), entry(3)]
     assert parts_of(root, KEY) == [_layout.part_name(n) for n in (1, 2, 3)]
+
+
+@pytest.mark.parametrize("how", [
+    "mv main main.old && mkdir main && mv main.old/* main/",
+    "cp -al main main.new && mv main main.old && mv main.new main",
+])
+def test_append_after_a_directory_was_replaced_by_hand_goes_to_the_path(root: Path, how: str) -> None:
+    """Found by review of the kept-directory version: the state file moved or hard-linked
+    into the new directory made the old one look current."""
+    import subprocess
+
+    store = SyncStore(root, compact_every=0)
+    for i in range(3):
+        store.append(KEY, [entry(i)])
+    subprocess.run(["sh", "-c", how], cwd=tdir(root, KEY).parent, check=True)
+    store.append(KEY, [entry(3)])
+    assert SyncStore(root).load(KEY) == [entry(i) for i in range(4)]
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="counts /proc/self/fd")
+def test_first_appends_racing_in_threads_leave_no_descriptor_behind(root: Path) -> None:
+    import gc
+    import sys
+
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # make the threads interleave as much as they can
+    try:
+        stores = [SyncStore(root, compact_every=0)]
+        for i in range(100):
+            key = {**KEY, "session_id": f"s{i}"}
+            barrier = threading.Barrier(6)
+
+            def run(key: dict[str, str] = key, barrier: threading.Barrier = barrier) -> None:
+                barrier.wait()
+                stores[0].append(dict(key), [entry(1)])
+
+            threads = [threading.Thread(target=run) for _ in range(6)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+        stores.clear()  # the store goes, and with it every descriptor it kept
+        gc.collect()
+    finally:
+        sys.setswitchinterval(old)
+    mine = [fd for fd in os.listdir("/proc/self/fd")
+            if os.path.realpath(f"/proc/self/fd/{fd}").startswith(str(root))]
+    assert mine == []
+
+
+def test_a_session_dated_before_1970_is_listed(store: SyncStore, root: Path) -> None:
+    store.append({**KEY, "session_id": "good"}, [entry(1)])
+    store.append({**KEY, "session_id": "old"}, [entry(2)])
+    state = tdir(root, {**KEY, "session_id": "old"}) / _layout.STATE
+    os.utime(state, ns=(-10**9, -10**9))
+    listed = {s["session_id"]: s["mtime"] for s in store.list_sessions(KEY["project_key"])}
+    assert listed.keys() == {"good", "old"} and listed["old"] == -1000
