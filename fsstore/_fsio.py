@@ -445,8 +445,9 @@ class _StatFs(ctypes.Structure):
 
 
 def is_local_fs(path: str) -> bool:
-    """Whether ``path`` is on a local file system fsstore knows (never a network or FUSE one)."""
-    if sys.platform != "linux":
+    """Whether ``path`` is on a local file system fsstore knows (never a network or FUSE one),
+    on a system that names its boots (the in-place state file needs both)."""
+    if sys.platform != "linux" or boot_id().startswith("unknown-"):
         return False
     try:
         statfs = ctypes.CDLL(None, use_errno=True).statfs
@@ -468,7 +469,7 @@ def boot_id() -> str:
         try:
             with open("/proc/sys/kernel/random/boot_id", encoding="ascii") as fh:
                 _boot_id = fh.read().strip()
-        except OSError:  # no /proc: a value no other boot shares either
+        except OSError:  # no /proc: a value no other boot shares (and no in-place state)
             _boot_id = f"unknown-{secrets.token_hex(8)}"
     return _boot_id
 
