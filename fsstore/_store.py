@@ -291,8 +291,8 @@ class SyncStore:
                         held.check(op)
                         seq = commit(self._fs, dfd, tmp, state.seq)
                         committed = True
-                        self._finish_commit(t, dfd, held, state, state_mtime, seq, entries, opened)
-                        opened = -1  # handed over
+                        spare, opened = opened, -1  # _finish_commit owns it from here
+                        self._finish_commit(t, dfd, held, state, state_mtime, seq, entries, spare)
                     finally:
                         if opened >= 0:
                             os.close(opened)
