@@ -98,12 +98,7 @@ def decode_entry(parent_fd: int, entry: os.DirEntry[str]) -> str | None:
     not keys.
     """
     name = entry.name
-    if name.startswith("."):
-        return None
-    try:
-        if not entry.is_dir(follow_symlinks=False):
-            return None
-    except OSError:  # vanished between readdir and stat: not there any more
+    if name.startswith(".") or not _fsio.is_dir_entry(entry):
         return None
     if not _keys.is_hashed(name):
         return _keys.decode(name)

@@ -153,14 +153,9 @@ def read_state_stat(dir_fd: int) -> tuple[State | None, os.stat_result | None]:
         return None, None
     try:
         st = os.fstat(fd)
-        return read_state_open(fd, st), st
+        return parse_state(read_raw_state(fd, st)), st
     finally:
         os.close(fd)
-
-
-def read_state_open(fd: int, st: os.stat_result) -> State | None:
-    """The state in the open file ``fd`` (``st`` its fstat); None if it is not one."""
-    return parse_state(read_raw_state(fd, st))
 
 
 def read_raw_state(fd: int, st: os.stat_result) -> bytes:

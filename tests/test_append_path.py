@@ -36,18 +36,23 @@ for i in range(1, {n} + 1):
 
 
 def traced_appends(root: Path, n: int, marks: tuple[int, ...], compact_every: int) -> dict[int, Counter[str]]:
+    return {i: Counter(m.group(1) for ln in lines if (m := re.match(r"(?:\d+\s+)?(\w+)\(", ln)))
+            for i, lines in traced_lines(root, n, marks, compact_every).items()}
+
+
+def traced_lines(root: Path, n: int, marks: tuple[int, ...], compact_every: int) -> dict[int, list[str]]:
+    """The strace lines of appends number ``marks`` out of ``n``."""
     script = _SCRIPT.format(repo=str(Path(__file__).parent.parent), root=str(root), n=n,
                             marks=marks, key=KEY, compact_every=compact_every)
     out = subprocess.run(["strace", "-f", "-qq", "-o", "/dev/stdout", sys.executable, "-c",
                           textwrap.dedent(script)], capture_output=True, text=True, check=True).stdout
     lines = out.splitlines()
-    calls: dict[int, Counter[str]] = {}
+    traced: dict[int, list[str]] = {}
     for i in marks:
         s = next(k for k, ln in enumerate(lines) if f"/MARK-begin-{i}\"" in ln)
         e = next(k for k, ln in enumerate(lines) if f"/MARK-end-{i}\"" in ln)
-        calls[i] = Counter(m.group(1) for ln in lines[s + 1:e]
-                           if (m := re.match(r"(?:\d+\s+)?(\w+)\(", ln)))
-    return calls
+        traced[i] = lines[s + 1:e]
+    return traced
 
 
 def test_append_never_lists_a_directory_and_its_syscalls_do_not_grow(root: Path) -> None:
@@ -76,3 +81,17 @@ async def test_cancelled_append_commits_whole_or_not_at_all(root: Path) -> None:
         assert int(b[2:]) == int(a[2:]) + 1
     assert len(uuids) % 2 == 0
     assert not [p for p in root.rglob(".tmp-*")]
+
+
+def test_a_steady_append_rewrites_the_kept_spare_and_creates_no_state_file(root: Path) -> None:
+    """docs/format.md: on a local file system the spare stays open between appends
+    (not opened by name) and state.json is swapped in, never a new file."""
+    from fsstore import _fsio
+
+    root.mkdir(parents=True)
+    if not _fsio.is_local_fs(str(root)):
+        pytest.skip("the store root is not on a local file system")
+    lines = traced_lines(root, 12, (10,), compact_every=0)[10]
+    assert [ln for ln in lines if re.search(r"\brenameat2\(.*\.state\.spare.*state\.json", ln)]
+    assert not [ln for ln in lines if re.search(r"\bopenat2?\(.*\.state\.spare", ln)]
+    assert not [ln for ln in lines if "-state\"" in ln]  # no temp state file

@@ -691,7 +691,7 @@ def test_link_fallback_treats_a_replayed_link_as_done(
     assert not [p for p in tdir(root, KEY).iterdir() if p.name.startswith(".tmp-")]
 
 
-# -- directories an appending process keeps open -------------------------------------
+# -- what an appending process keeps between appends -------------------------------
 
 
 def _open_fds() -> int:
@@ -699,13 +699,14 @@ def _open_fds() -> int:
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="counts /proc/self/fd")
-def test_kept_directories_are_bounded_and_given_back_on_delete(root: Path) -> None:
+def test_kept_descriptors_are_bounded_and_given_back_on_delete(root: Path) -> None:
     store = SyncStore(root, summaries=False)
     store.append(KEY, [entry(0)])
     before = _open_fds()
     keys = [{**KEY, "session_id": f"s{i}"} for i in range(200)]
     for k in keys:
         store.append(k, [entry(1)])
+        store.append(k, [entry(2)])  # from the second append on, the spare state file stays open
     assert _open_fds() - before <= 64  # the kept ones, never one per transcript
     for k in keys:
         store.delete(k)
@@ -717,7 +718,7 @@ def test_append_after_another_process_deleted_goes_to_the_new_transcript(root: P
     a, b = SyncStore(root), SyncStore(root)
     a.append(KEY, [entry(1)])
     a.append(SUB, [entry(2)])
-    b.delete(KEY)  # a still holds the old directories open
+    b.delete(KEY)  # a remembers the old states (and keeps an old spare open)
     a.append(KEY, [entry(3)])
     a.append(SUB, [entry(4)])
     assert b.load(KEY) == [entry(3)] and b.load(SUB) == [entry(4)]
@@ -735,20 +736,20 @@ def test_append_after_the_directory_was_moved_by_hand_goes_to_the_path(root: Pat
     assert not [p for p in moved.iterdir() if p.name.startswith(".tmp-")]
 
 
-def test_a_kept_directory_moved_and_replaced_by_a_symlink_is_refused(root: Path, tmp_path: Path) -> None:
+def test_a_directory_moved_and_replaced_by_a_symlink_to_it_is_refused(root: Path, tmp_path: Path) -> None:
     store = SyncStore(root)
     store.append(KEY, [entry(1)])
     main = tdir(root, KEY)
     moved = tmp_path / "elsewhere"
     main.rename(moved)
-    main.symlink_to(moved)  # the path now leads out of root, to the very directory kept open
+    main.symlink_to(moved)  # the path now leads out of root, to where the directory went
     with pytest.raises(FsStoreError) as info:
         store.append(KEY, [entry(2)])
     assert info.value.code == "UNSAFE_PATH"
     assert sorted(p.name for p in moved.iterdir()) == [_layout.part_name(1), _layout.STATE]
 
 
-def test_hard_linked_state_file_does_not_confuse_a_kept_directory(root: Path, tmp_path: Path) -> None:
+def test_a_hard_linked_state_file_does_not_confuse_the_next_append(root: Path, tmp_path: Path) -> None:
     store = SyncStore(root)
     store.append(KEY, [entry(1)])
     os.link(tdir(root, KEY) / _layout.STATE, tmp_path / "snapshot-state.json")  # cp -al style backup

@@ -196,33 +196,22 @@ def install(tracer: Tracer) -> None:
         tracer.dirfds.discard(fd)
         real_close(fd)
 
-    def t_write(fd: int, data: Any) -> int:
-        name = tracer.fdnames.get(fd)
-        if name is None:  # a pipe or another file we did not open: not traced
-            return real_write(fd, data)
-        tracer.step("before", "write", (name,))
-        try:
-            n = real_write(fd, data)
-        except OSError:
-            tracer.step("after", "write", (name,), False)
-            raise
-        tracer.step("after", "write", (name,))
-        return n
+    def by_fd(real: Callable[..., int]) -> Callable[..., int]:
+        """write() and pwrite() (the in-place state file), traced as "write"."""
+        def wrapped(fd: int, *args: Any) -> int:
+            name = tracer.fdnames.get(fd)
+            if name is None:  # a pipe or another file we did not open: not traced
+                return real(fd, *args)
+            tracer.step("before", "write", (name,))
+            try:
+                n = real(fd, *args)
+            except OSError:
+                tracer.step("after", "write", (name,), False)
+                raise
+            tracer.step("after", "write", (name,))
+            return n
 
-    real_pwrite = os.pwrite
-
-    def t_pwrite(fd: int, data: Any, offset: int) -> int:  # the in-place state file
-        name = tracer.fdnames.get(fd)
-        if name is None:
-            return real_pwrite(fd, data, offset)
-        tracer.step("before", "write", (name,))
-        try:
-            n = real_pwrite(fd, data, offset)
-        except OSError:
-            tracer.step("after", "write", (name,), False)
-            raise
-        tracer.step("after", "write", (name,))
-        return n
+        return wrapped
 
     def t_fsync(fd: int) -> None:
         call = "fsync_dir" if stat.S_ISDIR(os.fstat(fd).st_mode) else "fsync"
@@ -265,8 +254,8 @@ def install(tracer: Tracer) -> None:
 
     os.open = t_open  # type: ignore[assignment]
     os.close = t_close
-    os.write = t_write
-    os.pwrite = t_pwrite
+    os.write = by_fd(real_write)
+    os.pwrite = by_fd(os.pwrite)
     os.fsync = t_fsync
     os.rename = two("rename", real_rename)
     os.replace = two("rename", real_replace)
