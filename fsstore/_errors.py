@@ -10,10 +10,8 @@ Codes are either the POSIX name of the underlying ``errno`` (``ENOSPC``, ``EIO``
 
 from __future__ import annotations
 
-import contextlib
 import errno as _errno
 import logging
-from collections.abc import Iterator
 
 log = logging.getLogger("fsstore")
 
@@ -82,22 +80,30 @@ def from_oserror(exc: OSError, operation: str, path: str | None) -> FsStoreError
     return err
 
 
-@contextlib.contextmanager
-def translating(operation: str, path: str | None) -> Iterator[None]:
+class translating:  # lower case: used like the function it replaced, `with translating(op, path):`
     """Turn any OSError raised inside into an FsStoreError and log it once.
 
     FsStoreErrors raised inside pass through unchanged (they already carry their
     operation and path); they are logged here because this is the public boundary.
+    (A class, not a generator context manager: every public call goes through it.)
     """
-    try:
-        yield
-    except FsStoreError as err:
-        _log(err)
-        raise
-    except OSError as exc:
-        wrapped = from_oserror(exc, operation, path)
-        _log(wrapped)
-        raise wrapped from exc
+
+    __slots__ = ("operation", "path")
+
+    def __init__(self, operation: str, path: str | None) -> None:
+        self.operation = operation
+        self.path = path
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: object) -> None:
+        if isinstance(exc, FsStoreError):
+            _log(exc)
+        elif isinstance(exc, OSError):
+            wrapped = from_oserror(exc, self.operation, self.path)
+            _log(wrapped)
+            raise wrapped from exc
 
 
 def _log(err: FsStoreError) -> None:

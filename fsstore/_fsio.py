@@ -198,7 +198,7 @@ class Fs:
             if fd >= 0:
                 os.close(fd)
 
-    def open_abs_dir(self, path: str) -> int | None:
+    def open_abs_dir(self, path: bytes) -> int | None:
         """Open an absolute directory path in one call, refusing symlinks in every component.
 
         For a ``path`` whose own prefix is already symlink-free (a realpath); None where
@@ -207,7 +207,7 @@ class Fs:
         if not self.openat2_ok:
             return None
         try:
-            return _openat2_dir(_AT_FDCWD, os.fsencode(path), _ABS_DIR_HOW)
+            return _openat2_dir(_AT_FDCWD, path, _ABS_DIR_HOW)
         except OSError as exc:
             if exc.errno in (errno.ENOSYS, errno.E2BIG, errno.EPERM):
                 self.openat2_ok = False

@@ -38,7 +38,7 @@ import socket
 import stat
 import threading
 import time
-from collections.abc import Iterator
+import typing
 
 import filelock
 
@@ -162,16 +162,20 @@ class _SoftLock(filelock.SoftFileLock):
 
 
 class _Local:
-    """The in-process lock of one lock path, and its SoftFileLock, kept while in use."""
+    """The in-process lock of one lock path, and its SoftFileLock (made on first use)."""
+
+    __slots__ = ("lock", "soft", "users")
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
-        self.users = 0
+        self.users = 0  # holders and waiters: an entry in use is never dropped
         self.soft: filelock.SoftFileLock | None = None
 
 
+@typing.final
 class Held:
-    """A lock we hold, and how long we may act on it.
+    """The transcript lock, held as a context manager (:meth:`Locks.hold`), and how
+    long we may act on it.
 
     Another host may reclaim our lock once its marker looks ``stale_lock_seconds``
     old *by that host's clock*; with clock skew that can come early. So before each
@@ -179,12 +183,55 @@ class Held:
     that it has held the lock for less than half the lifetime, and otherwise gives
     up with LOCK_EXPIRED (retryable: nothing was published). This is lease-style
     fencing: an overlap then needs a stall inside the publishing syscall itself.
+
+    A class rather than a generator context manager: it is on every append's path.
     """
 
-    def __init__(self, path: str, since: float, budget: float) -> None:
+    __slots__ = ("_entry", "_locks", "_operation", "budget", "path", "since")
+
+    def __init__(self, locks: Locks, path: str, operation: str) -> None:
+        self._locks = locks
         self.path = path
-        self.since = since
-        self.budget = budget
+        self._operation = operation
+        self.since = 0.0
+        self.budget = locks.stale / 2
+
+    def __enter__(self) -> Held:
+        locks, path, operation = self._locks, self.path, self._operation
+        deadline = time.monotonic() + locks.timeout
+        entry = self._entry = locks._use(path)
+        try:
+            if not entry.lock.acquire(timeout=max(locks.timeout, 0)):
+                raise locks._timeout(path, operation, None)
+            try:
+                soft = entry.soft
+                if soft is None:
+                    soft = entry.soft = _SoftLock(path, mode=locks.mode, thread_local=False, lifetime=locks.stale)
+                self.since = locks._acquire(soft, path, operation, deadline)
+            except BaseException:
+                entry.lock.release()
+                raise
+        except BaseException:
+            locks._done(entry)
+            raise
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        entry = self._entry
+        try:
+            try:
+                assert entry.soft is not None
+                entry.soft.release()
+            except OSError as exc:
+                # The work under the lock is done (a commit may be visible);
+                # failing now would make the caller retry it. A marker left
+                # behind is reclaimed like a crashed holder's.
+                log.warning("lock release failed: %s", exc, extra={
+                    "code": "LOCK_RELEASE_FAILED", "operation": self._operation, "path": self.path})
+            finally:
+                entry.lock.release()
+        finally:
+            self._locks._done(entry)
 
     def check(self, operation: str) -> None:
         held = time.monotonic() - self.since
@@ -204,55 +251,37 @@ class Locks:
         self.timeout = lock_timeout_seconds
         self.mode = mode
         self._guard = threading.Lock()
-        self._local: dict[str, _Local] = {}
-        # Recently used SoftFileLock objects: building one resolves its path and
-        # registers it (~150 us), so a writer that keeps appending reuses its own.
-        self._idle: collections.OrderedDict[str, filelock.SoftFileLock] = collections.OrderedDict()
+        # Every lock path lately used, least recent first, with its _Local: building a
+        # SoftFileLock resolves its path and registers it (~150 us), so a writer that
+        # keeps appending reuses its own. At most _IDLE_LOCKS unused ones are kept.
+        self._local: collections.OrderedDict[str, _Local] = collections.OrderedDict()
 
-    @contextlib.contextmanager
-    def hold(self, lock_path: str, operation: str) -> Iterator[Held]:
-        """Hold the transcript lock at ``lock_path``; LOCK_TIMEOUT if not had in time."""
-        deadline = time.monotonic() + self.timeout
+    def hold(self, lock_path: str, operation: str) -> Held:
+        """``with locks.hold(path, op) as held:`` holds the transcript lock at
+        ``lock_path``; LOCK_TIMEOUT if not had in time."""
+        return Held(self, lock_path, operation)
+
+    def _use(self, lock_path: str) -> _Local:
         with self._guard:
             entry = self._local.get(lock_path)
             if entry is None:
                 entry = self._local[lock_path] = _Local()
+                if len(self._local) > _IDLE_LOCKS:
+                    self._trim()
+            else:
+                self._local.move_to_end(lock_path)
             entry.users += 1
-            if entry.soft is None:
-                entry.soft = self._idle.pop(lock_path, None)
-        local = entry.lock
-        try:
-            if not local.acquire(timeout=max(self.timeout, 0)):
-                raise self._timeout(lock_path, operation, None)
-            try:
-                soft = entry.soft
-                if soft is None:
-                    soft = entry.soft = _SoftLock(
-                        lock_path, mode=self.mode, thread_local=False, lifetime=self.stale
-                    )
-                since = self._acquire(soft, lock_path, operation, deadline)
-                try:
-                    yield Held(lock_path, since, self.stale / 2)
-                finally:
-                    try:
-                        soft.release()
-                    except OSError as exc:
-                        # The work under the lock is done (a commit may be visible);
-                        # failing now would make the caller retry it. A marker left
-                        # behind is reclaimed like a crashed holder's.
-                        log.warning("lock release failed: %s", exc, extra={
-                            "code": "LOCK_RELEASE_FAILED", "operation": operation, "path": lock_path})
-            finally:
-                local.release()
-        finally:
-            with self._guard:
-                entry.users -= 1
-                if entry.users == 0:
-                    del self._local[lock_path]
-                    if entry.soft is not None:
-                        self._idle[lock_path] = entry.soft
-                        while len(self._idle) > _IDLE_LOCKS:
-                            self._idle.popitem(last=False)
+        return entry
+
+    def _trim(self) -> None:
+        """Drop the least recently used entries nobody is using, down to _IDLE_LOCKS."""
+        excess = len(self._local) - _IDLE_LOCKS
+        for path in [path for path, entry in self._local.items() if entry.users == 0][:excess]:
+            del self._local[path]
+
+    def _done(self, entry: _Local) -> None:
+        with self._guard:
+            entry.users -= 1
 
     def _acquire(
         self, soft: filelock.SoftFileLock, lock_path: str, operation: str, deadline: float

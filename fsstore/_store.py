@@ -71,7 +71,8 @@ class _Appending:
     key: TranscriptKey
     comps: list[Component]
     path: str  # <root>/<rel>, for messages
-    lock_name: str
+    lock_path: str  # <root>/.locks/<lock name>
+    abs_dir: bytes | None = None  # <realpath of root>/<rel>, once root was resolved
     state: State | None = None
     head: bytes | None = None
     spare_fd: int = -1
@@ -142,6 +143,7 @@ class SyncStore:
             if not 0 <= mode <= 0o7777:
                 raise ValueError(f"{name} must be a permission mode like 0o700, not {mode!r}")
         self.root = os.path.abspath(os.fspath(root))
+        self._locks_path = f"{self.root}/{_layout.LOCKS}"
         self._compact_every = compact_every
         self._fs = Fs(fsync=fsync, dir_mode=dir_mode, file_mode=file_mode)
         self._locks = Locks(
@@ -192,13 +194,17 @@ class SyncStore:
         return f"{self.root}/{_layout.rel(comps)}"
 
     def _lock_path(self, lock_name: str, operation: str) -> str:
-        """Path of a transcript's lock file, ``<root>/.locks`` checked to be a real directory.
+        """Path of a transcript's lock file, ``<root>/.locks`` checked (:meth:`_locks_dir`)."""
+        return f"{self._locks_dir(operation)}/{lock_name}"
+
+    def _locks_dir(self, operation: str) -> str:
+        """``<root>/.locks``, checked to be a real directory (created if missing).
 
         filelock opens the lock by path, so this runs before every acquire: a ``.locks``
         swapped for a symlink would otherwise take lock files outside root. It also
         creates the directory with ``dir_mode`` (filelock would use 0777 & ~umask).
         """
-        locks = f"{self.root}/{_layout.LOCKS}"
+        locks = self._locks_path
         try:
             st = os.lstat(locks)
         except FileNotFoundError:
@@ -208,17 +214,19 @@ class SyncStore:
             st = os.lstat(locks)
         if not stat.S_ISDIR(st.st_mode):
             raise _fsio.unsafe(locks, operation)
-        return f"{locks}/{lock_name}"
+        return locks
 
-    def _open_transcript(self, comps: list[Component], operation: str) -> int:
+    def _open_transcript(self, t: _Appending, operation: str) -> int:
         """Open (creating if needed) a transcript directory for writing."""
-        if self._real_root is not None:
-            fd = self._fs.open_abs_dir(f"{self._real_root}/{_layout.rel(comps)}")
+        if t.abs_dir is None and self._real_root is not None:
+            t.abs_dir = os.fsencode(f"{self._real_root}/{_layout.rel(t.comps)}")
+        if t.abs_dir is not None:
+            fd = self._fs.open_abs_dir(t.abs_dir)
             if fd is not None:
                 return fd
         with self._open_root(create=True) as rfd:
             assert rfd is not None
-            dfd = self._open(rfd, comps, operation, create=True)
+            dfd = self._open(rfd, t.comps, operation, create=True)
             assert dfd is not None
             self._real_root = os.path.realpath(self.root)
             self._fs.exchange_ok = _fsio.is_local_fs(self._real_root)
@@ -242,7 +250,8 @@ class SyncStore:
                     return known
         tk = _keys.parse_key(key, operation)
         comps = _layout.transcript_dirs(tk)
-        t = _Appending(key=tk, comps=comps, path=self._path(comps), lock_name=_layout.lock_name(comps))
+        t = _Appending(key=tk, comps=comps, path=self._path(comps),
+                       lock_path=f"{self._locks_path}/{_layout.lock_name(comps)}")
         with self._appending_guard:
             t = self._appending.setdefault((tk.project_key, tk.session_id, tk.subpath), t)
             while len(self._appending) > _APPENDING:
@@ -274,13 +283,14 @@ class SyncStore:
 
     def _append_once(self, t: _Appending, entries: list[dict[str, Any]], payload: bytes) -> None:
         op = "append"
-        dfd = self._open_transcript(t.comps, op)
+        dfd = self._open_transcript(t, op)
         try:
             tmp = _fsio.temp_name()
             self._fs.write_temp(dfd, tmp, payload)
             committed = False
             try:
-                with self._locks.hold(self._lock_path(t.lock_name, op), op) as held:
+                self._locks_dir(op)
+                with self._locks.hold(t.lock_path, op) as held:
                     state, state_mtime, opened = self._current_state(t, dfd)
                     try:
                         held.check(op)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import errno
 import hashlib
 import json
+import json.encoder
 import logging
 import math
 import os
@@ -17,7 +18,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from fsstore import FsSessionStore, FsStoreError, _fsio, _layout
+from fsstore import FsSessionStore, FsStoreError, _fsio, _layout, _transcript
 from fsstore._store import SyncStore
 
 from .conftest import KEY, entry
@@ -111,6 +112,36 @@ def test_entries_round_trip_deep_equal(tmp_path: Path, batch: list[dict[str, Any
     assert loaded == [e for i, e in enumerate(batch)
                       if not (isinstance(e.get("uuid"), str)
                               and any(p.get("uuid") == e["uuid"] for p in batch[:i]))]
+
+
+@settings(max_examples=300)
+@given(value=st.dictionaries(st.text(max_size=8), json_values | st.floats(), max_size=6))
+def test_the_prebuilt_encoder_writes_what_json_dumps_writes(value: dict[str, Any]) -> None:
+    # Part files hold json.dumps(entry, separators=(",", ":")) exactly; the encoder
+    # built once (_transcript._prebuilt_encoder) must not change a byte of it.
+    if json.encoder.c_make_encoder is not None:  # CPython: the prebuilt one is in use
+        assert _transcript._encode is not _transcript._ENCODER.encode
+    assert _transcript._encode(value) == json.dumps(value, separators=(",", ":"))
+
+
+@pytest.mark.parametrize("shape", ["circular", "nested 100,000 deep"])
+def test_circular_or_too_deep_entries_are_invalid_and_nothing_is_written(
+    store: SyncStore, root: Path, shape: str
+) -> None:
+    bad: dict[str, Any] = {"type": "x"}
+    if shape == "circular":
+        bad["self"] = bad
+    else:
+        inner = bad
+        for _ in range(100_000):
+            inner["v"] = inner = {}
+    store.append(KEY, [entry(1)])
+    before = sorted(map(str, all_files(root)))
+    with pytest.raises(FsStoreError) as info:
+        store.append(KEY, [entry(2), bad])
+    assert info.value.code == "INVALID_ENTRY" and "entry 1 is not JSON-serializable" in str(info.value)
+    assert sorted(map(str, all_files(root))) == before
+    assert store.load(KEY) == [entry(1)]
 
 
 def test_nan_and_infinity_round_trip(store: SyncStore) -> None:

@@ -327,3 +327,24 @@ def test_holder_stalled_inside_its_commit_move_loses_nothing(base: Path, procs: 
     v = assert_transcript(SyncStore(root).load(KEY), [("first", 0), ("contender", 2), ("stalled", 1)], 4)
     assert v.batches == [("first", 0), ("contender", 2), ("stalled", 1)]
     assert_summaries_consistent(SyncStore(root), KEY["project_key"])
+
+
+def test_kept_lock_objects_are_bounded_and_one_in_use_is_never_dropped(tmp_path: Path) -> None:
+    # A process keeps each lock path's SoftFileLock for reuse (building one costs
+    # ~150 us); hundreds of transcripts must not keep hundreds, and an entry that a
+    # holder is using must survive the trimming (else two in-process locks for one
+    # path would let two threads poll the same lock file).
+    from fsstore import _lock
+
+    locks = _lock.Locks(stale_lock_seconds=30, lock_timeout_seconds=5, mode=0o600)
+    first = str(tmp_path / "first.lock")
+    with locks.hold(first, "test") as held:
+        entry = locks._local[first]
+        for i in range(_lock._IDLE_LOCKS + 50):
+            with locks.hold(str(tmp_path / f"{i}.lock"), "test"):
+                pass
+        assert locks._local[first] is entry and held._entry is entry
+        assert len(locks._local) == _lock._IDLE_LOCKS
+    assert entry.users == 0 and not os.path.exists(first)
+    with locks.hold(first, "test"):  # still reused, and still works
+        assert locks._local[first] is entry and os.path.exists(first)
