@@ -474,15 +474,13 @@ def boot_id() -> str:
     return _boot_id
 
 
-def exchange(fs: Fs, dir_fd: int, a: str, b: str) -> bool:
+def exchange(fs: Fs, dir_fd: int, a: bytes, b: bytes) -> bool:
     """Swap the names ``a`` and ``b`` in one atomic step; False if ``b`` does not exist.
 
     Where the file system refuses RENAME_EXCHANGE, :attr:`Fs.exchange_ok` is turned
     off and NotImplementedError raised (nothing was moved).
     """
-    if _renameat2 is not None and _renameat2(
-        dir_fd, os.fsencode(a), dir_fd, os.fsencode(b), _RENAME_EXCHANGE
-    ) == 0:
+    if _renameat2 is not None and _renameat2(dir_fd, a, dir_fd, b, _RENAME_EXCHANGE) == 0:
         return True
     err = ctypes.get_errno() if _renameat2 is not None else errno.ENOSYS
     if err == errno.ENOENT:
@@ -490,7 +488,7 @@ def exchange(fs: Fs, dir_fd: int, a: str, b: str) -> bool:
     if err in (errno.EINVAL, errno.ENOSYS, errno.ENOTSUP, errno.EOPNOTSUPP):
         fs.exchange_ok = False
         raise NotImplementedError("RENAME_EXCHANGE")
-    raise OSError(err, os.strerror(err), b)
+    raise OSError(err, os.strerror(err), os.fsdecode(b))
 
 
 def move_noreplace(fs: Fs, dir_fd: int, src: str, dst: str) -> bool:

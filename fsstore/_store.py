@@ -24,6 +24,7 @@ from ._layout import Component
 from ._lock import Held, Locks
 from ._transcript import (
     State,
+    StateFile,
     Vanished,
     commit,
     dedupe,
@@ -61,11 +62,13 @@ class _Appending:
 
     The key is validated and its paths worked out once. ``state`` is the state this
     process last wrote and ``head`` how that write's state.json begins (its write
-    id): while state.json still begins so, nobody else has written since. Then the
-    spare state file is also still the one this process swapped out last time, and
-    ``spare_fd`` (kept open since) saves opening it by name. Both are only used
-    under the transcript's lock; ``spare_fd`` is closed when replaced or when the
-    object goes (an append in flight keeps its object alive).
+    id): while state.json still begins so, nobody else has written since. On a
+    local file system the two state files are then also still as this process left
+    them, and stay open between appends: ``current`` (state.json, the file it
+    swapped in) and ``spare`` (.state.spare, the one it swapped out). A steady
+    append then opens neither by name. Both are only used under the transcript's
+    lock, and closed whenever ``head`` is dropped or the object goes (an append in
+    flight keeps its object alive).
     """
 
     key: TranscriptKey
@@ -75,20 +78,18 @@ class _Appending:
     abs_dir: bytes | None = None  # <realpath of root>/<rel>, once root was resolved
     state: State | None = None
     head: bytes | None = None
-    spare_fd: int = -1
+    current: StateFile | None = None
+    spare: StateFile | None = None
 
-    def keep_spare(self, fd: int) -> None:
-        old, self.spare_fd = self.spare_fd, fd
-        if old >= 0:
-            os.close(old)
-
-    def take_spare(self) -> int:
-        fd, self.spare_fd = self.spare_fd, -1
-        return fd
+    def forget_files(self) -> None:
+        """Close the state files held open (someone else wrote, or a write failed)."""
+        for kept in (self.current, self.spare):
+            if kept is not None:
+                os.close(kept.fd)
+        self.current = self.spare = None
 
     def __del__(self) -> None:
-        if self.spare_fd >= 0:
-            os.close(self.spare_fd)
+        self.forget_files()
 
 
 def decode_entry(parent_fd: int, entry: os.DirEntry[str]) -> str | None:
@@ -296,25 +297,29 @@ class SyncStore:
                         held.check(op)
                         seq = commit(self._fs, dfd, tmp, state.seq)
                         committed = True
-                        spare, opened = opened, -1  # _finish_commit owns it from here
+                        spare, opened = opened, None  # _finish_commit owns it from here
                         self._finish_commit(t, dfd, held, state, state_mtime, seq, entries, spare)
                     finally:
-                        if opened >= 0:
-                            os.close(opened)
+                        if opened is not None:
+                            os.close(opened.fd)
             finally:
                 if not committed:
                     _fsio.unlink_quiet(dfd, tmp)
         finally:
             os.close(dfd)
 
-    def _current_state(self, t: _Appending, dfd: int) -> tuple[State, int, int]:
+    def _current_state(self, t: _Appending, dfd: int) -> tuple[State, int, StateFile | None]:
         """The transcript's state (under its lock), state.json's mtime (0 if none), and
-        state.json kept open for writing where it may become the next spare (else -1).
+        state.json held open for writing where it may become the next spare (else None).
 
         If state.json still begins with the head of this process's last write, nobody
-        wrote since and the state remembered is current: no parse. It is opened, not
-        stat'ed by name, so that NFS revalidates it (close-to-open consistency).
+        wrote since and the state remembered is current: no parse. Elsewhere than on
+        a local file system it is opened, not stat'ed by name, so that NFS
+        revalidates it (close-to-open consistency).
         """
+        kept = self._kept_state(t, dfd)
+        if kept is not None:
+            return kept
         read_only = _fsio.READ_FLAGS | os.O_NONBLOCK
         try:
             try:
@@ -324,31 +329,52 @@ class SyncStore:
                     raise
                 fd = os.open(_layout.STATE, read_only, dir_fd=dfd)  # another user's: read it only
         except FileNotFoundError:
-            t.keep_spare(-1)  # whatever the kept spare was, it is not this directory's
-            return rebuild_state(dfd), 0, -1
+            return rebuild_state(dfd), 0, None
         try:
             st = os.fstat(fd)
             raw = read_raw_state(fd, st)
             if t.head is None or not raw.startswith(t.head):
-                t.keep_spare(-1)  # someone else wrote: the spare may be theirs now
                 state = parse_state(raw)
             else:
                 assert t.state is not None
                 state = t.state.copy()
             if self._fs.exchange_ok and stat.S_ISREG(st.st_mode) and st.st_nlink == 1 \
                     and st.st_uid == os.geteuid():
-                keep, fd = fd, -1
+                keep, fd = StateFile.of(fd, st), -1
             else:
-                keep = -1
+                keep = None
         finally:
             if fd >= 0:
                 os.close(fd)
         return (state if state is not None else rebuild_state(dfd)), st.st_mtime_ns, keep
 
+    def _kept_state(self, t: _Appending, dfd: int) -> tuple[State, int, StateFile] | None:
+        """:meth:`_current_state` from the files held open since this process's last
+        append (local file systems): if state.json is still the file it swapped in
+        (same inode, which no other file can have while it is open) and still begins
+        with its head. Else the files are closed and None returned: read by name."""
+        current, t.current = t.current, None
+        if current is not None and t.head is not None and t.state is not None:
+            try:
+                st = os.stat(_layout.STATE, dir_fd=dfd, follow_symlinks=False)
+                if (st.st_dev, st.st_ino) == current.ident and st.st_nlink == 1 \
+                        and os.pread(current.fd, len(t.head), 0) == t.head:
+                    found, current = current, None
+                    return t.state.copy(), st.st_mtime_ns, found
+            except OSError:
+                pass  # gone or unreadable by name: the open by name finds out what
+            finally:
+                if current is not None:
+                    os.close(current.fd)
+        elif current is not None:
+            os.close(current.fd)
+        t.forget_files()  # someone else wrote (or nothing is held): the spare may be theirs
+        return None
+
     def _remember_state(self, t: _Appending, head: bytes | None, state: State) -> None:
         t.state, t.head = (state, head) if head is not None else (None, None)
         if head is None:
-            t.keep_spare(-1)
+            t.forget_files()
 
     def _finish_commit(
         self,
@@ -359,11 +385,11 @@ class SyncStore:
         state_mtime: int,
         seq: int,
         entries: list[dict[str, Any]],
-        opened: int,
+        opened: StateFile | None,
     ) -> None:
         """Everything after the commit point. Nothing here fails the append.
 
-        ``opened`` is state.json, open for writing (or -1): once the new state is
+        ``opened`` is state.json, open for writing (or None): once the new state is
         swapped in, it is the spare, kept for the next append (this takes it over).
 
         The batch is visible from the moment it got its name; raising now would make
@@ -387,18 +413,19 @@ class SyncStore:
             # on, and an old sequence in state.json could send later commits into a
             # segment's range. The state stays behind, which heals.
             held.check("append")
-            head, swapped = write_state(self._fs, dfd, new, after_ns=state_mtime, spare=t.take_spare())
+            spare, t.spare = t.spare, None  # write_state closes it or hands it back
+            head, current = write_state(self._fs, dfd, new, after_ns=state_mtime, spare=spare, keep=True)
         except (OSError, FsStoreError) as exc:
-            if opened >= 0:
-                os.close(opened)
+            if opened is not None:
+                os.close(opened.fd)
             self._remember_state(t, None, new)
             log_state_failure(exc, path)
             return
         self._remember_state(t, head, new)
-        if swapped and opened >= 0:
-            t.keep_spare(opened)
-        elif opened >= 0:
-            os.close(opened)
+        if current is not None:  # swapped: the previous state.json is the spare now
+            t.current, t.spare = current, opened
+        elif opened is not None:
+            os.close(opened.fd)
         if self._compact_every and seq - new.compacted >= self._compact_every:
             self._auto_compact(t, dfd, held, new)
 

@@ -145,7 +145,9 @@ class State:
 
     def to_bytes(self, write_id: str = "", boot: str | None = None) -> bytes:
         """JSON starting with :func:`state_head` and ending in ``"check"``: the CRC-32
-        of the same object without it.
+        of the same object without it, padded with spaces to 10 characters (so the
+        length of a state does not depend on its check: a rewrite in place of a
+        state as long as the last one needs no truncate).
 
         ``write_id`` names this one write (see :func:`write_state`); ``boot`` marks a
         state rewritten in place.
@@ -155,7 +157,7 @@ class State:
         if boot is not None:
             doc["boot"] = boot
         body = _encode(doc).encode("ascii")
-        return b'%s,"check":%d}' % (body[:-1], zlib.crc32(body))
+        return b'%s,"check":%-10d}' % (body[:-1], zlib.crc32(body))
 
 
 def _checked(raw: bytes, doc: dict[str, Any]) -> bool:
@@ -227,14 +229,28 @@ def state_head(write_id: str) -> bytes:
     return b'{"format":2,"id":"%s",' % write_id.encode("ascii")
 
 
+@dataclass
+class StateFile:
+    """A state file a writer holds open between appends (local file systems only)."""
+
+    fd: int
+    ident: tuple[int, int]  # (st_dev, st_ino): no other file has them while fd is open
+
+    @classmethod
+    def of(cls, fd: int, st: os.stat_result) -> StateFile:
+        return cls(fd, (st.st_dev, st.st_ino))
+
+
 def write_state(
-    fs: _fsio.Fs, dir_fd: int, state: State, *, after_ns: int = 0, spare: int = -1
-) -> tuple[bytes, bool]:
+    fs: _fsio.Fs, dir_fd: int, state: State, *, after_ns: int = 0, spare: StateFile | None = None,
+    keep: bool = False,
+) -> tuple[bytes, StateFile | None]:
     """Replace state.json (a hint, so never fsynced).
 
     Returns how the new file begins (:func:`state_head`: each write has its own id,
     so a writer that later finds state.json beginning so knows nobody wrote since)
-    and whether it was swapped in (so the previous state file is now the spare).
+    and, with ``keep``, the new state.json still open if it was swapped in (the
+    previous state file is then the spare); else None, and nothing is left open.
 
     Its mtime is the session's mtime for the SDK, which compares a summary's mtime
     with list_sessions' in whole milliseconds: with ``after_ns`` (the previous
@@ -244,9 +260,9 @@ def write_state(
     On local file systems (:attr:`fsstore._fsio.Fs.exchange_ok`) the previous
     state file is kept as ``.state.spare``, rewritten with the new state and swapped
     with state.json in one RENAME_EXCHANGE: no file is created or freed per commit,
-    which on ext4 is most of what a commit costs. ``spare`` is an open descriptor of
-    ``.state.spare`` if the caller has one it knows is still that file (it is
-    closed here); otherwise the spare is opened by name. A reader that opened
+    which on ext4 is most of what a commit costs. ``spare`` is ``.state.spare``
+    held open, if the caller knows it is still that file (it is closed here, or
+    returned); otherwise the spare is opened by name. A reader that opened
     state.json just before two such swaps could read a mix; the check field tells
     (see :func:`parse_state`). A rewrite of existing blocks is not ordered with the
     journal, so after a power loss state.json may hold an older state that passes
@@ -261,18 +277,25 @@ def write_state(
     head = state_head(write_id)
     if fs.exchange_ok:
         data = state.to_bytes(write_id, _fsio.boot_id())
-        size = -1
-        if spare < 0:
+        if spare is None:
             try:
-                spare, size = _open_spare(fs, dir_fd)
+                spare = _open_spare(fs, dir_fd)
             except OSError:
-                spare = -1  # something that cannot be replaced sits there: a new file instead
-        if spare >= 0:
-            return head, _rewrite_spare(fs, dir_fd, spare, size, data, after_ns)
+                spare = None  # something that cannot be replaced sits there: a new file instead
+        if spare is not None:
+            try:
+                swapped = _rewrite_spare(fs, dir_fd, spare, data, after_ns)
+            except BaseException:
+                os.close(spare.fd)
+                raise
+            if swapped and keep:
+                return head, spare
+            os.close(spare.fd)
+            return head, None
     else:
         data = state.to_bytes(write_id)
-    if spare >= 0:
-        os.close(spare)
+    if spare is not None:
+        os.close(spare.fd)
     tmp = _fsio.temp_name("-state")
     st = fs.write_new(dir_fd, tmp, data, sync=False)
     try:
@@ -281,7 +304,7 @@ def write_state(
     except OSError:
         _fsio.unlink_quiet(dir_fd, tmp)
         raise
-    return head, False
+    return head, None
 
 
 def _later_than(mtime: int, after_ns: int, target: int | str, dir_fd: int) -> int:
@@ -295,21 +318,19 @@ def _later_than(mtime: int, after_ns: int, target: int | str, dir_fd: int) -> in
     return mtime
 
 
-def _rewrite_spare(fs: _fsio.Fs, dir_fd: int, fd: int, size: int, data: bytes, after_ns: int) -> bool:
-    """Write ``data`` into the open spare ``fd`` (closed here) and swap it in; True if
-    swapped (False: it was renamed to state.json, there being none, or no exchange)."""
+def _rewrite_spare(fs: _fsio.Fs, dir_fd: int, spare: StateFile, data: bytes, after_ns: int) -> bool:
+    """Write ``data`` into the open ``spare`` and swap it in; True if swapped (False:
+    it was renamed to state.json, there being none, or the mount refused the swap)."""
+    fd = spare.fd
+    done = os.pwrite(fd, data, 0)
+    while done < len(data):
+        done += os.pwrite(fd, memoryview(data)[done:], done)
+    st = os.fstat(fd)
+    if st.st_size > len(data):  # (its mtime is then later still: fine for _later_than)
+        os.ftruncate(fd, len(data))
+    _later_than(st.st_mtime_ns, after_ns, fd, dir_fd)
     try:
-        view = memoryview(data)
-        while view:
-            view = view[os.pwrite(fd, view, len(data) - len(view)) :]
-        if size < 0 or size > len(data):
-            os.ftruncate(fd, len(data))
-        st = os.fstat(fd)
-        _later_than(st.st_mtime_ns, after_ns, fd, dir_fd)
-    finally:
-        os.close(fd)
-    try:
-        if _fsio.exchange(fs, dir_fd, _layout.STATE_SPARE, _layout.STATE):
+        if _fsio.exchange(fs, dir_fd, _SPARE_NAME, _STATE_NAME):
             return True
     except NotImplementedError:  # refused by this mount: new files from now on
         pass
@@ -318,15 +339,19 @@ def _rewrite_spare(fs: _fsio.Fs, dir_fd: int, fd: int, size: int, data: bytes, a
     return False
 
 
-def _open_spare(fs: _fsio.Fs, dir_fd: int) -> tuple[int, int]:
-    """The spare state file for writing, and its size; anything else found under its
-    name is replaced.
+_SPARE_NAME, _STATE_NAME = os.fsencode(_layout.STATE_SPARE), os.fsencode(_layout.STATE)
+
+
+def _open_spare(fs: _fsio.Fs, dir_fd: int) -> StateFile:
+    """The spare state file, open for writing; anything else found under its name is
+    replaced.
 
     Only a regular file with one link, owned by this user, is written into: a
     symlink, FIFO or hard link planted there would make the rewrite land elsewhere,
     and another user's file could not take our mode or mtime.
     """
-    flags = os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
+    # Read too: held open as state.json after the swap, its head is checked by pread.
+    flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
     for _attempt in range(2):
         try:
             fd = os.open(_layout.STATE_SPARE, flags, fs.file_mode, dir_fd=dir_fd)
@@ -340,7 +365,7 @@ def _open_spare(fs: _fsio.Fs, dir_fd: int) -> tuple[int, int]:
                     if stat.S_IMODE(st.st_mode) != fs.file_mode:
                         os.fchmod(fd, fs.file_mode)  # created under a umask, or changed by hand
                     fd, spare = -1, fd
-                    return spare, st.st_size
+                    return StateFile.of(spare, st)
             finally:
                 if fd >= 0:
                     os.close(fd)

@@ -181,8 +181,13 @@ def test_a_mount_refusing_rename_exchange_falls_back_to_new_files(
 def test_state_bytes_end_in_a_check_of_everything_before_it() -> None:
     raw = State(3, 3, {"data": {"x": "é"}}, 0).to_bytes()
     doc = json.loads(raw)
-    assert doc["format"] == 2 and raw.endswith(b',"check":%d}' % doc["check"])
+    assert doc["format"] == 2 and raw.endswith(b',"check":%-10d}' % doc["check"])
     assert _transcript._checked(raw, doc)
+    # The check is padded to a fixed width: a state's length does not depend on it.
+    lengths = {len(State(seq, seq, None, 0).to_bytes("id")) for seq in range(100, 1000)}
+    assert len(lengths) == 1
+    unpadded = raw[: raw.rfind(b":") + 1] + b"%d}" % doc["check"]  # as written before padding
+    assert _transcript._checked(unpadded, json.loads(unpadded))
 
 
 def test_a_state_rewritten_in_place_before_a_reboot_is_rebuilt_not_trusted(local_root: Path) -> None:
@@ -273,3 +278,24 @@ def test_a_state_with_a_sequence_no_part_can_carry_is_rebuilt(root: Path, seq: A
     SyncStore(root, compact_every=0).append(KEY, [entry(3)])
     assert parts_of(root, KEY) == [_layout.part_name(n) for n in range(1, 5)]
     assert store.load(KEY) == [entry(i) for i in range(4)]
+
+
+def test_a_held_state_file_swapped_back_by_another_writer_is_read_again(local_root: Path) -> None:
+    """A writer holds the state.json it swapped in and trusts it while state.json is
+    still that inode and begins with its write id. Another writer's next two swaps
+    bring the same inode back as state.json with their state in it (here: after a
+    compaction, so the remembered sequence points inside the segment). The write id
+    tells: the writer reads the file again and commits after the segment."""
+    root = local_root
+    a, b = SyncStore(root, compact_every=0), SyncStore(root, compact_every=0)
+    a.append(KEY, [entry(0)])
+    a.append(KEY, [entry(1)])  # a now holds state.json (and the spare) open
+    (held,) = a._appending.values()
+    assert held.current is not None
+    b.append(KEY, [entry(2)])  # swaps the spare in: state.json is the other inode
+    b.compact(KEY)  # swaps again: a's held inode is state.json again, b's state in it
+    st = os.stat(tdir(root, KEY) / _layout.STATE)
+    assert (st.st_dev, st.st_ino) == held.current.ident  # the case this test is about
+    a.append(KEY, [entry(3)])
+    assert SyncStore(root).load(KEY) == [entry(i) for i in range(4)]
+    assert parts_of(root, KEY)[-1] == _layout.part_name(4)
