@@ -53,21 +53,27 @@ def _read_umask() -> int:
 UMASK = _read_umask()
 
 
-_temp_pid = 0
 _temp_prefix = ""
 _temp_count = itertools.count()
+
+
+def _new_temp_prefix() -> None:
+    global _temp_prefix
+    _temp_prefix = f"{TEMP_PREFIX}{os.getpid()}-{secrets.token_hex(6)}-"
+
+
+_new_temp_prefix()
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_new_temp_prefix)
 
 
 def temp_name(tag: str = "") -> str:
     """A fresh temp-file name: never a part, never a key (it starts with '.').
 
-    ``.tmp-<pid>-<random>-<counter>``: the random part is drawn once per process (and
-    again after a fork), so naming a temp file costs no system call.
+    ``.tmp-<pid>-<random>-<counter>``: the pid and random part are drawn once per
+    process (and again in a forked child), so naming a temp file costs no system
+    call (``os.getpid()`` is one, glibc no longer caches it).
     """
-    global _temp_pid, _temp_prefix
-    pid = os.getpid()
-    if pid != _temp_pid:
-        _temp_pid, _temp_prefix = pid, f"{TEMP_PREFIX}{pid}-{secrets.token_hex(6)}-"
     return f"{_temp_prefix}{next(_temp_count)}{tag}"
 
 

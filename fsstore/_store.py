@@ -75,6 +75,7 @@ class _Appending:
     comps: list[Component]
     path: str  # <root>/<rel>, for messages
     lock_path: str  # <root>/.locks/<lock name>
+    sdk_key: dict[str, str]  # the key as the SDK's summary fold takes it
     abs_dir: bytes | None = None  # <realpath of root>/<rel>, once root was resolved
     state: State | None = None
     head: bytes | None = None
@@ -252,7 +253,7 @@ class SyncStore:
         tk = _keys.parse_key(key, operation)
         comps = _layout.transcript_dirs(tk)
         t = _Appending(key=tk, comps=comps, path=self._path(comps),
-                       lock_path=f"{self._locks_path}/{_layout.lock_name(comps)}")
+                       lock_path=f"{self._locks_path}/{_layout.lock_name(comps)}", sdk_key=tk.as_dict())
         with self._appending_guard:
             t = self._appending.setdefault((tk.project_key, tk.session_id, tk.subpath), t)
             while len(self._appending) > _APPENDING:
@@ -458,9 +459,11 @@ class SyncStore:
         new = State(max(seq, state.seq), state.folded, state.summary, state.compacted)
         if t.key.subpath is not None or self._fold is None:
             return new
-        key, path = t.key.as_dict(), t.path
+        key, path = t.sdk_key, t.path
+        summary, folded = state.summary, state.folded
         try:
-            summary, folded = self._catch_up(dfd, path, key, state.summary, state.folded, seq - 1)
+            if folded < seq - 1:  # parts committed by writers that did not fold them
+                summary, folded = self._catch_up(dfd, path, key, summary, folded, seq - 1)
             if folded < seq:
                 summary, folded = _summaries.fold(self._fold, summary, key, [entries]), seq
         except (OSError, FsStoreError, Vanished) as exc:

@@ -845,3 +845,22 @@ def test_a_session_dated_before_1970_is_listed(store: SyncStore, root: Path) -> 
     os.utime(state, ns=(-10**9, -10**9))
     listed = {s["session_id"]: s["mtime"] for s in store.list_sessions(KEY["project_key"])}
     assert listed.keys() == {"good", "old"} and listed["old"] == -1000
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_a_forked_child_names_its_temp_files_apart_from_its_parent() -> None:
+    # The pid and random part of temp names are drawn once per process (no getpid()
+    # per append), and again in a forked child: else both would count from the same
+    # prefix, and an O_EXCL temp file of one could be mistaken for the other's.
+    parent = _fsio.temp_name()
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child
+        os.write(w, _fsio.temp_name().encode())
+        os._exit(0)
+    os.close(w)
+    child = os.read(r, 200).decode()
+    os.close(r)
+    os.waitpid(pid, 0)
+    assert child.rsplit("-", 1)[0] != parent.rsplit("-", 1)[0]
+    assert f"-{pid}-" in child and f"-{os.getpid()}-" in parent
