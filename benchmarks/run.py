@@ -149,8 +149,9 @@ def fs_type(path: str) -> str:
     return kind
 
 
-def bench_append(n: int, base: str | None, where: str) -> None:
-    print(f"append, one writer, fsync off, on {where} (async API vs floor a + thread hop b)", flush=True)
+def _append_round(n: int, base: str | None, seed: int) -> tuple[str, dict[str, float]]:
+    """One round of the append comparison, in its own event loop (so with its own
+    worker thread): p50 in µs of each operation, interleaved in a shuffled order."""
     with scratch(base) as d:
         kind = fs_type(str(d))
         store = FsSessionStore(d / "store")
@@ -174,7 +175,7 @@ def bench_append(n: int, base: str | None, where: str) -> None:
             ("plain", lambda b: plain.append(KEY, b)),
             ("a_thread", lambda b: anyio.to_thread.run_sync(floor_t.op, b)),
         ]
-        rng = random.Random(5)
+        rng = random.Random(seed)
 
         async def main() -> None:
             for i, b in enumerate(batches):
@@ -186,9 +187,25 @@ def bench_append(n: int, base: str | None, where: str) -> None:
                         times[name].append(time.perf_counter() - t0)
 
         anyio.run(main)
-    s, a, b, r, pl, at = (p50(times[k]) * 1e6 for k in ("store", "a", "b", "raw", "plain", "a_thread"))
+    return kind, {k: p50(v) * 1e6 for k, v in times.items()}
+
+
+def bench_append(n: int, base: str | None, where: str, rounds: int = 3) -> None:
+    """The append comparison in ``rounds`` rounds of n/rounds batches; the round with the
+    median ratio is reported. Each round has its own event loop and worker thread:
+    on these VMs where the scheduler puts the worker thread moves a whole round's
+    async figures by -15% to +12% against work on the calling thread (measured:
+    floor a run in the worker thread / (a + b) measured apart, per round)."""
+    print(f"append, one writer, fsync off, on {where} (async API vs floor a + thread hop b, "
+          f"median of {rounds} rounds)", flush=True)
+    results = [_append_round(n // rounds, base, seed) for seed in range(rounds)]
+    kind = results[0][0]
+    ratios = sorted((m["store"] / (m["a"] + m["b"]), i) for i, (_k, m) in enumerate(results))
+    m = results[ratios[len(ratios) // 2][1]][1]
+    s, a, b, r, pl, at = (m[k] for k in ("store", "a", "b", "raw", "plain", "a_thread"))
     row(f"append p50 / (floor a + hop b), {where} ({kind})", s, a + b, 1.3,
-        note=f"floor a {a:.0f} µs (SoftFileLock {a - r:.0f} µs of it), hop b {b:.0f} µs")
+        note=f"floor a {a:.0f} µs (SoftFileLock {a - r:.0f} µs of it), hop b {b:.0f} µs; "
+             f"median of {rounds} rounds: " + ", ".join(f"{x:.2f}" for x, _i in ratios))
     row(f"append p50 without summary upkeep / (floor a + hop b), {where}", pl, a + b, float("inf"),
         note="informational: summaries=False, i.e. without claude_agent_sdk's fold")
     row(f"append p50 / (raw O_EXCL floor + hop b), {where}", s, r + b, float("inf"),
@@ -198,7 +215,8 @@ def bench_append(n: int, base: str | None, where: str) -> None:
              f"{a + b:.0f} µs)")
     EXTRA[f"append_{where}"] = {"fs": kind, "store_p50_us": s, "no_summary_p50_us": pl, "floor_a_p50_us": a,
                                 "floor_a_in_thread_p50_us": at,
-                                "hop_b_p50_us": b, "raw_floor_p50_us": r, "filelock_cost_us": a - r}
+                                "hop_b_p50_us": b, "raw_floor_p50_us": r, "filelock_cost_us": a - r,
+                                "rounds": [dict(mm, fs=k) for k, mm in results]}
 
 
 def bench_fsync(n: int, base: str | None) -> None:
