@@ -39,6 +39,7 @@ import stat
 import threading
 import time
 import typing
+import weakref
 
 import filelock
 
@@ -250,6 +251,12 @@ class Locks:
         self.stale = stale_lock_seconds
         self.timeout = lock_timeout_seconds
         self.mode = mode
+        self._forget_all()
+        _ALL.add(self)
+
+    def _forget_all(self) -> None:
+        """Start with no lock objects (also in a forked child: filelock refuses to use
+        a parent's, and a thread that held the guard does not exist there)."""
         self._guard = threading.Lock()
         # Every lock path lately used, least recent first, with its _Local: building a
         # SoftFileLock resolves its path and registers it (~150 us), so a writer that
@@ -314,3 +321,15 @@ class Locks:
             operation=operation,
             path=path,
         )
+
+
+_ALL: weakref.WeakSet[Locks] = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    for locks in list(_ALL):
+        locks._forget_all()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)

@@ -13,6 +13,7 @@ import errno
 import os
 import stat
 import threading
+import weakref
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -157,13 +158,19 @@ class SyncStore:
         # The root with its own symlinks resolved (the operator's choice, resolved once):
         # lets an append open its transcript directory in a single openat2 call.
         self._real_root: str | None = None
+        self._forget_appending()
+        _ALL_STORES.add(self)
+        if summaries is True and self._fold is None:
+            raise ValueError("summaries=True needs claude-agent-sdk (pip install fsstore[claude])")
+
+    def _forget_appending(self) -> None:
+        """Remember no transcript (also in a forked child: its state files are the
+        parent's descriptors, and a thread that held the guard does not exist there)."""
         # The transcripts this process appended to lately (see _Appending).
         self._appending: collections.OrderedDict[tuple[str, str, str | None], _Appending] = (
             collections.OrderedDict()
         )
         self._appending_guard = threading.Lock()
-        if summaries is True and self._fold is None:
-            raise ValueError("summaries=True needs claude-agent-sdk (pip install fsstore[claude])")
 
     # -- plumbing ------------------------------------------------------------------
 
@@ -808,3 +815,15 @@ class SyncStore:
             yield
         finally:
             hold.__exit__(None, None, None)
+
+
+_ALL_STORES: weakref.WeakSet[SyncStore] = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    for store in list(_ALL_STORES):
+        store._forget_appending()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)

@@ -864,3 +864,26 @@ def test_a_forked_child_names_its_temp_files_apart_from_its_parent() -> None:
     os.waitpid(pid, 0)
     assert child.rsplit("-", 1)[0] != parent.rsplit("-", 1)[0]
     assert f"-{pid}-" in child and f"-{os.getpid()}-" in parent
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_a_store_used_before_a_fork_works_in_the_child_and_the_parent(root: Path) -> None:
+    # multiprocessing's default start method on Linux (before 3.14) is fork: a store
+    # made and used at import time is then used by every child. filelock refuses a
+    # lock object inherited across a fork, and the held state files are the parent's
+    # descriptors: the child must start from nothing of either (found by review).
+    store = SyncStore(root, compact_every=0)
+    store.append(KEY, [entry(1)])
+    store.append(KEY, [entry(2)])  # the state files are held open from here on
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child
+        code = 1
+        try:
+            store.append(KEY, [entry(3)])
+            code = 0 if store.load(KEY) == [entry(1), entry(2), entry(3)] else 2
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    store.append(KEY, [entry(4)])
+    assert SyncStore(root).load(KEY) == [entry(i) for i in range(1, 5)]
