@@ -52,8 +52,9 @@ _APPEND_ATTEMPTS = 50
 
 
 _STATE_SUFFIX = f"/{_layout.STATE}".encode("ascii")
-# Transcripts an appending process remembers (validated key, paths, state, a spare fd).
-_APPENDING = 64
+# Transcripts an appending process remembers (validated key, paths, state, the two
+# state files held open: at most 2 x 32 descriptors per store).
+_APPENDING = 32
 _STATE_RW = os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
 
 
@@ -357,26 +358,31 @@ class SyncStore:
         return (state if state is not None else rebuild_state(dfd)), st.st_mtime_ns, keep
 
     def _kept_state(self, t: _Appending, dfd: int) -> tuple[State, int, StateFile] | None:
-        """:meth:`_current_state` from the files held open since this process's last
-        append (local file systems): if state.json is still the file it swapped in
-        (same inode, which no other file can have while it is open) and still begins
-        with its head. Else the files are closed and None returned: read by name."""
-        current, t.current = t.current, None
-        if current is not None and t.head is not None and t.state is not None:
+        """:meth:`_current_state` from the two state files held open since this
+        process's last append (local file systems), if nobody else wrote since:
+
+        - the file it swapped in still has one link (no rename replaced it, no hard
+          link shares it) and still begins with its write id (another writer's
+          rewrite in place begins with theirs): an fstat and a pread, no lookup;
+        - ``.state.spare`` is still the file it swapped out (same inode, which no
+          other file can have while it is held open; one link). Every other
+          writer's swap moves one of the two; and anything planted at that name is
+          caught here, before a swap could make it state.json.
+
+        Else both are closed and None returned: state.json is then read by name.
+        """
+        current, spare = t.current, t.spare
+        if current is not None and spare is not None and t.head is not None and t.state is not None:
             try:
-                st = os.stat(_layout.STATE, dir_fd=dfd, follow_symlinks=False)
-                if (st.st_dev, st.st_ino) == current.ident and st.st_nlink == 1 \
-                        and os.pread(current.fd, len(t.head), 0) == t.head:
-                    found, current = current, None
-                    return t.state.copy(), st.st_mtime_ns, found
+                st = os.fstat(current.fd)
+                if st.st_nlink == 1 and os.pread(current.fd, len(t.head), 0) == t.head:
+                    at_spare = os.stat(_layout.STATE_SPARE, dir_fd=dfd, follow_symlinks=False)
+                    if (at_spare.st_dev, at_spare.st_ino) == spare.ident and at_spare.st_nlink == 1:
+                        t.current = None  # the caller's now (it becomes the spare)
+                        return t.state.copy(), st.st_mtime_ns, current
             except OSError:
-                pass  # gone or unreadable by name: the open by name finds out what
-            finally:
-                if current is not None:
-                    os.close(current.fd)
-        elif current is not None:
-            os.close(current.fd)
-        t.forget_files()  # someone else wrote (or nothing is held): the spare may be theirs
+                pass  # unreadable, or nothing at the spare's name: read by name
+        t.forget_files()  # someone else wrote (or not both are held)
         return None
 
     def _remember_state(self, t: _Appending, head: bytes | None, state: State) -> None:

@@ -57,6 +57,7 @@ import json
 import json.encoder
 import os
 import stat
+import threading
 import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -73,25 +74,37 @@ def _prebuilt_encoder() -> Callable[[Any], str]:
 
     ``JSONEncoder.encode`` makes a new ``json.encoder.c_make_encoder`` object per call
     (~3 µs: as much as encoding a typical entry, and an append encodes one per
-    entry). Here it is made once (same arguments as ``JSONEncoder.iterencode``
-    passes, CPython 3.6 to 3.13) and used only if it encodes a probe exactly as
-    ``_ENCODER`` does; otherwise ``_ENCODER.encode`` it is. One difference, on
-    purpose: no circular-reference markers (a markers dict shared by threads would
-    report false cycles), so a cycle ends in RecursionError, not ValueError: both
-    are INVALID_ENTRY.
+    entry). Here each thread makes one (same arguments as ``JSONEncoder.iterencode``
+    passes, CPython 3.6 to 3.13), used only if it encodes a probe exactly as
+    ``_ENCODER`` does; otherwise ``_ENCODER.encode`` it is. Each thread has its own
+    because of the circular-reference markers: a dict of the containers being
+    encoded, which a failed call leaves filled (cleared here), and which another
+    thread's call would see. Without markers a cycle would recurse until the C
+    stack overflows under a raised recursion limit before Python 3.12 (a crash,
+    found by review), instead of a ValueError.
     """
     make = getattr(json.encoder, "c_make_encoder", None)
-    probe = {"s": 'a"\\\n\u00e9\u2028\U0001f600', "n": [0, -1, 10**40, 2.5, 1e300, float("nan"),
-             float("inf"), -float("inf"), True, False, None], "o": {"": {}, "1": [[]]}}
     if make is None:  # no C accelerator (another Python implementation)
         return _ENCODER.encode
-    try:
-        encoder = make(None, _ENCODER.default, json.encoder.encode_basestring_ascii, None,
-                       ":", ",", False, False, True)
+    per_thread = threading.local()
 
-        def encode(o: Any) -> str:
+    def encode(o: Any) -> str:
+        try:
+            encoder, markers = per_thread.encoder, per_thread.markers
+        except AttributeError:
+            markers = per_thread.markers = {}
+            encoder = per_thread.encoder = make(
+                markers, _ENCODER.default, json.encoder.encode_basestring_ascii, None,
+                ":", ",", False, False, True)
+        try:
             return "".join(encoder(o, 0))
+        except BaseException:
+            markers.clear()  # what the failed call was inside of
+            raise
 
+    probe = {"s": 'a"\\\n\u00e9\u2028\U0001f600', "n": [0, -1, 10**40, 2.5, 1e300, float("nan"),
+             float("inf"), -float("inf"), True, False, None], "o": {"": {}, "1": [[]]}}
+    try:
         same = encode(probe) == _ENCODER.encode(probe)
     except (TypeError, ValueError):  # another signature
         same = False
@@ -120,7 +133,7 @@ def encode_batch(entries: object, operation: str) -> bytes:
         try:
             lines.append(_encode(entry))
         except (TypeError, ValueError, RecursionError) as exc:
-            why = "nested too deeply, or circular" if isinstance(exc, RecursionError) else exc
+            why = "nested too deeply" if isinstance(exc, RecursionError) else exc
             raise FsStoreError(
                 "INVALID_ENTRY", f"entry {i} is not JSON-serializable: {why}", operation=operation
             ) from exc

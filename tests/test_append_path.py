@@ -85,8 +85,8 @@ async def test_cancelled_append_commits_whole_or_not_at_all(root: Path) -> None:
 
 def test_a_steady_append_opens_no_state_file_and_creates_none(root: Path) -> None:
     """docs/format.md: on a local file system both state files stay open between
-    appends (state.json is stat'ed, neither is opened by name) and the rewritten
-    spare is swapped in, never a new file."""
+    appends (the spare's name is stat'ed, neither is opened by name) and the
+    rewritten spare is swapped in, never a new file."""
     from fsstore import _fsio
 
     root.mkdir(parents=True)
@@ -95,5 +95,5 @@ def test_a_steady_append_opens_no_state_file_and_creates_none(root: Path) -> Non
     lines = traced_lines(root, 12, (10,), compact_every=0)[10]
     assert [ln for ln in lines if re.search(r"\brenameat2\(.*\.state\.spare.*state\.json", ln)]
     assert not [ln for ln in lines if re.search(r"\bopenat2?\(.*state\.(spare|json)", ln)]
-    assert [ln for ln in lines if re.search(r"\b(newfstatat|statx)\(.*\"state\.json\"", ln)]
+    assert [ln for ln in lines if re.search(r"\b(newfstatat|statx)\(.*\"\.state\.spare\"", ln)]
     assert not [ln for ln in lines if "-state\"" in ln]  # no temp state file

@@ -128,12 +128,16 @@ def test_a_read_that_mixes_two_writes_is_never_taken_for_a_state(a: State, b: St
 
 
 @pytest.mark.parametrize("planted", ["symlink", "fifo", "hardlink", "directory"])
+@pytest.mark.parametrize("before", [1, 3], ids=["spare not held yet", "spare held open"])
 def test_whatever_is_planted_at_the_spare_name_is_never_written_through(
-    local_root: Path, planted: str
+    local_root: Path, planted: str, before: int
 ) -> None:
+    """With the spare held open, the swap would have moved the planted thing into
+    state.json (every later append failing EISDIR or ELOOP; found by review)."""
     root = local_root
     store = SyncStore(root, compact_every=0)
-    store.append(KEY, [entry(0)])
+    for i in range(before):
+        store.append(KEY, [entry(i)])
     spare = tdir(root, KEY) / _layout.STATE_SPARE
     spare.unlink(missing_ok=True)
     victim = root.parent / "victim"  # beside root: a hard link needs the same file system
@@ -146,11 +150,34 @@ def test_whatever_is_planted_at_the_spare_name_is_never_written_through(
         os.link(victim, spare)
     else:
         spare.mkdir()
-    for i in range(1, 4):
+    for i in range(before, before + 3):
         store.append(KEY, [entry(i)])
     assert victim.read_text() == "precious"
-    assert SyncStore(root).load(KEY) == [entry(i) for i in range(4)]
-    assert json.loads((tdir(root, KEY) / _layout.STATE).read_text())["seq"] == 4
+    assert stat.S_ISREG(os.lstat(tdir(root, KEY) / _layout.STATE).st_mode)
+    assert SyncStore(root).load(KEY) == [entry(i) for i in range(before + 3)]
+    assert json.loads((tdir(root, KEY) / _layout.STATE).read_text())["seq"] == before + 3
+
+
+def test_an_old_state_put_at_the_spare_name_never_becomes_state_json(local_root: Path) -> None:
+    """A valid state from before a compaction, copied to .state.spare by hand while a
+    writer holds the spare: swapped in, it would send another writer's commit into
+    the segment (CORRUPT on load; found by review). The writer checks the name."""
+    root = local_root
+    a = SyncStore(root, compact_every=0)
+    for i in range(3):
+        a.append(KEY, [entry(i)])
+    old = (tdir(root, KEY) / _layout.STATE).read_bytes()  # seq 3
+    for i in range(3, 10):
+        a.append(KEY, [entry(i)])
+    a.compact(KEY)
+    a.append(KEY, [entry(10)])
+    a.append(KEY, [entry(11)])  # holds both state files again
+    spare = tdir(root, KEY) / _layout.STATE_SPARE
+    spare.unlink()
+    spare.write_bytes(old)
+    a.append(KEY, [entry(12)])
+    SyncStore(root, compact_every=0).append(KEY, [entry(13)])
+    assert SyncStore(root).load(KEY) == [entry(i) for i in range(14)]
 
 
 def test_a_mount_refusing_rename_exchange_falls_back_to_new_files(

@@ -18,7 +18,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from fsstore import FsSessionStore, FsStoreError, _fsio, _layout, _transcript
+from fsstore import FsSessionStore, FsStoreError, _fsio, _layout, _store, _transcript
 from fsstore._store import SyncStore
 
 from .conftest import KEY, entry
@@ -122,6 +122,43 @@ def test_the_prebuilt_encoder_writes_what_json_dumps_writes(value: dict[str, Any
     if json.encoder.c_make_encoder is not None:  # CPython: the prebuilt one is in use
         assert _transcript._encode is not _transcript._ENCODER.encode
     assert _transcript._encode(value) == json.dumps(value, separators=(",", ":"))
+
+
+def test_a_circular_entry_is_invalid_even_under_a_raised_recursion_limit(tmp_path: Path) -> None:
+    # Without cycle detection the C encoder recursed until the C stack overflowed
+    # (Python < 3.12 bounds it only by the recursion limit): a segfault (found by
+    # review). In a child process, so that a crash fails this test, not the run.
+    import subprocess
+    import sys
+
+    script = f"""
+import sys
+sys.path.insert(0, {str(Path(__file__).parent.parent)!r})
+from fsstore import FsStoreError
+from fsstore._store import SyncStore
+sys.setrecursionlimit(100_000)
+s = SyncStore({str(tmp_path / "s")!r})
+e = {{"type": "user"}}
+e["self"] = e
+try:
+    s.append({KEY!r}, [e])
+except FsStoreError as err:
+    print(err.code, err)
+"""
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60, check=False)
+    assert r.returncode == 0, r
+    assert r.stdout.startswith("INVALID_ENTRY") and "Circular reference" in r.stdout
+
+
+def test_an_entry_that_failed_to_encode_can_be_appended_once_fixed(store: SyncStore) -> None:
+    # A failed encode leaves the containers it was inside of in the encoder's
+    # cycle markers; left there, the same dict appended again reads as circular.
+    shared: dict[str, Any] = {"v": {1, 2}}
+    with pytest.raises(FsStoreError):
+        store.append(KEY, [{"type": "x", "s": shared}])
+    shared["v"] = [1, 2]
+    store.append(KEY, [{"type": "x", "s": shared}])
+    assert store.load(KEY) == [{"type": "x", "s": {"v": [1, 2]}}]
 
 
 @pytest.mark.parametrize("shape", ["circular", "nested 100,000 deep"])
@@ -738,7 +775,7 @@ def test_kept_descriptors_are_bounded_and_given_back_on_delete(root: Path) -> No
     for k in keys:
         store.append(k, [entry(1)])
         store.append(k, [entry(2)])  # from the second append on, both state files stay open
-    assert _open_fds() - before <= 2 * 64  # two for each of the last 64, never per transcript
+    assert _open_fds() - before <= 2 * _store._APPENDING  # two for each of the last few, never per transcript
     for k in keys:
         store.delete(k)
     assert _open_fds() <= before
