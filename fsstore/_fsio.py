@@ -16,6 +16,7 @@ import os
 import secrets
 import stat
 import sys
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -63,8 +64,27 @@ def _new_temp_prefix() -> None:
 
 
 _new_temp_prefix()
+_in_child: weakref.WeakKeyDictionary[Any, str] = weakref.WeakKeyDictionary()
+
+
+def in_forked_child(obj: object, method: str) -> None:
+    """Call ``obj.<method>()`` in a forked child, for as long as ``obj`` lives.
+
+    A child forked from a process that used a store inherits its lock objects
+    (filelock refuses them across a fork) and its held descriptors (the parent's
+    open files): the objects that keep them start over there.
+    """
+    _in_child[obj] = method
+
+
+def _after_fork_in_child() -> None:
+    _new_temp_prefix()
+    for obj, method in list(_in_child.items()):
+        getattr(obj, method)()
+
+
 if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_new_temp_prefix)
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def temp_name(tag: str = "") -> str:

@@ -39,10 +39,10 @@ import stat
 import threading
 import time
 import typing
-import weakref
 
 import filelock
 
+from . import _fsio
 from ._errors import FsStoreError, log
 
 _IDLE_LOCKS = 256
@@ -252,7 +252,7 @@ class Locks:
         self.timeout = lock_timeout_seconds
         self.mode = mode
         self._forget_all()
-        _ALL.add(self)
+        _fsio.in_forked_child(self, "_forget_all")
 
     def _forget_all(self) -> None:
         """Start with no lock objects (also in a forked child: filelock refuses to use
@@ -321,15 +321,3 @@ class Locks:
             operation=operation,
             path=path,
         )
-
-
-_ALL: weakref.WeakSet[Locks] = weakref.WeakSet()
-
-
-def _after_fork_in_child() -> None:
-    for locks in list(_ALL):
-        locks._forget_all()
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_after_fork_in_child)

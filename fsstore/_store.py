@@ -13,7 +13,6 @@ import errno
 import os
 import stat
 import threading
-import weakref
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -160,7 +159,7 @@ class SyncStore:
         # lets an append open its transcript directory in a single openat2 call.
         self._real_root: str | None = None
         self._forget_appending()
-        _ALL_STORES.add(self)
+        _fsio.in_forked_child(self, "_forget_appending")
         if summaries is True and self._fold is None:
             raise ValueError("summaries=True needs claude-agent-sdk (pip install fsstore[claude])")
 
@@ -821,15 +820,3 @@ class SyncStore:
             yield
         finally:
             hold.__exit__(None, None, None)
-
-
-_ALL_STORES: weakref.WeakSet[SyncStore] = weakref.WeakSet()
-
-
-def _after_fork_in_child() -> None:
-    for store in list(_ALL_STORES):
-        store._forget_appending()
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_after_fork_in_child)
