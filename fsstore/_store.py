@@ -54,7 +54,6 @@ _STATE_SUFFIX = f"/{_layout.STATE}".encode("ascii")
 # Transcripts an appending process remembers (validated key, paths, state, the two
 # state files held open: at most 2 x 32 descriptors per store).
 _APPENDING = 32
-_STATE_RW = os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
 
 
 @dataclasses.dataclass(eq=False)
@@ -237,9 +236,15 @@ class SyncStore:
             assert rfd is not None
             dfd = self._open(rfd, t.comps, operation, create=True)
             assert dfd is not None
-            self._real_root = os.path.realpath(self.root)
-            self._fs.exchange_ok = _fsio.is_local_fs(self._real_root)
+            self._resolve_root()
             return dfd
+
+    def _resolve_root(self) -> None:
+        """Resolve the (existing) root's own symlinks, and tell from its file-system
+        type whether state.json may be rewritten in place (``Fs.exchange_ok``): done
+        by whatever writes state.json first, an append or a compaction."""
+        self._real_root = os.path.realpath(self.root)
+        self._fs.exchange_ok = _fsio.is_local_fs(self._real_root)
 
     # -- append --------------------------------------------------------------------
 
@@ -331,7 +336,7 @@ class SyncStore:
         read_only = _fsio.READ_FLAGS | os.O_NONBLOCK
         try:
             try:
-                fd = os.open(_layout.STATE, _STATE_RW if self._fs.exchange_ok else read_only, dir_fd=dfd)
+                fd = os.open(_layout.STATE, _fsio.RW_FLAGS if self._fs.exchange_ok else read_only, dir_fd=dfd)
             except PermissionError:
                 if not self._fs.exchange_ok:
                     raise
@@ -472,10 +477,8 @@ class SyncStore:
         if t.key.subpath is not None or self._fold is None:
             return new
         key, path = t.sdk_key, t.path
-        summary, folded = state.summary, state.folded
         try:
-            if folded < seq - 1:  # parts committed by writers that did not fold them
-                summary, folded = self._catch_up(dfd, path, key, summary, folded, seq - 1)
+            summary, folded = self._catch_up(dfd, path, key, state.summary, state.folded, seq - 1)
             if folded < seq:
                 summary, folded = _summaries.fold(self._fold, summary, key, [entries]), seq
         except (OSError, FsStoreError, Vanished) as exc:
@@ -794,6 +797,8 @@ class SyncStore:
             dfd = self._open(rfd, comps, op)
             if dfd is None:
                 return 0
+            if self._real_root is None:
+                self._resolve_root()
             try:
                 with self._locks.hold(self._lock_path(_layout.lock_name(comps), op), op) as held:
                     state, _st = read_state_stat(dfd)

@@ -364,7 +364,7 @@ def _open_spare(fs: _fsio.Fs, dir_fd: int) -> StateFile:
     and another user's file could not take our mode or mtime.
     """
     # Read too: held open as state.json after the swap, its head is checked by pread.
-    flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
+    flags = _fsio.RW_FLAGS | os.O_CREAT
     for _attempt in range(2):
         try:
             fd = os.open(_layout.STATE_SPARE, flags, fs.file_mode, dir_fd=dir_fd)
