@@ -25,6 +25,7 @@ from ._lock import Held, Locks
 from ._transcript import (
     State,
     StateFile,
+    Unsettled,
     Vanished,
     commit,
     dedupe,
@@ -478,7 +479,8 @@ class SyncStore:
             return new
         key, path = t.sdk_key, t.path
         try:
-            summary, folded = self._catch_up(dfd, path, key, state.summary, state.folded, seq - 1)
+            summary, folded = self._catch_up(dfd, path, key, state.summary, state.folded, seq - 1,
+                                             locked=True)
             if folded < seq:
                 summary, folded = _summaries.fold(self._fold, summary, key, [entries]), seq
         except (OSError, FsStoreError, Vanished) as exc:
@@ -499,11 +501,14 @@ class SyncStore:
         summary: dict[str, Any] | None,
         folded: int,
         upto: int,
+        *,
+        locked: bool,
     ) -> tuple[dict[str, Any] | None, int]:
         """Fold committed parts ``folded+1..upto`` into ``summary``.
 
         Reads them by name; if one was merged into a segment, refolds the whole
-        transcript instead (then the result may cover more than ``upto``).
+        transcript instead (then the result may cover more than ``upto``). Without
+        the lock (``locked``) a listing racing a compaction raises Vanished.
         """
         assert self._fold is not None
         if folded >= upto:
@@ -521,7 +526,7 @@ class SyncStore:
                 return _summaries.fold(self._fold, summary, key, batches), upto
             except FileNotFoundError:
                 pass  # merged into a segment: refold from the start below
-        everything = read_batches(dfd, path, "summary")
+        everything = read_batches(dfd, path, "summary", locked=locked)
         if not everything:
             return None, 0
         return (
@@ -538,12 +543,12 @@ class SyncStore:
         path = self._path(comps)
         with translating(op, path):
             stale: OSError | None = None
+            previous: list[tuple[int, int, str]] | None = None
             for attempt in range(_LOAD_ATTEMPTS):
                 with contextlib.ExitStack() as guard, self._open_root(create=False) as rfd:
                     if rfd is None:
                         return None
-                    if attempt >= _OPTIMISTIC_LOADS:
-                        self._hold_for_reading(guard, comps)
+                    locked = attempt >= _OPTIMISTIC_LOADS and self._hold_for_reading(guard, comps)
                     try:
                         dfd = self._open(rfd, comps, op)
                     except OSError as exc:
@@ -555,9 +560,10 @@ class SyncStore:
                         return None
                     try:
                         try:
-                            # A gap seen in three listings in a row is damage (a part
-                            # deleted by hand), not a race: load what is there.
-                            batches = read_batches(dfd, path, op, gaps_are_races=attempt < 3)
+                            batches = read_batches(dfd, path, op, locked=locked, previous=previous)
+                        except Unsettled as exc:
+                            previous = exc.items  # damage if the next listing is the same
+                            continue
                         except Vanished as exc:
                             if isinstance(exc.__cause__, OSError) and exc.__cause__.errno == errno.ESTALE:
                                 stale = exc.__cause__
@@ -577,14 +583,14 @@ class SyncStore:
                 errno=errno.EAGAIN,
             )
 
-    def _hold_for_reading(self, guard: contextlib.ExitStack, comps: list[Component]) -> None:
+    def _hold_for_reading(self, guard: contextlib.ExitStack, comps: list[Component]) -> bool:
         """Take the transcript's lock into ``guard`` for a reader that keeps losing races.
 
         A load lists, then reads every file; a writer compacting faster than that
         (many writers, a small ``compact_every``) can make each listing stale before it
         is read, forever. Under the lock the read is one consistent snapshot; writers
         wait one read. A reader that may not take the lock (a read-only mount or user)
-        or does not get it in time goes on without it.
+        or does not get it in time goes on without it. Returns whether it holds it.
         """
         try:
             guard.enter_context(
@@ -592,6 +598,8 @@ class SyncStore:
             )
         except (OSError, FsStoreError) as exc:
             log.debug("load goes on without the transcript lock: %s", exc)
+            return False
+        return True
 
     # -- listing -------------------------------------------------------------------
 
@@ -719,7 +727,7 @@ class SyncStore:
             return None, 0
         try:
             summary, _folded = self._catch_up(
-                mfd, path, key, state.summary, state.folded, latest
+                mfd, path, key, state.summary, state.folded, latest, locked=False
             )
         except (FsStoreError, Vanished) as exc:
             # Leave it out: the SDK then rebuilds this session's info through load(),

@@ -434,6 +434,16 @@ class Vanished(Exception):
     """A listed file disappeared before it was read: a compaction or delete ran."""
 
 
+class Unsettled(Vanished):
+    """A listing that looks damaged (a sequence gap, a part newer than the segment
+    covering it) but was not made under the lock: a race until the same listing is
+    seen again. ``items`` is that listing."""
+
+    def __init__(self, items: list[tuple[int, int, str]], why: str) -> None:
+        super().__init__(why)
+        self.items = items
+
+
 def plan(items: list[tuple[int, int, str]]) -> list[tuple[int, int, str]]:
     """The files that make up the transcript, in order, each sequence once."""
     chosen = []
@@ -499,6 +509,8 @@ def check_no_late_parts(
     chosen: list[tuple[int, int, str]],
     path: str,
     operation: str,
+    *,
+    settled: bool = True,
 ) -> None:
     """CORRUPT if a part inside a segment's range was committed after that segment.
 
@@ -507,6 +519,11 @@ def check_no_late_parts(
     lock holders overlapping (a holder stalled past its lease wrote an old sequence
     into state.json); skipping it would silently drop a batch, so refuse instead.
     Costs a stat only while such files exist (during a compaction).
+
+    A leftover being unlinked right now can look exactly like that: the unlink
+    bumps its ctime, and on tmpfs a ``stat`` racing it sees the new ctime with the
+    link not yet dropped. So unless the listing is ``settled`` (made under the
+    lock, or seen twice), this raises :class:`Unsettled` instead of CORRUPT.
     """
     segments = [it for it in chosen if it[0] != it[1]]
     chosen_names = {name for _f, _l, name in chosen}
@@ -521,9 +538,11 @@ def check_no_late_parts(
             seg = os.stat(covering[2], dir_fd=dir_fd, follow_symlinks=False)
         except FileNotFoundError:
             continue  # the leftover was just removed
-        # A leftover being unlinked right now has already had its ctime bumped (and
-        # its link count dropped to 0) while the name is still found: not late.
+        # A leftover whose unlink has finished has no link left while its name is
+        # still found: not late.
         if part.st_nlink and part.st_ctime_ns > seg.st_ctime_ns:
+            if not settled:
+                raise Unsettled(items, f"{name} looks newer than segment {covering[2]}")
             raise FsStoreError(
                 "CORRUPT",
                 f"part {name} was committed after segment {covering[2]} that covers it "
@@ -543,23 +562,32 @@ def has_gap(chosen: list[tuple[int, int, str]]) -> bool:
 
 
 def read_batches(
-    dir_fd: int, path: str, operation: str, *, gaps_are_races: bool = False
+    dir_fd: int,
+    path: str,
+    operation: str,
+    *,
+    locked: bool,
+    previous: list[tuple[int, int, str]] | None = None,
 ) -> list[tuple[int, list[dict[str, Any]]]]:
     """``(last sequence, raw entries)`` of every committed file in order; Vanished on a race.
 
-    With ``gaps_are_races``, a listing that skips a sequence number also counts as a
-    race: a directory listing is not atomic once it takes more than one getdents
-    call, so a part committed (or a segment made) while it ran can be missing while a
-    later part is present. Listing again settles it; a gap that stays is damage.
+    A directory listing is not atomic once it takes more than one getdents call: a
+    segment made while it runs can be missed while the parts it replaced are
+    already gone (a sequence gap), and a leftover can be caught mid-unlink (see
+    :func:`check_no_late_parts`). Without the transcript lock (``locked``) such a
+    listing raises :class:`Unsettled` (list again) unless it equals ``previous``,
+    the listing that raised it last time: damage stays, races move on. A gap that
+    stays is loaded with a warning; a late part that stays is CORRUPT.
     """
     items = scan_items(dir_fd)
     chosen = checked_plan(items, path, operation)
+    settled = locked or items == previous
     if has_gap(chosen):
-        if gaps_are_races:
-            raise Vanished("a sequence number is missing from the listing")
+        if not settled:
+            raise Unsettled(items, "a sequence number is missing from the listing")
         log.warning("reading a transcript with a sequence gap (a file lost outside fsstore?); "
                     "run `fsstore check`", extra={"code": "GAP", "operation": operation, "path": path})
-    check_no_late_parts(dir_fd, items, chosen, path, operation)
+    check_no_late_parts(dir_fd, items, chosen, path, operation, settled=settled)
     batches = []
     for _first, last, name in chosen:
         try:
