@@ -13,6 +13,16 @@ from fsstore import FsSessionStore
 # FUSE job in tests/reliability points it at a bindfs mount).
 _BASE = os.environ.get("FSSTORE_TEST_ROOT")
 
+# FSSTORE_TEST_DENY_OPENAT2=EPERM|ENOSYS: the kernel refuses openat2 to this run (a
+# seccomp filter), as a container profile or a kernel before 5.6 does; fsstore must
+# fall back to its component-by-component walk (tests/reliability/test_no_openat2.py).
+if os.environ.get("FSSTORE_TEST_DENY_OPENAT2"):
+    import errno
+
+    from ._seccomp import SYS_OPENAT2, deny
+
+    deny(SYS_OPENAT2, getattr(errno, os.environ["FSSTORE_TEST_DENY_OPENAT2"]))
+
 
 @pytest.fixture
 def root(tmp_path: Path) -> Path:
