@@ -244,8 +244,8 @@ class Fs:
                 return None  # the walk decides: create, or UNSAFE_PATH
             raise
 
-    def mtimes_beneath(self, base_fd: int, relpaths: list[bytes]) -> list[int]:
-        """st_mtime_ns of each ``base/relpath`` (no symlink followed), or
+    def mtimes_beneath(self, base_fd: int, names: list[str], suffix: bytes) -> list[int]:
+        """st_mtime_ns of each ``base/name+suffix`` (no symlink followed), or
         ``MTIME_ERROR - errno`` (below any mtime, even one before 1970).
 
         The listing hot path (one path per session, thousands per call): one loop
@@ -254,8 +254,8 @@ class Fs:
         out: list[int] = []
         if self.openat2_ok and _O_PATH:
             call, fstat, close, add = _syscall, os.fstat, os.close, out.append
-            for rel in relpaths:
-                fd = call(_SYS_OPENAT2, base_fd, rel, _PATH_HOW_REF, _HOW_SIZE)
+            for name in names:
+                fd = call(_SYS_OPENAT2, base_fd, name.encode() + suffix, _PATH_HOW_REF, _HOW_SIZE)
                 if fd >= 0:
                     try:
                         add(fstat(fd).st_mtime_ns)
@@ -267,9 +267,9 @@ class Fs:
                     self.openat2_ok = False  # old kernel or seccomp filter: walk instead
                     break
                 add(MTIME_ERROR - err)
-        for rel in relpaths[len(out):]:
+        for name in names[len(out):]:
             try:
-                out.append(self.stat_beneath(base_fd, os.fsdecode(rel)).st_mtime_ns)
+                out.append(self.stat_beneath(base_fd, name + os.fsdecode(suffix)).st_mtime_ns)
             except OSError as exc:
                 out.append(MTIME_ERROR - (exc.errno or errno.EIO))
         return out

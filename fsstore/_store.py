@@ -51,7 +51,6 @@ _OPTIMISTIC_LOADS = 8
 _APPEND_ATTEMPTS = 50
 
 
-_STATE_SUFFIX = f"/{_layout.STATE}".encode("ascii")
 # Transcripts an appending process remembers (validated key, paths, state, the two
 # state files held open: at most 2 x 32 descriptors per store).
 _APPENDING = 32
@@ -603,8 +602,11 @@ class SyncStore:
 
     # -- listing -------------------------------------------------------------------
 
-    def _transcript_mtimes(self, parent_fd: int, names: list[str]) -> list[int | None]:
-        """mtime (epoch ms) of each transcript ``parent/name``; None where it has no part.
+    def _transcript_mtimes(
+        self, parent_fd: int, children: list[tuple[str, str]], below: str
+    ) -> Iterator[tuple[str, int]]:
+        """``(key part, mtime in epoch ms)`` of each child whose transcript
+        ``parent/name+below`` has a committed part.
 
         The state file is rewritten at every commit, so its mtime is the time of the
         last commit by the storage's own clock; the summary uses the same stat. One
@@ -612,15 +614,17 @@ class SyncStore:
         project each time the SDK lists them (names are ASCII: names
         :func:`decode_entry` accepted).
         """
-        found = self._fs.mtimes_beneath(
-            parent_fd, [name.encode("ascii") + _STATE_SUFFIX for name in names]
-        )
+        found = self._fs.mtimes_beneath(parent_fd, [name for name, _ in children],
+                                        f"{below}/{_layout.STATE}".encode("ascii"))
         error = _fsio.MTIME_ERROR
-        return [ns // 1_000_000 if ns > error else self._mtime_without_state(parent_fd, name, error - ns)
-                for name, ns in zip(names, found)]
+        for (name, part), ns in zip(children, found):
+            if ns > error:
+                yield part, ns // 1_000_000
+            elif (ms := self._mtime_without_state(parent_fd, f"{name}{below}", error - ns)) is not None:
+                yield part, ms
 
     def _mtime_without_state(self, parent_fd: int, name: str, err: int) -> int | None:
-        """:meth:`_transcript_mtime` where state.json could not be stat'ed (``err``)."""
+        """:meth:`_transcript_mtimes` where state.json could not be stat'ed (``err``)."""
         if err in (errno.ELOOP, errno.EXDEV):
             return None  # a symlink inside the transcript path: not ours to report
         if err not in (errno.ENOENT, errno.ENOTDIR):
@@ -671,9 +675,8 @@ class SyncStore:
         _keys.check_part(project_key, "project_key", op)
         comps = _layout.project_dirs(project_key)
         with translating(op, self._path(comps)), self._children(comps, op) as (pfd, children):
-            mtimes = self._transcript_mtimes(pfd, [f"{name}/{_layout.MAIN}" for name, _ in children])
             return [{"session_id": session_id, "mtime": mtime}
-                    for (_name, session_id), mtime in zip(children, mtimes) if mtime is not None]
+                    for session_id, mtime in self._transcript_mtimes(pfd, children, f"/{_layout.MAIN}")]
 
     def list_subkeys(self, key: Mapping[str, Any]) -> list[str]:
         op = "list_subkeys"
@@ -687,8 +690,7 @@ class SyncStore:
                 except FsStoreError:
                     continue  # a name no valid key encodes to: not ours to report
                 valid.append((name, subpath))
-            mtimes = self._transcript_mtimes(pfd, [name for name, _ in valid])
-            return [subpath for (_name, subpath), mtime in zip(valid, mtimes) if mtime is not None]
+            return [subpath for subpath, _mtime in self._transcript_mtimes(pfd, valid, "")]
 
     def list_session_summaries(self, project_key: str) -> list[dict[str, Any]]:
         op = "list_session_summaries"
