@@ -40,7 +40,7 @@ from ._transcript import (
     State,
     check_no_late_parts,
     checked_plan,
-    has_gap,
+    first_gap,
     parse,
     scan_items,
     write_state,
@@ -81,7 +81,7 @@ def compact(
     # A part committed after the segment that covers it must not be unlinked as a
     # leftover (see check_no_late_parts): refuse, and leave it for `fsstore check`.
     check_no_late_parts(dir_fd, items, chosen, path, operation)
-    if has_gap(chosen):
+    if first_gap(chosen) is not None:
         # Merging across a gap would hide it (a part lost by hand, or by a disk):
         # leave the files as they are for `fsstore check` to report.
         raise FsStoreError("CORRUPT", "sequence gap: refusing to compact across it",

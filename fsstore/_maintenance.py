@@ -223,6 +223,7 @@ class TranscriptInfo:
     live: list[Item]
     temps: list[Garbage]
     entries: int | None = None
+    late: set[str] = field(default_factory=set)  # parts committed after the segment covering them
 
     @property
     def parts(self) -> int:
@@ -602,6 +603,7 @@ class Walker:
         live = [it for it in items if it.name in chosen]
         info = TranscriptInfo(ref, path, items, live, temps)
         self._gaps(fd, info, settled, last_try)
+        self._late_parts(info, settled, last_try)
         if verify:
             if state is not None and state.seq > info.last_seq:
                 self._state_ahead(fd, info, state.seq, settled, last_try)
@@ -633,7 +635,10 @@ class Walker:
                 if rng is not None and not last_try:
                     raise _Changed(name)
             elif rng is not None:
-                if stat.S_ISREG(st.st_mode):
+                if st.st_nlink == 0:  # unlinked while we listed: gone (a compaction's leftover)
+                    if not last_try:
+                        raise _Changed(name)
+                elif stat.S_ISREG(st.st_mode):
                     items.append(Item(rng[0], rng[1], name, st.st_size, st.st_mtime_ns,
                                       st.st_ctime_ns))
                     self._age(st.st_mtime)
@@ -677,6 +682,21 @@ class Walker:
                              f"sequence gap: {span} missing before this file "
                              "(lost files; load() returns the rest)")
             expected = it.last + 1
+
+    def _late_parts(self, info: TranscriptInfo, settled: bool, last_try: bool) -> None:
+        """Note parts inside a segment's range with a later ctime (see
+        :func:`fsstore._transcript.late_part`): a leftover caught mid-unlink looks the
+        same, so only a look that stays counts."""
+        segments = [it for it in info.live if it.first != it.last]
+        live = {it.name for it in info.live}
+        for it in info.items:
+            if it.first != it.last or it.name in live:
+                continue
+            seg = next((s for s in segments if s.first <= it.first <= s.last), None)
+            if seg is not None and it.ctime_ns > seg.ctime_ns:
+                if not settled and not last_try:
+                    raise _Changed(it.name)
+                info.late.add(it.name)
 
     def _state_ahead(
         self, fd: int, info: TranscriptInfo, seq: int, settled: bool, last_try: bool
@@ -961,7 +981,7 @@ def _check_transcript(w: Walker, report: CheckReport, t: TranscriptInfo, older_t
             continue
         path = f"{t.path}/{it.name}"
         seg = next((s for s in segments if s.first <= it.first and it.last <= s.last), None)
-        if seg is not None and it.first == it.last and it.ctime_ns > seg.ctime_ns:
+        if seg is not None and it.name in t.late:
             w.problem("error", "late-part", path,
                       f"committed after {seg.name}, which covers its sequence number: two "
                       "lock holders overlapped; load() refuses the transcript (CORRUPT) "

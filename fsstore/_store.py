@@ -120,6 +120,16 @@ def decode_entry(parent_fd: int, entry: os.DirEntry[str]) -> str | None:
     return original if _keys.matches(name, original) else None
 
 
+def _known_seq(dfd: int) -> int:
+    """The sequence state.json records as committed (read before listing); 0 if none
+    can be trusted. A hint for load: a listing must reach it."""
+    try:
+        state = read_state(dfd)[0]
+    except OSError:
+        return 0
+    return state.seq if state is not None else 0
+
+
 class SyncStore:
     """Blocking twin of :class:`fsstore.FsSessionStore` (same methods, same errors)."""
 
@@ -542,12 +552,13 @@ class SyncStore:
         path = self._path(comps)
         with translating(op, path):
             stale: OSError | None = None
-            previous: list[tuple[int, int, str]] | None = None
+            previous: tuple[object, ...] | None = None  # the damage the last listing showed
+            wary = False  # a listing looked damaged: settle it under the lock
             for attempt in range(_LOAD_ATTEMPTS):
                 with contextlib.ExitStack() as guard, self._open_root(create=False) as rfd:
                     if rfd is None:
                         return None
-                    locked = attempt >= _OPTIMISTIC_LOADS and self._hold_for_reading(guard, comps)
+                    locked = (wary or attempt >= _OPTIMISTIC_LOADS) and self._hold_for_reading(guard, comps)
                     try:
                         dfd = self._open(rfd, comps, op)
                     except OSError as exc:
@@ -559,15 +570,22 @@ class SyncStore:
                         return None
                     try:
                         try:
-                            batches = read_batches(dfd, path, op, locked=locked, previous=previous)
+                            batches = read_batches(dfd, path, op, locked=locked,
+                                                   state_seq=_known_seq(dfd), previous=previous)
                         except Unsettled as exc:
-                            previous = exc.items  # damage if the next listing is the same
+                            previous, wary = exc.signature, True
                             continue
                         except Vanished as exc:
+                            previous = None  # the directory moved on: start the comparison over
                             if isinstance(exc.__cause__, OSError) and exc.__cause__.errno == errno.ESTALE:
                                 stale = exc.__cause__
                             continue
+                        except FsStoreError:
+                            if _fsio.same_dir(dfd, rfd, [n for n, _ in comps]):
+                                raise
+                            continue  # a half-removed directory (a delete) is not damage
                         if not _fsio.same_dir(dfd, rfd, [n for n, _ in comps]):
+                            previous = None
                             continue  # deleted (renamed away) while we read: look again
                     finally:
                         os.close(dfd)

@@ -435,13 +435,12 @@ class Vanished(Exception):
 
 
 class Unsettled(Vanished):
-    """A listing that looks damaged (a sequence gap, a part newer than the segment
-    covering it) but was not made under the lock: a race until the same listing is
-    seen again. ``items`` is that listing."""
+    """A listing that looks damaged but was not made under the lock: a race until the
+    same damage (``signature``) is seen again (see :func:`read_batches`)."""
 
-    def __init__(self, items: list[tuple[int, int, str]], why: str) -> None:
+    def __init__(self, signature: tuple[object, ...], why: str) -> None:
         super().__init__(why)
-        self.items = items
+        self.signature = signature
 
 
 def plan(items: list[tuple[int, int, str]]) -> list[tuple[int, int, str]]:
@@ -503,27 +502,21 @@ def checked_plan(items: list[tuple[int, int, str]], path: str, operation: str) -
         raise FsStoreError("CORRUPT", str(exc), operation=operation, path=path) from exc
 
 
-def check_no_late_parts(
-    dir_fd: int,
-    items: list[tuple[int, int, str]],
-    chosen: list[tuple[int, int, str]],
-    path: str,
-    operation: str,
-    *,
-    settled: bool = True,
-) -> None:
-    """CORRUPT if a part inside a segment's range was committed after that segment.
+def late_part(
+    dir_fd: int, items: list[tuple[int, int, str]], chosen: list[tuple[int, int, str]]
+) -> tuple[str, str] | None:
+    """``(part, segment)`` where a part inside a segment's range was committed after it.
 
     Parts inside a segment's range are normally leftovers of a compaction (older
     than the segment) and are skipped. One committed *later* can only come from two
     lock holders overlapping (a holder stalled past its lease wrote an old sequence
-    into state.json); skipping it would silently drop a batch, so refuse instead.
-    Costs a stat only while such files exist (during a compaction).
+    into state.json); skipping it would silently drop a batch. Costs a stat only
+    while such files exist (during a compaction).
 
-    A leftover being unlinked right now can look exactly like that: the unlink
-    bumps its ctime, and on tmpfs a ``stat`` racing it sees the new ctime with the
-    link not yet dropped. So unless the listing is ``settled`` (made under the
-    lock, or seen twice), this raises :class:`Unsettled` instead of CORRUPT.
+    A leftover being unlinked right now can look the same: the unlink bumps its
+    ctime, and a ``stat`` racing it can see the new ctime before the link count
+    drops (often on tmpfs, which sets the ctime first; rarely on ext4). Only a
+    caller holding the lock may take the answer as damage.
     """
     segments = [it for it in chosen if it[0] != it[1]]
     chosen_names = {name for _f, _l, name in chosen}
@@ -541,24 +534,41 @@ def check_no_late_parts(
         # A leftover whose unlink has finished has no link left while its name is
         # still found: not late.
         if part.st_nlink and part.st_ctime_ns > seg.st_ctime_ns:
-            if not settled:
-                raise Unsettled(items, f"{name} looks newer than segment {covering[2]}")
-            raise FsStoreError(
-                "CORRUPT",
-                f"part {name} was committed after segment {covering[2]} that covers it "
-                "(two lock holders overlapped); nothing was dropped: see `fsstore check`",
-                operation=operation, path=f"{path}/{name}",
-            )
+            return name, covering[2]
+    return None
 
 
-def has_gap(chosen: list[tuple[int, int, str]]) -> bool:
-    """Whether the chosen files skip a sequence number (fsstore itself never leaves one)."""
+def check_no_late_parts(
+    dir_fd: int,
+    items: list[tuple[int, int, str]],
+    chosen: list[tuple[int, int, str]],
+    path: str,
+    operation: str,
+) -> None:
+    """CORRUPT if :func:`late_part` finds one; for callers holding the lock."""
+    late = late_part(dir_fd, items, chosen)
+    if late is not None:
+        raise _late_part_error(*late, path, operation)
+
+
+def _late_part_error(name: str, segment: str, path: str, operation: str) -> FsStoreError:
+    return FsStoreError(
+        "CORRUPT",
+        f"part {name} was committed after segment {segment} that covers it "
+        "(two lock holders overlapped); nothing was dropped: see `fsstore check`",
+        operation=operation, path=f"{path}/{name}",
+    )
+
+
+def first_gap(chosen: list[tuple[int, int, str]]) -> tuple[int, str] | None:
+    """``(missing sequence, the file after it)`` where the chosen files skip a
+    sequence number (fsstore itself never leaves one)."""
     expected = 1
-    for first, last, _name in chosen:
+    for first, last, name in chosen:
         if first != expected:
-            return True
+            return expected, name
         expected = last + 1
-    return False
+    return None
 
 
 def read_batches(
@@ -567,27 +577,42 @@ def read_batches(
     operation: str,
     *,
     locked: bool,
-    previous: list[tuple[int, int, str]] | None = None,
+    state_seq: int = 0,
+    previous: tuple[object, ...] | None = None,
 ) -> list[tuple[int, list[dict[str, Any]]]]:
     """``(last sequence, raw entries)`` of every committed file in order; Vanished on a race.
 
-    A directory listing is not atomic once it takes more than one getdents call: a
-    segment made while it runs can be missed while the parts it replaced are
-    already gone (a sequence gap), and a leftover can be caught mid-unlink (see
-    :func:`check_no_late_parts`). Without the transcript lock (``locked``) such a
-    listing raises :class:`Unsettled` (list again) unless it equals ``previous``,
-    the listing that raised it last time: damage stays, races move on. A gap that
-    stays is loaded with a warning; a late part that stays is CORRUPT.
+    A directory listing is not atomic once it takes more than one getdents call: it
+    can miss a segment made behind its cursor while the parts that segment replaced
+    are gone ahead of it. That shows as a sequence gap, or, at the tail, as a
+    listing that ends before ``state_seq`` (the state, read before listing, records
+    a sequence already committed). A leftover caught mid-unlink can look like a late
+    commit (:func:`late_part`). Without the transcript lock (``locked``) such a
+    listing raises :class:`Unsettled` unless it shows the same damage as
+    ``previous`` (the signature the last one raised): damage stays while a race
+    moves on, also while appends go on at the tail. Damage that stays: a gap or a
+    short listing is loaded with a warning, a late part is CORRUPT.
     """
     items = scan_items(dir_fd)
     chosen = checked_plan(items, path, operation)
-    settled = locked or items == previous
-    if has_gap(chosen):
-        if not settled:
-            raise Unsettled(items, "a sequence number is missing from the listing")
-        log.warning("reading a transcript with a sequence gap (a file lost outside fsstore?); "
-                    "run `fsstore check`", extra={"code": "GAP", "operation": operation, "path": path})
-    check_no_late_parts(dir_fd, items, chosen, path, operation, settled=settled)
+    gap = first_gap(chosen)
+    listed = chosen[-1][1] if chosen else 0
+    short = (listed, state_seq) if listed < state_seq and gap is None else None
+    late = late_part(dir_fd, items, chosen)
+    if gap is not None or short is not None or late is not None:
+        signature = (gap, short, late)
+        if not locked and signature != previous:
+            raise Unsettled(signature, "the listing looks damaged: list again")
+        if late is not None:
+            raise _late_part_error(*late, path, operation)
+        if gap is not None:
+            log.warning("reading a transcript with a sequence gap (a file lost outside "
+                        "fsstore?); run `fsstore check`",
+                        extra={"code": "GAP", "operation": operation, "path": path})
+        else:
+            log.warning("state.json records sequence %d, the newest committed file ends at %d "
+                        "(files lost outside fsstore?); run `fsstore check`", state_seq, listed,
+                        extra={"code": "GAP", "operation": operation, "path": path})
     batches = []
     for _first, last, name in chosen:
         try:

@@ -9,7 +9,7 @@ import os
 import shutil
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -317,34 +317,103 @@ def test_a_leftover_caught_mid_unlink_is_a_race_not_corruption(
     assert seen, "the reader never looked at the leftover (did load change how it works?)"
 
 
+def _spy_lock(monkeypatch: pytest.MonkeyPatch, *, can_lock: bool) -> list[bool]:
+    """Record each time load asks for the lock; with ``can_lock=False`` it never gets
+    it (a read-only mount or user)."""
+    taken: list[bool] = []
+    real = SyncStore._hold_for_reading
+
+    def hold(self: SyncStore, guard: Any, comps: Any) -> bool:
+        got = real(self, guard, comps) if can_lock else False
+        taken.append(got)
+        return got
+
+    monkeypatch.setattr(SyncStore, "_hold_for_reading", hold)
+    return taken
+
+
+def _racing_listings(
+    monkeypatch: pytest.MonkeyPatch, torn: Callable[[int, list[Any]], list[Any]], times: int,
+    other: SyncStore | None, taken: list[bool],
+) -> list[int]:
+    """Listings as a reader racing writers sees them: the first ``times`` unlocked
+    listings are ``torn(n, real listing)``, and before each another store appends a
+    batch (the directory moves on). A listing made under the lock is the real one."""
+    from fsstore import _transcript
+
+    real_scan = _transcript.scan_items
+    calls: list[int] = []
+
+    def scan(dir_fd: int) -> list[tuple[int, int, str]]:
+        if any(taken) or len(calls) >= times:
+            return real_scan(dir_fd)
+        calls.append(1)
+        if other is not None:
+            other.append(KEY, [entry(100 + len(calls))])
+        return torn(len(calls), real_scan(dir_fd))
+
+    monkeypatch.setattr(_transcript, "scan_items", scan)
+    return calls
+
+
+def _without(*names: str) -> Callable[[int, list[Any]], list[Any]]:
+    return lambda _n, items: [it for it in items if it[2] not in names]
+
+
+@pytest.mark.parametrize("can_lock", [True, False], ids=["reader can lock", "reader cannot lock"])
 def test_a_listing_torn_by_racing_compactions_is_listed_again_until_whole(
-    root: Path, monkeypatch: pytest.MonkeyPatch
+    root: Path, monkeypatch: pytest.MonkeyPatch, can_lock: bool
 ) -> None:
     """A listing that takes several getdents calls can miss a segment made behind its
     cursor and the parts it replaced: a gap that is a race, not damage. However many
-    times in a row that happens (the directory changing between listings), load never
-    returns a transcript with a hole."""
-    from fsstore import _transcript
-
+    times in a row that happens (each time elsewhere, the directory changing between
+    listings), load never returns a transcript with a hole. A reader that can takes
+    the lock after the first such listing."""
     store = SyncStore(root, compact_every=0)
-    for i in range(10):
+    for i in range(12):
         store.append(KEY, [entry(i)])
-    other = SyncStore(root, compact_every=0)
-    real_scan = _transcript.scan_items
-    torn: list[int] = []
-
-    def scan(dir_fd: int) -> list[tuple[int, int, str]]:
-        items = real_scan(dir_fd)
-        if len(torn) < 6:  # more than the optimistic attempts once spent on gaps
-            torn.append(1)
-            other.append(KEY, [entry(100 + len(torn))])  # the directory moves on
-            return [it for it in items if it[2] != _layout.part_name(5)]
-        return items
-
-    monkeypatch.setattr(_transcript, "scan_items", scan)
+    taken = _spy_lock(monkeypatch, can_lock=can_lock)
+    calls = _racing_listings(
+        monkeypatch, lambda n, items: [it for it in items if it[2] != _layout.part_name(2 + n)],
+        6, SyncStore(root, compact_every=0), taken)
     got = store.load(KEY)
-    assert len(torn) == 6
-    assert got == [entry(i) for i in range(10)] + [entry(100 + k) for k in range(1, 7)]
+    assert got == [entry(i) for i in range(12)] + [entry(100 + k) for k in range(1, len(calls) + 1)]
+    assert (calls, taken) == (([1], [True]) if can_lock else ([1] * 6, [False] * (len(taken))))
+
+
+def test_a_listing_torn_at_the_tail_is_listed_again(root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Torn at the tail (the newest segment made behind the cursor, the parts it
+    replaced gone ahead of it) a listing has no gap, only ends early: state.json,
+    read before listing, records a later committed sequence. Listed again."""
+    store = SyncStore(root, compact_every=0)
+    for i in range(6):
+        store.append(KEY, [entry(i)])
+    store.compact(KEY)
+    store.append(KEY, [entry(6)])
+    store.append(KEY, [entry(7)])
+    taken = _spy_lock(monkeypatch, can_lock=True)
+    calls = _racing_listings(monkeypatch, _without(_layout.part_name(7), _layout.part_name(8)), 1, None, taken)
+    assert store.load(KEY) == [entry(i) for i in range(8)]
+    assert (calls, taken) == ([1], [True])
+
+
+@pytest.mark.parametrize("can_lock", [True, False], ids=["reader can lock", "reader cannot lock"])
+def test_a_real_gap_is_loaded_with_a_warning_while_appends_go_on(
+    root: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, can_lock: bool
+) -> None:
+    """A part lost by hand is damage: load returns the rest with a GAP warning, at
+    the second listing, also for a reader that cannot lock while another writer
+    keeps appending (every listing differs at the tail: the damage does not)."""
+    store = SyncStore(root, compact_every=0)
+    for i in range(6):
+        store.append(KEY, [entry(i)])
+    (tdir(root, KEY) / _layout.part_name(2)).unlink()
+    taken = _spy_lock(monkeypatch, can_lock=can_lock)
+    calls = _racing_listings(monkeypatch, lambda _n, items: items, 10, SyncStore(root, compact_every=0), taken)
+    got = store.load(KEY)
+    assert got == [entry(i) for i in range(6) if i != 1] + [entry(100 + k) for k in range(1, len(calls) + 1)]
+    assert len(calls) == (1 if can_lock else 2)
+    assert [r for r in caplog.records if getattr(r, "code", None) == "GAP"]
 
 
 def _fast_writer(root: str, stop: Any) -> None:
@@ -415,3 +484,49 @@ def test_two_compactions_never_make_a_remembered_state_look_current(root: Path) 
     a.append(KEY, [entry(9)])
     got = SyncStore(root).load(KEY)
     assert got is not None and [e["uuid"] for e in got] == ["u-0", "u-1", "u-2", "c1", "u-9"]
+
+
+@pytest.mark.parametrize("link", ["dropped", "not yet dropped"])
+def test_check_does_not_report_a_leftover_caught_mid_unlink_as_late(
+    root: Path, monkeypatch: pytest.MonkeyPatch, link: str
+) -> None:
+    """`fsstore check` stats every file it lists; one stat can land inside a
+    compaction's unlink of a leftover: the ctime already bumped, the link count
+    dropped (ext4) or not yet (tmpfs). Staged with real files: the unlink completes
+    around the walker's first stat of each leftover. Not a late part: check lists
+    again and finds the leftover gone."""
+    from fsstore import _maintenance
+
+    store = SyncStore(root, compact_every=0)
+    for i in range(4):
+        store.append(KEY, [entry(i)])
+    monkeypatch.setattr(_compact, "_remove", lambda fd, names: None)  # interrupted before step 6
+    store.compact(KEY)
+    monkeypatch.undo()
+    quiet = _maintenance.check(str(root)).problems
+    assert sorted(p.kind for p in quiet) == ["leftover"] * 4
+    real_stat = _maintenance.Walker._stat
+    unlinked: list[str] = []
+
+    def racing_stat(self: Any, entry: os.DirEntry[str], comps: Any) -> os.stat_result | None:
+        if entry.name not in (_layout.part_name(n) for n in range(1, 5)) or entry.name in unlinked:
+            return real_stat(self, entry, comps)
+        unlinked.append(entry.name)
+        path = tdir(root, KEY) / entry.name
+        if link == "dropped":
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                os.unlink(path)
+                return os.fstat(fd)  # nlink 0, the unlink's ctime
+            finally:
+                os.close(fd)
+        os.utime(path)  # the unlink's ctime update ...
+        st = os.stat(path)  # ... seen with the link still there
+        os.unlink(path)
+        return st
+
+    monkeypatch.setattr(_maintenance.Walker, "_stat", racing_stat)
+    problems = _maintenance.check(str(root)).problems
+    assert unlinked, "check never stat'ed the leftovers (did it change how it works?)"
+    assert [p for p in problems if p.kind == "late-part"] == [], problems
+    assert store.load(KEY) == [entry(i) for i in range(4)]
