@@ -270,15 +270,21 @@ def test_a_holder_stalled_after_its_commit_does_not_write_an_old_sequence(
     assert sorted(got) == sorted(f"u-{i}" for i in [0, 1, *range(10, 16), *range(20, 26)])
 
 
-def test_a_part_committed_after_the_segment_covering_it_is_reported_not_dropped(root: Path) -> None:
+def _segment_and_a_later_part(root: Path, later: dict[str, Any]) -> tuple[SyncStore, Path]:
+    """Parts 1-4 merged into a segment, then a part 2 holding ``later`` written after it."""
     store = SyncStore(root, compact_every=0)
     for i in range(4):
         store.append(KEY, [entry(i)])
     store.compact(KEY)  # segment 1-4
     time.sleep(0.01)
-    late = tdir(root, KEY) / _layout.part_name(2)
-    late.write_text(json.dumps(entry(99)) + "\n")  # what an overlapping holder would leave
-    os.chmod(late, 0o600)
+    part = tdir(root, KEY) / _layout.part_name(2)
+    part.write_text(json.dumps(later) + "\n")  # newer ctime, one link
+    os.chmod(part, 0o600)
+    return store, part
+
+
+def test_a_part_committed_after_the_segment_covering_it_is_reported_not_dropped(root: Path) -> None:
+    store, late = _segment_and_a_later_part(root, entry(99))  # what an overlapping holder would leave
     with pytest.raises(FsStoreError) as info:
         store.load(KEY)
     assert info.value.code == "CORRUPT" and "committed after segment" in info.value.message
@@ -295,13 +301,7 @@ def test_a_leftover_caught_mid_unlink_is_a_race_not_corruption(
     covering it, still linked: what a late commit looks like. Staged here with real
     files: the leftover is newer than the segment, and the compaction's unlink
     finishes right after the reader's first stat of it. The reader lists again."""
-    store = SyncStore(root, compact_every=0)
-    for i in range(4):
-        store.append(KEY, [entry(i)])
-    store.compact(KEY)  # segment 1-4
-    time.sleep(0.01)
-    leftover = tdir(root, KEY) / _layout.part_name(2)
-    leftover.write_text(json.dumps(entry(1)) + "\n")  # newer ctime, one link
+    store, leftover = _segment_and_a_later_part(root, entry(1))
     real_stat = os.stat
     seen: list[str] = []
 
