@@ -82,6 +82,7 @@ _MALFORMED_GRACE = 2.0
 _SKEW_TOLERANCE = 60.0
 #: How often a transcript whose listing keeps changing is listed again.
 _ATTEMPTS = 20
+_SETTLED_AFTER = 3  # lost listings, then the lock (see Walker.inspect)
 #: Entries per append() when importing (each append is one part file).
 _IMPORT_BATCH = 1000
 _IMPORT_BATCH_BYTES = 8 << 20
@@ -564,32 +565,39 @@ class Walker:
         or could not be read (then a problem says why)."""
         attempt = 0
         while True:
-            fd = self.open(ref.comps)
-            if fd is None:
-                return None
-            mark = len(self.problems)
-            try:
-                return self._inspect(fd, ref, verify=verify, attempt=attempt)
-            except OSError as exc:
-                del self.problems[mark:]
-                self.unreadable(self.path(ref.comps), "cannot read the transcript", exc)
-                return None
-            except _Changed:  # the last attempt never raises it
-                del self.problems[mark:]  # findings of the stale listing do not count
-                time.sleep(0.005 * attempt)
-                attempt += 1
-            except _Deleted:
-                del self.problems[mark:]
-                return None
-            finally:
-                os.close(fd)
+            with contextlib.ExitStack() as guard:
+                if attempt >= _SETTLED_AFTER:
+                    # A writer compacting faster than this reads can change every
+                    # listing before it is read: look under the transcript lock (if
+                    # this process may take it), like a reader that keeps losing.
+                    self.store._hold_for_reading(guard, _layout.transcript_dirs(ref.tk))
+                fd = self.open(ref.comps)
+                if fd is None:
+                    return None
+                mark = len(self.problems)
+                try:
+                    return self._inspect(fd, ref, verify=verify, attempt=attempt)
+                except OSError as exc:
+                    del self.problems[mark:]
+                    self.unreadable(self.path(ref.comps), "cannot read the transcript", exc)
+                    return None
+                except _Changed:  # the last attempt never raises it
+                    del self.problems[mark:]  # findings of the stale listing do not count
+                except _Deleted:
+                    del self.problems[mark:]
+                    return None
+                finally:
+                    os.close(fd)
+            time.sleep(0.005 * attempt)
+            attempt += 1
 
     def _inspect(self, fd: int, ref: TranscriptRef, *, verify: bool, attempt: int) -> TranscriptInfo:
         last_try = attempt == _ATTEMPTS - 1
         # A listing is not atomic once it takes more than one getdents call: a part
         # committed or a segment made while it ran can be missing from it while a
-        # later file is present. A gap seen in three listings in a row is damage.
-        settled = attempt >= 3
+        # later file is present. A gap seen in three listings in a row, or under the
+        # lock (taken from then on where it can be), is damage.
+        settled = attempt >= _SETTLED_AFTER
         path = self.path(ref.comps)
         # The state is read before the listing: whatever sequence it records was
         # committed before it was written, so the listing must show that part.

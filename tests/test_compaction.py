@@ -530,3 +530,39 @@ def test_check_does_not_report_a_leftover_caught_mid_unlink_as_late(
     assert unlinked, "check never stat'ed the leftovers (did it change how it works?)"
     assert [p for p in problems if p.kind == "late-part"] == [], problems
     assert store.load(KEY) == [entry(i) for i in range(4)]
+
+
+def _compacting_writer(root: str, stop: Any) -> None:
+    store = SyncStore(root, compact_every=4, summaries=False)
+    i = 0
+    while not stop.is_set():
+        store.append(KEY, [entry(1000 + i)])
+        i += 1
+
+
+def test_check_next_to_a_writer_compacting_faster_than_it_reads_finds_nothing(root: Path) -> None:
+    """`fsstore check` lists and reads every file of a transcript; a writer compacting
+    every few appends can change each listing before check has read it. Check looks
+    under the transcript lock once it has lost a few times (it used to give up after
+    20 and report a merged file as unreadable)."""
+    from fsstore import _maintenance
+
+    seed = SyncStore(root, compact_every=0, summaries=False)
+    for i in range(1000):
+        seed.append(KEY, [entry(i)])
+    ctx = mp.get_context("fork")
+    stop = ctx.Event()
+    writer = ctx.Process(target=_compacting_writer, args=(str(root), stop))
+    writer.start()
+    try:
+        runs, bad = 0, []
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline:
+            runs += 1
+            bad += [p for p in _maintenance.check(str(root)).problems if p.severity != "info"]
+    finally:
+        stop.set()
+        writer.join(30)
+    assert writer.exitcode == 0
+    assert bad == [], f"{len(bad)} problems in {runs} checks: {bad[:3]}"
+    assert runs > 5
