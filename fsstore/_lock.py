@@ -165,12 +165,13 @@ class _SoftLock(filelock.SoftFileLock):
 class _Local:
     """The in-process lock of one lock path, and its SoftFileLock (made on first use)."""
 
-    __slots__ = ("lock", "soft", "users")
+    __slots__ = ("lock", "owner", "soft", "users")
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.users = 0  # holders and waiters: an entry in use is never dropped
         self.soft: filelock.SoftFileLock | None = None
+        self.owner: int | None = None  # the thread holding it
 
 
 @typing.final
@@ -212,6 +213,7 @@ class Held:
             except BaseException:
                 entry.lock.release()
                 raise
+            entry.owner = threading.get_ident()
         except BaseException:
             locks._done(entry)
             raise
@@ -219,6 +221,7 @@ class Held:
 
     def __exit__(self, *exc_info: object) -> None:
         entry = self._entry
+        entry.owner = None
         try:
             try:
                 assert entry.soft is not None
@@ -262,6 +265,12 @@ class Locks:
         # SoftFileLock resolves its path and registers it (~150 us), so a writer that
         # keeps appending reuses its own. At most _IDLE_LOCKS unused ones are kept.
         self._local: collections.OrderedDict[str, _Local] = collections.OrderedDict()
+
+    def held_by_this_thread(self, lock_path: str) -> bool:
+        """Whether this thread holds the lock at ``lock_path`` (taking it again would
+        wait for itself until LOCK_TIMEOUT: the in-process lock is not reentrant)."""
+        entry = self._local.get(lock_path)
+        return entry is not None and entry.owner == threading.get_ident()
 
     def hold(self, lock_path: str, operation: str) -> Held:
         """``with locks.hold(path, op) as held:`` holds the transcript lock at

@@ -607,12 +607,14 @@ class SyncStore:
         (many writers, a small ``compact_every``) can make each listing stale before it
         is read, forever. Under the lock the read is one consistent snapshot; writers
         wait one read. A reader that may not take the lock (a read-only mount or user)
-        or does not get it in time goes on without it. Returns whether it holds it.
+        or does not get it in time goes on without it. Returns whether it holds it
+        (also when this thread held it already: inside :meth:`locked`).
         """
         try:
-            guard.enter_context(
-                self._locks.hold(self._lock_path(_layout.lock_name(comps), "load"), "load")
-            )
+            path = self._lock_path(_layout.lock_name(comps), "load")
+            if self._locks.held_by_this_thread(path):
+                return True
+            guard.enter_context(self._locks.hold(path, "load"))
         except (OSError, FsStoreError) as exc:
             log.debug("load goes on without the transcript lock: %s", exc)
             return False

@@ -566,3 +566,51 @@ def test_check_next_to_a_writer_compacting_faster_than_it_reads_finds_nothing(ro
     assert writer.exitcode == 0
     assert bad == [], f"{len(bad)} problems in {runs} checks: {bad[:3]}"
     assert runs > 5
+
+
+def _no_lock_taken_twice(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Fail at once where a thread asks for a transcript lock it holds already (the
+    in-process lock is not reentrant: that would wait for itself until LOCK_TIMEOUT)."""
+    from fsstore import _lock
+
+    real = _lock.Locks.hold
+
+    def hold(self: Any, lock_path: str, operation: str) -> Any:
+        assert not self.held_by_this_thread(lock_path), f"{operation} waits for its own lock"
+        return real(self, lock_path, operation)
+
+    monkeypatch.setattr(_lock.Locks, "hold", hold)
+
+
+def test_a_damaged_transcript_loaded_under_its_own_lock_does_not_wait_for_it(
+    root: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Inside ``locked(key)`` a listing is settled already: a load that finds a gap
+    there takes it as damage at once instead of asking for the lock it holds."""
+    store = SyncStore(root, compact_every=0)
+    for i in range(4):
+        store.append(KEY, [entry(i)])
+    (tdir(root, KEY) / _layout.part_name(2)).unlink()
+    _no_lock_taken_twice(monkeypatch)
+    with store.locked(KEY):
+        assert store.load(KEY) == [entry(0), entry(2), entry(3)]
+    assert [r for r in caplog.records if getattr(r, "code", None) == "GAP"]
+
+
+def test_prune_of_an_old_damaged_session_does_not_wait_for_its_own_locks(
+    root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """prune looks at a session again under its locks; a gap there (a settled
+    listing) must not make it ask for those locks again."""
+    from fsstore import _maintenance
+
+    store = SyncStore(root, compact_every=0)
+    for i in range(4):
+        store.append(KEY, [entry(i)])
+    (tdir(root, KEY) / _layout.part_name(2)).unlink()
+    old = time.time() - 40 * 86400
+    for p in tdir(root, KEY).iterdir():
+        os.utime(p, (old, old))
+    _no_lock_taken_twice(monkeypatch)
+    actions, looked = _maintenance.prune(str(root), older_than=30 * 86400)
+    assert looked == 1 and len(actions) == 1, actions
