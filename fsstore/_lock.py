@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import contextvars
 import dataclasses
 import os
 import secrets
@@ -39,6 +40,7 @@ import stat
 import threading
 import time
 import typing
+from collections.abc import Iterator
 
 import filelock
 
@@ -46,6 +48,10 @@ from . import _fsio
 from ._errors import FsStoreError, log
 
 _IDLE_LOCKS = 256
+# Lock paths held by SyncStore.locked in this context (see Locks.held_here).
+_HELD_HERE: contextvars.ContextVar[frozenset[str]] = contextvars.ContextVar(
+    "fsstore_held_here", default=frozenset()
+)
 
 
 def _host_name() -> str:
@@ -165,13 +171,12 @@ class _SoftLock(filelock.SoftFileLock):
 class _Local:
     """The in-process lock of one lock path, and its SoftFileLock (made on first use)."""
 
-    __slots__ = ("lock", "owner", "soft", "users")
+    __slots__ = ("lock", "soft", "users")
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.users = 0  # holders and waiters: an entry in use is never dropped
         self.soft: filelock.SoftFileLock | None = None
-        self.owner: int | None = None  # the thread holding it
 
 
 @typing.final
@@ -213,7 +218,6 @@ class Held:
             except BaseException:
                 entry.lock.release()
                 raise
-            entry.owner = threading.get_ident()
         except BaseException:
             locks._done(entry)
             raise
@@ -221,7 +225,6 @@ class Held:
 
     def __exit__(self, *exc_info: object) -> None:
         entry = self._entry
-        entry.owner = None
         try:
             try:
                 assert entry.soft is not None
@@ -266,11 +269,23 @@ class Locks:
         # keeps appending reuses its own. At most _IDLE_LOCKS unused ones are kept.
         self._local: collections.OrderedDict[str, _Local] = collections.OrderedDict()
 
-    def held_by_this_thread(self, lock_path: str) -> bool:
-        """Whether this thread holds the lock at ``lock_path`` (taking it again would
-        wait for itself until LOCK_TIMEOUT: the in-process lock is not reentrant)."""
-        entry = self._local.get(lock_path)
-        return entry is not None and entry.owner == threading.get_ident()
+    @staticmethod
+    def held_here(lock_path: str) -> bool:
+        """Whether the caller's context holds the lock at ``lock_path`` through
+        :meth:`marked_held` (``SyncStore.locked``). Taking it again would wait for
+        itself until LOCK_TIMEOUT: the in-process lock is not reentrant. A context
+        variable, not the thread: the async API runs a load in a worker thread with
+        the caller's context while the caller's thread holds the lock."""
+        return lock_path in _HELD_HERE.get()
+
+    @staticmethod
+    @contextlib.contextmanager
+    def marked_held(lock_path: str) -> Iterator[None]:
+        _HELD_HERE.set(_HELD_HERE.get() | {lock_path})
+        try:
+            yield
+        finally:
+            _HELD_HERE.set(_HELD_HERE.get() - {lock_path})
 
     def hold(self, lock_path: str, operation: str) -> Held:
         """``with locks.hold(path, op) as held:`` holds the transcript lock at

@@ -608,11 +608,11 @@ class SyncStore:
         is read, forever. Under the lock the read is one consistent snapshot; writers
         wait one read. A reader that may not take the lock (a read-only mount or user)
         or does not get it in time goes on without it. Returns whether it holds it
-        (also when this thread held it already: inside :meth:`locked`).
+        (also when the caller holds it already: inside :meth:`locked`).
         """
         try:
             path = self._lock_path(_layout.lock_name(comps), "load")
-            if self._locks.held_by_this_thread(path):
+            if self._locks.held_here(path):
                 return True
             guard.enter_context(self._locks.hold(path, "load"))
         except (OSError, FsStoreError) as exc:
@@ -848,10 +848,12 @@ class SyncStore:
         comps = _layout.transcript_dirs(tk)
         path = self._path(comps)
         with translating(op, path):
-            hold = self._locks.hold(self._lock_path(_layout.lock_name(comps), op), op)
+            lock_path = self._lock_path(_layout.lock_name(comps), op)
+            hold = self._locks.hold(lock_path, op)
             hold.__enter__()
         # The caller's own errors pass through untranslated.
         try:
-            yield
+            with self._locks.marked_held(lock_path):
+                yield
         finally:
             hold.__exit__(None, None, None)
