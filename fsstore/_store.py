@@ -40,6 +40,7 @@ from ._transcript import (
     read_state_stat,
     rebuild_state,
     scan_items,
+    warn_damage,
     write_state,
 )
 
@@ -535,7 +536,9 @@ class SyncStore:
                 return _summaries.fold(self._fold, summary, key, batches), upto
             except FileNotFoundError:
                 pass  # merged into a segment: refold from the start below
-        everything = read_batches(dfd, path, "summary", locked=locked)
+        everything, damage = read_batches(dfd, path, "summary", locked=locked)
+        if damage is not None:
+            warn_damage(damage, path, "summary")
         if not everything:
             return None, 0
         return (
@@ -552,6 +555,7 @@ class SyncStore:
         path = self._path(comps)
         with translating(op, path):
             stale: OSError | None = None
+            names = [n for n, _ in comps]
             previous: tuple[object, ...] | None = None  # the damage the last listing showed
             wary = False  # a listing looked damaged: settle it under the lock
             for attempt in range(_LOAD_ATTEMPTS):
@@ -570,10 +574,12 @@ class SyncStore:
                         return None
                     try:
                         try:
-                            batches = read_batches(dfd, path, op, locked=locked,
-                                                   state_seq=_known_seq(dfd), previous=previous)
+                            batches, damage = read_batches(dfd, path, op, locked=locked,
+                                                           state_seq=_known_seq(dfd), previous=previous)
                         except Unsettled as exc:
-                            previous, wary = exc.signature, True
+                            wary = True
+                            # damage if the next listing shows the same, in this directory
+                            previous = exc.signature if _fsio.same_dir(dfd, rfd, names) else None
                             continue
                         except Vanished as exc:
                             previous = None  # the directory moved on: start the comparison over
@@ -581,12 +587,14 @@ class SyncStore:
                                 stale = exc.__cause__
                             continue
                         except FsStoreError:
-                            if _fsio.same_dir(dfd, rfd, [n for n, _ in comps]):
+                            if _fsio.same_dir(dfd, rfd, names):
                                 raise
                             continue  # a half-removed directory (a delete) is not damage
-                        if not _fsio.same_dir(dfd, rfd, [n for n, _ in comps]):
+                        if not _fsio.same_dir(dfd, rfd, names):
                             previous = None
                             continue  # deleted (renamed away) while we read: look again
+                        if damage is not None:
+                            warn_damage(damage, path, op)
                     finally:
                         os.close(dfd)
                 return dedupe(batches) if batches else None

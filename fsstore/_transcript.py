@@ -208,13 +208,21 @@ def read_state_stat(dir_fd: int) -> tuple[State | None, os.stat_result | None]:
         os.close(fd)
 
 
+# A state holds a sequence and one session summary (a few KB); a bigger file is not
+# one fsstore wrote, and every load and append would read it whole.
+MAX_STATE_BYTES = 1 << 22
+
+
 def read_raw_state(fd: int, st: os.stat_result) -> bytes:
-    """The bytes of an open state file (empty if it is not a regular file).
+    """The bytes of an open state file (empty if it is not a regular file of at most
+    :data:`MAX_STATE_BYTES`).
 
     Opening the file (rather than a stat by name) is what makes NFS revalidate it
     (close-to-open consistency), so a writer under the lock sees the newest state.
     """
-    return os.pread(fd, st.st_size + 1, 0) if stat.S_ISREG(st.st_mode) else b""
+    if not stat.S_ISREG(st.st_mode) or st.st_size > MAX_STATE_BYTES:
+        return b""  # not a state fsstore wrote: rebuilt from the parts
+    return os.pread(fd, st.st_size + 1, 0)
 
 
 def parse_state(raw: bytes) -> State | None:
@@ -226,8 +234,8 @@ def parse_state(raw: bytes) -> State | None:
         if doc.get("boot", _fsio.boot_id()) != _fsio.boot_id():
             return None  # rewritten in place before a reboot: maybe stale (see write_state)
         state = State(int(doc["seq"]), int(doc["folded"]), doc["summary"], int(doc["compacted"]))
-    except (ValueError, KeyError, TypeError, AttributeError):  # torn or foreign: rebuilt from the parts
-        return None
+    except (ValueError, KeyError, TypeError, AttributeError, OverflowError, RecursionError):
+        return None  # torn or foreign (1e999, nesting deeper than json can parse): rebuilt from the parts
     if not 0 <= state.seq < 10**20 or not 0 <= state.compacted <= state.seq:
         return None  # not a sequence of ours (a hand-edited file): rebuilt from the parts
     summary = state.summary
@@ -579,40 +587,44 @@ def read_batches(
     locked: bool,
     state_seq: int = 0,
     previous: tuple[object, ...] | None = None,
-) -> list[tuple[int, list[dict[str, Any]]]]:
-    """``(last sequence, raw entries)`` of every committed file in order; Vanished on a race.
+) -> tuple[list[tuple[int, list[dict[str, Any]]]], str | None]:
+    """``(last sequence, raw entries)`` of every committed file in order, and what is
+    wrong with them if something is (a gap: the caller warns); Vanished on a race.
 
     A directory listing is not atomic once it takes more than one getdents call: it
     can miss a segment made behind its cursor while the parts that segment replaced
     are gone ahead of it. That shows as a sequence gap, or, at the tail, as a
     listing that ends before ``state_seq`` (the state, read before listing, records
-    a sequence already committed). A leftover caught mid-unlink can look like a late
-    commit (:func:`late_part`). Without the transcript lock (``locked``) such a
-    listing raises :class:`Unsettled` unless it shows the same damage as
-    ``previous`` (the signature the last one raised): damage stays while a race
-    moves on, also while appends go on at the tail. Damage that stays: a gap or a
-    short listing is loaded with a warning, a late part is CORRUPT.
+    a sequence already committed; parts after the listing that exist by name, as a
+    stale directory cache on NFS hides them, are read by name). A leftover caught
+    mid-unlink can look like a late commit (:func:`late_part`). Without the
+    transcript lock (``locked``) such a listing raises :class:`Unsettled` unless it
+    shows the same damage as ``previous`` (the signature the last one raised):
+    damage stays while a race moves on, also while appends go on at the tail.
+    Damage that stays: a gap or a short listing is returned with its description,
+    a late part is CORRUPT.
     """
     items = scan_items(dir_fd)
     chosen = checked_plan(items, path, operation)
     gap = first_gap(chosen)
     listed = chosen[-1][1] if chosen else 0
-    short = (listed, state_seq) if listed < state_seq and gap is None else None
+    short = None
+    if gap is None and listed < state_seq:
+        found = probe_latest(dir_fd, listed)
+        chosen += [(seq, seq, _layout.part_name(seq)) for seq in range(listed + 1, found + 1)]
+        if found < state_seq:
+            short = (found, state_seq)
     late = late_part(dir_fd, items, chosen)
+    damage = None
     if gap is not None or short is not None or late is not None:
         signature = (gap, short, late)
         if not locked and signature != previous:
             raise Unsettled(signature, "the listing looks damaged: list again")
         if late is not None:
             raise _late_part_error(*late, path, operation)
-        if gap is not None:
-            log.warning("reading a transcript with a sequence gap (a file lost outside "
-                        "fsstore?); run `fsstore check`",
-                        extra={"code": "GAP", "operation": operation, "path": path})
-        else:
-            log.warning("state.json records sequence %d, the newest committed file ends at %d "
-                        "(files lost outside fsstore?); run `fsstore check`", state_seq, listed,
-                        extra={"code": "GAP", "operation": operation, "path": path})
+        damage = (f"sequence gap: part {gap[0]} missing before {gap[1]}" if gap is not None
+                  else f"state.json records sequence {state_seq}, the newest committed file "
+                       f"ends at {short[0] if short else listed}")
     batches = []
     for _first, last, name in chosen:
         try:
@@ -627,7 +639,13 @@ def read_batches(
                 raise Vanished(name) from exc
             raise
         batches.append((last, parse(data, f"{path}/{name}", operation)))
-    return batches
+    return batches, damage
+
+
+def warn_damage(damage: str, path: str, operation: str) -> None:
+    """The GAP warning of a transcript read with a piece missing (see read_batches)."""
+    log.warning("%s (files lost outside fsstore?); run `fsstore check`", damage,
+                extra={"code": "GAP", "operation": operation, "path": path})
 
 
 def dedupe(batches: list[tuple[int, list[dict[str, Any]]]]) -> list[dict[str, Any]]:

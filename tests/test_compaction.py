@@ -381,20 +381,61 @@ def test_a_listing_torn_by_racing_compactions_is_listed_again_until_whole(
     assert (calls, taken) == (([1], [True]) if can_lock else ([1] * 6, [False] * (len(taken))))
 
 
-def test_a_listing_torn_at_the_tail_is_listed_again(root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Torn at the tail (the newest segment made behind the cursor, the parts it
-    replaced gone ahead of it) a listing has no gap, only ends early: state.json,
-    read before listing, records a later committed sequence. Listed again."""
+def _merge_tail_by_hand(d: Path) -> None:
+    """What a compaction of parts 7 and 8 does to the directory: their bytes into
+    segment 7-8 (moved into place), then the parts unlinked."""
+    parts = [d / _layout.part_name(7), d / _layout.part_name(8)]
+    tmp = d / ".tmp-by-hand-segment"
+    tmp.write_bytes(b"".join(p.read_bytes() for p in parts))
+    os.chmod(tmp, 0o600)
+    tmp.rename(d / _layout.segment_name(7, 8))
+    for p in parts:
+        p.unlink()
+
+
+@pytest.mark.parametrize("can_lock", [True, False], ids=["reader can lock", "reader cannot lock"])
+def test_a_listing_torn_at_the_tail_is_listed_again(
+    root: Path, monkeypatch: pytest.MonkeyPatch, can_lock: bool
+) -> None:
+    """Torn at the tail (segment 7-8 made behind the cursor, parts 7 and 8 gone ahead
+    of it) a listing has no gap, only ends early: state.json, read before listing,
+    records a later committed sequence, and no part after the listing exists by
+    name. Listed again; a listing that only missed parts still there (a stale
+    directory cache) is completed by name instead, silently."""
     store = SyncStore(root, compact_every=0)
     for i in range(6):
         store.append(KEY, [entry(i)])
     store.compact(KEY)
     store.append(KEY, [entry(6)])
     store.append(KEY, [entry(7)])
-    taken = _spy_lock(monkeypatch, can_lock=True)
-    calls = _racing_listings(monkeypatch, _without(_layout.part_name(7), _layout.part_name(8)), 1, None, taken)
+    d = tdir(root, KEY)
+    taken = _spy_lock(monkeypatch, can_lock=can_lock)
+
+    def torn(n: int, items: list[Any]) -> list[Any]:
+        if n == 1:
+            _merge_tail_by_hand(d)  # the racing compaction, while this listing ran
+            return [it for it in items if it[2] not in (_layout.part_name(7), _layout.part_name(8))]
+        return items
+
+    calls = _racing_listings(monkeypatch, torn, 2, None, taken)
     assert store.load(KEY) == [entry(i) for i in range(8)]
-    assert (calls, taken) == ([1], [True])
+    assert calls == ([1] if can_lock else [1, 1]) and taken == [can_lock]
+
+
+def test_a_listing_that_misses_parts_still_there_reads_them_by_name(
+    root: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A stale directory cache (NFS) can list a transcript without its newest parts
+    while state.json, opened afresh, records them: they are read by name, with no
+    warning and no lock."""
+    store = SyncStore(root, compact_every=0)
+    for i in range(5):
+        store.append(KEY, [entry(i)])
+    taken = _spy_lock(monkeypatch, can_lock=True)
+    calls = _racing_listings(monkeypatch, _without(_layout.part_name(4), _layout.part_name(5)), 1, None, taken)
+    assert store.load(KEY) == [entry(i) for i in range(5)]
+    assert (calls, taken) == ([1], [])
+    assert not [r for r in caplog.records if getattr(r, "code", None) == "GAP"]
 
 
 @pytest.mark.parametrize("can_lock", [True, False], ids=["reader can lock", "reader cannot lock"])
@@ -630,3 +671,45 @@ def test_prune_of_an_old_damaged_session_does_not_wait_for_its_own_locks(
     _no_lock_taken_twice(monkeypatch)
     actions, looked = _maintenance.prune(str(root), older_than=30 * 86400)
     assert looked == 1 and len(actions) == 1, actions
+
+
+@pytest.mark.parametrize("left", ["a short listing", "a late-looking leftover"])
+def test_a_transcript_deleted_while_loaded_is_gone_not_damaged(
+    root: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, left: str
+) -> None:
+    """A delete renames the session away, then removes its files, without the lock:
+    a reader still in the old directory, even one listing under the lock, can see it
+    half removed. That is a delete, not damage: no GAP warning, no CORRUPT; the
+    session is gone."""
+    from fsstore import _transcript
+
+    store = SyncStore(root, compact_every=0)
+    for i in range(4):
+        store.append(KEY, [entry(i)])
+    if left == "a late-looking leftover":
+        store.compact(KEY)  # segment 1-4
+    d = tdir(root, KEY)
+    real_scan = _transcript.scan_items
+    calls: list[int] = []
+
+    def scan(dir_fd: int) -> list[tuple[int, int, str]]:
+        calls.append(1)
+        if len(calls) == 1:  # torn by a race: the reader lists again, under the lock
+            return [it for it in real_scan(dir_fd)
+                    if it[2] not in (_layout.part_name(2), _layout.segment_name(1, 4))]
+        if len(calls) == 2:  # the session is renamed into .trash; removing its files begins
+            os.makedirs(root / ".trash", exist_ok=True)
+            os.rename(d.parent, root / ".trash" / "x")
+            gone = root / ".trash" / "x" / "main"
+            if left == "a short listing":
+                (gone / _layout.part_name(4)).unlink()
+            else:  # a part 2 newer than the segment, as a stat inside an unlink sees it
+                time.sleep(0.01)
+                (gone / _layout.part_name(2)).write_text(json.dumps(entry(1)) + "\n")
+        return real_scan(dir_fd)
+
+    taken = _spy_lock(monkeypatch, can_lock=True)
+    monkeypatch.setattr(_transcript, "scan_items", scan)
+    assert store.load(KEY) is None
+    assert len(calls) == 2 and taken[:1] == [True]
+    assert not [r for r in caplog.records if getattr(r, "code", None) == "GAP"]

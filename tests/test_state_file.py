@@ -342,3 +342,30 @@ def test_a_process_that_only_compacts_rewrites_the_state_in_place_too(local_root
     assert os.lstat(d / _layout.STATE).st_ino in inodes  # swapped, not a new file
     writer.append(KEY, [entry(3)])
     assert SyncStore(root).load(KEY) == [entry(i) for i in range(4)]
+
+
+@pytest.mark.parametrize("content", [
+    pytest.param(b'{"format":1,"seq":1e999,"folded":0,"summary":null,"compacted":0}', id="a sequence of 1e999"),
+    pytest.param(b'{"format":1,"x":' + b"[" * 200_000 + b"]" * 200_000 + b"}", id="nested deeper than json parses"),
+    pytest.param(None, id="bigger than any state"),
+])
+def test_a_state_file_fsstore_did_not_write_never_breaks_a_load_or_an_append(
+    root: Path, content: bytes | None
+) -> None:
+    """load() reads state.json before listing (a hint); append() reads it under the
+    lock. A file fsstore did not write is rebuilt from the parts, never an error, and
+    an oversized one is not read whole."""
+    store = SyncStore(root, compact_every=0)
+    for i in range(2):
+        store.append(KEY, [entry(i)])
+    state = tdir(root, KEY) / _layout.STATE
+    state.unlink()
+    if content is None:
+        with open(state, "wb") as f:
+            f.truncate(_transcript.MAX_STATE_BYTES + 1)  # sparse: a huge file of zeros
+    else:
+        state.write_bytes(content)
+    reader = SyncStore(root, compact_every=0)
+    assert reader.load(KEY) == [entry(0), entry(1)]
+    reader.append(KEY, [entry(2)])
+    assert SyncStore(root).load(KEY) == [entry(i) for i in range(3)]
