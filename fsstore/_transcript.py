@@ -208,9 +208,10 @@ def read_state_stat(dir_fd: int) -> tuple[State | None, os.stat_result | None]:
         os.close(fd)
 
 
-# A state holds a sequence and one session summary (a few KB); a bigger file is not
-# one fsstore wrote, and every load and append would read it whole.
-MAX_STATE_BYTES = 1 << 22
+# A state holds a sequence and one session summary: a few KB, or as much as the
+# longest string field of an entry (a 20 MB lastPrompt is tested). A file beyond
+# this is not one fsstore wrote, and every load and append would read it whole.
+MAX_STATE_BYTES = 1 << 30
 
 
 def read_raw_state(fd: int, st: os.stat_result) -> bytes:
