@@ -247,7 +247,10 @@ class SyncStore:
             assert rfd is not None
             dfd = self._open(rfd, t.comps, operation, create=True)
             assert dfd is not None
-            self._resolve_root()
+            if self._real_root is None:
+                # Once per store: what it learns later (a mount refusing
+                # RENAME_EXCHANGE) must stick, also where every append walks (no openat2).
+                self._resolve_root()
             return dfd
 
     def _resolve_root(self) -> None:
