@@ -573,14 +573,6 @@ def test_check_does_not_report_a_leftover_caught_mid_unlink_as_late(
     assert store.load(KEY) == [entry(i) for i in range(4)]
 
 
-def _compacting_writer(root: str, stop: Any) -> None:
-    store = SyncStore(root, compact_every=4, summaries=False)
-    i = 0
-    while not stop.is_set():
-        store.append(KEY, [entry(1000 + i)])
-        i += 1
-
-
 def test_check_next_to_a_writer_compacting_faster_than_it_reads_finds_nothing(root: Path) -> None:
     """`fsstore check` lists and reads every file of a transcript; a writer compacting
     every few appends can change each listing before check has read it. Check looks
@@ -593,7 +585,7 @@ def test_check_next_to_a_writer_compacting_faster_than_it_reads_finds_nothing(ro
         seed.append(KEY, [entry(i)])
     ctx = mp.get_context("fork")
     stop = ctx.Event()
-    writer = ctx.Process(target=_compacting_writer, args=(str(root), stop))
+    writer = ctx.Process(target=_fast_writer, args=(str(root), stop))
     writer.start()
     try:
         runs, bad = 0, []
