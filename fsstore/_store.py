@@ -247,18 +247,18 @@ class SyncStore:
             assert rfd is not None
             dfd = self._open(rfd, t.comps, operation, create=True)
             assert dfd is not None
-            if self._real_root is None:
-                # Once per store: what it learns later (a mount refusing
-                # RENAME_EXCHANGE) must stick, also where every append walks (no openat2).
-                self._resolve_root()
+            self._resolve_root()
             return dfd
 
     def _resolve_root(self) -> None:
         """Resolve the (existing) root's own symlinks, and tell from its file-system
         type whether state.json may be rewritten in place (``Fs.exchange_ok``): done
-        by whatever writes state.json first, an append or a compaction."""
-        self._real_root = os.path.realpath(self.root)
-        self._fs.exchange_ok = _fsio.is_local_fs(self._real_root)
+        once per store, by whatever writes state.json first, an append or a
+        compaction. Once: what the store learns later (a mount refusing
+        RENAME_EXCHANGE) must stick, also where every append walks (no openat2)."""
+        if self._real_root is None:
+            self._real_root = os.path.realpath(self.root)
+            self._fs.exchange_ok = _fsio.is_local_fs(self._real_root)
 
     # -- append --------------------------------------------------------------------
 
@@ -838,8 +838,7 @@ class SyncStore:
             dfd = self._open(rfd, comps, op)
             if dfd is None:
                 return 0
-            if self._real_root is None:
-                self._resolve_root()
+            self._resolve_root()
             try:
                 with self._locks.hold(self._lock_path(_layout.lock_name(comps), op), op) as held:
                     state, _st = read_state_stat(dfd)

@@ -350,7 +350,7 @@ def test_a_process_that_only_compacts_rewrites_the_state_in_place_too(local_root
     pytest.param(None, id="bigger than any state"),
 ])
 def test_a_state_file_fsstore_did_not_write_never_breaks_a_load_or_an_append(
-    root: Path, content: bytes | None
+    root: Path, monkeypatch: pytest.MonkeyPatch, content: bytes | None
 ) -> None:
     """load() reads state.json before listing (a hint); append() reads it under the
     lock. A file fsstore did not write is rebuilt from the parts, never an error, and
@@ -365,7 +365,16 @@ def test_a_state_file_fsstore_did_not_write_never_breaks_a_load_or_an_append(
             f.truncate(_transcript.MAX_STATE_BYTES + 1)  # sparse: a huge file of zeros
     else:
         state.write_bytes(content)
+    reads: list[int] = []
+    real_pread = os.pread
+
+    def pread(fd: int, n: int, offset: int) -> bytes:
+        reads.append(n)
+        return real_pread(fd, n, offset)
+
+    monkeypatch.setattr(os, "pread", pread)
     reader = SyncStore(root, compact_every=0)
     assert reader.load(KEY) == [entry(0), entry(1)]
     reader.append(KEY, [entry(2)])
     assert SyncStore(root).load(KEY) == [entry(i) for i in range(3)]
+    assert max(reads, default=0) <= _transcript.MAX_STATE_BYTES
