@@ -2,29 +2,36 @@
 
 Thousands of small parts make ``load()`` open thousands of files; a segment is the
 same bytes in one file. Compaction runs under the transcript lock, automatically
-from ``append()`` once ``compact_every`` parts have accumulated since the last one,
-or on demand (``compact(key)``, ``fsstore compact``).
+from ``append()`` once ``compact_every`` parts follow the last segment, or on
+demand (``compact(key)``, ``fsstore compact``). Like a commit, it is correct
+whatever the lock does; the lock only keeps two compactions from wasting work.
 
 Steps, and what readers and crashes see:
 
-1. List the directory; :func:`fsstore._transcript.plan` gives the files that make
-   up the transcript, in order.
+1. List the directory; :func:`fsstore._transcript.plan` gives the chain of files
+   that make up the transcript. A chain with a hole is not compacted (merging
+   across it would hide it from ``fsstore check``).
 2. Choose what to merge. On demand: everything. Automatically: the new parts plus
    every trailing segment no larger than what is merged after it, like carries in
    a binary counter, so each byte is copied O(log n) times and a transcript has
    O(log n) segments.
-3. Concatenate the chosen files' bytes into a temp file (parts are validated
-   first; segments were validated when they were made); fsync if ``fsync=True``.
-4. Check that the lock is still ours to act on (:class:`fsstore._lock.Held`), then
-   move the temp file, no-replace, to ``<first>-<last>.jsonl``. This is the commit
-   point: before it readers read the small files; after it they pick the segment
-   and skip every file inside its range. Either way each entry once.
-5. fsync the directory; record ``compacted = last`` in the state file.
-6. Unlink the merged files and any other leftovers inside the range. A reader that
-   listed them before the unlink gets ENOENT opening one and starts over.
+3. Concatenate the chosen files' bytes into a temp file (parts are parsed first:
+   a damaged part is never copied); fsync if ``fsync=True``; move it, no-replace,
+   to ``<first>-<last>.jsonl``. Readers now take the segment (fewer files) and
+   skip what it merged; either way each entry once.
+4. List again (the *check*): if another segment overlaps this one without one
+   holding the other (two compactions that overlapped), remove this one and stop:
+   its files are all still there. Readers racing it take the chain that continues.
+5. Main transcripts: write the summary sidecar (state.json) folded up to ``last``.
+6. Unlink the merged files and every other part or segment inside the range
+   (leftovers, and parts a stale writer misplaced there, which that writer is
+   committing again above). A reader that listed them gets ENOENT or a changed
+   second listing and reads again.
 
-A crash after step 4 leaves files covered by the segment: readers skip them, and
+A crash after step 3 leaves files covered by the segment: readers skip them, and
 the next compaction removes them. A crash before leaves a temp file (``fsstore gc``).
+The directory's mtime (the session's mtime in ``list_sessions``) is put back if
+nothing else changed it meanwhile: compacting an old session must not make it new.
 Entries are copied verbatim: duplicates by ``uuid`` stay, and load() still drops
 them, so compaction never changes what ``load()`` returns.
 """
@@ -32,21 +39,16 @@ them, so compaction never changes what ``load()`` returns.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
+from typing import Any
 
-from . import _fsio, _layout
-from ._errors import FsStoreError
+from . import _fsio, _layout, _summaries
+from ._errors import FsStoreError, log
 from ._lock import Held
-from ._transcript import (
-    State,
-    check_no_late_parts,
-    checked_plan,
-    first_gap,
-    parse,
-    scan_items,
-    write_state,
-)
+from ._transcript import Item, State, Vanished, parse, plan, read_state, scan, write_state
 
-Item = tuple[int, int, str]
+# The SDK's fold function and the session key it is given.
+Summary = tuple[_summaries.Fold, dict[str, str]]
 
 
 def choose(chosen: list[Item], *, everything: bool) -> int:
@@ -65,80 +67,109 @@ def choose(chosen: list[Item], *, everything: bool) -> int:
     return start
 
 
+def fold_chain(
+    summary: Summary, state: State, chain: list[Item], read: Callable[[str], list[dict[str, Any]]]
+) -> tuple[dict[str, Any], int]:
+    """The summary of the files of ``chain`` (in order), starting from ``state``'s
+    where it ends exactly where a file of the chain begins; else from scratch."""
+    fold, key = summary
+    start = state.summary if state.folded > 0 else None
+    if start is not None and any(last == state.folded for _f, last, _n in chain):
+        rest = [it for it in chain if it[0] > state.folded]
+    else:
+        start, rest = None, chain
+    return _summaries.fold(fold, start, key, [read(name) for _f, _l, name in rest]), chain[-1][1]
+
+
 def compact(
     fs: _fsio.Fs,
     dir_fd: int,
     path: str,
     held: Held,
-    state: State,
     *,
     everything: bool,
     operation: str,
+    summary: Summary | None = None,
 ) -> int:
     """Merge (see the module docstring); return how many files were merged (0: none)."""
-    items = scan_items(dir_fd)
-    chosen = checked_plan(items, path, operation)
-    # A part committed after the segment that covers it must not be unlinked as a
-    # leftover (see check_no_late_parts): refuse, and leave it for `fsstore check`.
-    check_no_late_parts(dir_fd, items, chosen, path, operation)
-    if first_gap(chosen) is not None:
-        # Merging across a gap would hide it (a part lost by hand, or by a disk):
-        # leave the files as they are for `fsstore check` to report.
-        raise FsStoreError("CORRUPT", "sequence gap: refusing to compact across it",
-                           operation=operation, path=path)
-    start = choose(chosen, everything=everything)
-    merge = chosen[start:]
-    covered = {name for _f, _l, name in items} - {name for _f, _l, name in chosen}
-    if len(merge) < 2:
-        _remove(dir_fd, covered)
+    mtime = os.fstat(dir_fd).st_mtime_ns
+    items, deleted = scan(dir_fd)
+    chain, gap = plan(items)
+    if deleted:
         return 0
-    data = []
+    if gap is not None:
+        raise FsStoreError("CORRUPT", f"sequence gap at part {gap}: refusing to compact across it",
+                           operation=operation, path=path)
+    merge = chain[choose(chain, everything=everything):]
+    if len(merge) < 2:
+        _remove_covered(dir_fd, items, chain)
+        return 0
+    blobs: dict[str, bytes] = {}
     newest = 0
     for first, last, name in merge:
-        blob = _fsio.read_file(dir_fd, name)
+        try:
+            blob = _fsio.read_file(dir_fd, name)
+        except FileNotFoundError as exc:
+            raise Vanished(name) from exc
         if first == last:
             parse(blob, f"{path}/{name}", operation)  # never copy a damaged part
-        data.append(blob)
+        blobs[name] = blob
         newest = max(newest, os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mtime_ns)
     first, last = merge[0][0], merge[-1][1]
-    tmp = _fsio.temp_name("-segment")
-    fs.write_new(dir_fd, tmp, b"".join(data))
     segment = _layout.segment_name(first, last)
+    tmp = _fsio.temp_name("-segment")
+    fs.write_new(dir_fd, tmp, b"".join(blobs.values()))
     try:
-        # Compaction changes how entries are stored, not when they were written: the
-        # segment carries the newest merged mtime (retention goes by file age). Set
-        # on the temp file, so that the move is the last change of the segment's
-        # ctime: readers tell a leftover from a later commit by ctime. (`fsstore gc`
-        # ages temp files by their ctime too, so the back-dated temp is not garbage.)
+        # The segment carries the newest merged mtime: retention goes by file age.
         os.utime(tmp, ns=(newest, newest), dir_fd=dir_fd, follow_symlinks=False)
         held.check(operation)
         if not _fsio.move_noreplace(fs, dir_fd, tmp, segment):
-            return 0  # the same segment exists already: a crashed compaction made it
+            return 0  # the same segment exists already: another compaction made it
         tmp = ""
     finally:
         if tmp:
             _fsio.unlink_quiet(dir_fd, tmp)
     fs.sync_dir(dir_fd)
-    state.compacted = max(state.compacted, last)
-    state.seq = max(state.seq, last)
-    held.check(operation)  # a holder past its lease must not write an old sequence
-    _write_state_keeping_mtime(fs, dir_fd, state)
-    _remove(dir_fd, covered | {name for _f, _l, name in merge})
+    after, _deleted = scan(dir_fd)
+    if any(f != l and name != segment and (f < first <= l < last or first < f <= last < l)
+           for f, l, name in after):
+        _fsio.unlink_quiet(dir_fd, segment)  # overlapped another compaction: its files stay
+        return 0
+    if summary is not None:
+        try:
+            _write_summary(fs, dir_fd, path, summary, [it for it in chain if it[1] <= last], blobs)
+        except (OSError, FsStoreError) as exc:
+            # A hint: list_session_summaries folds what the sidecar lacks.
+            log.warning("summary sidecar not written: %s", exc, extra={
+                "code": "SUMMARY_BEHIND", "operation": operation, "path": path})
+    _remove_covered(dir_fd, after, [(first, last, segment)])
+    _restore_mtime(dir_fd, mtime)
     return len(merge)
 
 
-def _write_state_keeping_mtime(fs: _fsio.Fs, dir_fd: int, state: State) -> None:
-    """Record ``compacted`` without moving the session's mtime (state.json's mtime is
-    what list_sessions reports; compacting an old session must not make it look new)."""
+def _write_summary(fs: _fsio.Fs, dir_fd: int, path: str, summary: Summary, chain: list[Item],
+                   blobs: dict[str, bytes]) -> None:
+    def read(name: str) -> list[dict[str, Any]]:
+        blob = blobs[name] if name in blobs else _fsio.read_file(dir_fd, name)
+        return parse(blob, f"{path}/{name}", "summary")
+
+    folded, through = fold_chain(summary, read_state(dir_fd) or State(), chain, read)
+    write_state(fs, dir_fd, State(folded=through, summary=folded))
+
+
+def _remove_covered(dir_fd: int, items: list[Item], keep: list[Item]) -> None:
+    """Unlink every file inside the range of a file of ``keep`` (but those)."""
+    names = {name for _f, _l, name in keep}
+    for first, last, name in items:
+        if name not in names and any(f <= first and last <= l for f, l, _n in keep if f != l):
+            _fsio.unlink_quiet(dir_fd, name)
+
+
+def _restore_mtime(dir_fd: int, before: int) -> None:
+    """Put the directory's mtime back (best effort: under an overtaken lock a commit
+    racing the compaction can lose its mtime, which only reorders listings)."""
     try:
-        old = os.stat(_layout.STATE, dir_fd=dir_fd, follow_symlinks=False).st_mtime_ns
-    except FileNotFoundError:
-        old = None
-    write_state(fs, dir_fd, state)
-    if old is not None:
-        os.utime(_layout.STATE, ns=(old, old), dir_fd=dir_fd, follow_symlinks=False)
-
-
-def _remove(dir_fd: int, names: set[str]) -> None:
-    for name in sorted(names):
-        _fsio.unlink_quiet(dir_fd, name)
+        st = os.fstat(dir_fd)
+        os.utime(dir_fd, ns=(st.st_atime_ns, before))
+    except OSError:
+        pass

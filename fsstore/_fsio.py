@@ -17,7 +17,7 @@ import secrets
 import stat
 import sys
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from ._errors import FsStoreError, log
@@ -134,12 +134,12 @@ _PATH_HOW = _OpenHow(
 )
 
 
-_PATH_HOW_REF = ctypes.byref(_PATH_HOW)
-_ABS_DIR_HOW = _OpenHow(
-    os.O_RDONLY | os.O_DIRECTORY | _CLOEXEC, 0, _RESOLVE_NO_MAGICLINKS | _RESOLVE_NO_SYMLINKS
+_PATH_DIR_HOW = _OpenHow(
+    _O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | _CLOEXEC, 0,
+    _RESOLVE_NO_MAGICLINKS | _RESOLVE_NO_SYMLINKS | _RESOLVE_BENEATH,
 )
+_PATH_DIR_HOW_REF = ctypes.byref(_PATH_DIR_HOW)
 _HOW_SIZE = ctypes.c_size_t(ctypes.sizeof(_OpenHow))
-_AT_FDCWD = -100
 
 
 def _openat2_dir(base_fd: int, relpath: bytes, how: _OpenHow = _DIR_HOW) -> int:
@@ -151,7 +151,7 @@ def _openat2_dir(base_fd: int, relpath: bytes, how: _OpenHow = _DIR_HOW) -> int:
     return int(fd)
 
 
-# mtimes_beneath's errors: below every real mtime (those fit in 63 bits of ns).
+# dir_mtimes_beneath's errors: below every real mtime (those fit in 63 bits of ns).
 MTIME_ERROR = -(1 << 63)
 
 
@@ -165,10 +165,7 @@ class Fs:
         self.dir_fsync_ok = True
         self.openat2_ok = _SYS_OPENAT2 is not None and _syscall is not None
         self.renameat2_ok = _renameat2 is not None
-        # Whether state.json may be rewritten in place (see _transcript.write_state):
-        # decided by SyncStore from the root's file-system type, and turned off for
-        # good where RENAME_EXCHANGE is refused.
-        self.exchange_ok = False
+        self.link_ok = True  # turned off for good on a mount without hard links
         self._fchmod_files = (file_mode & ~UMASK) != file_mode
         self._fchmod_dirs = (dir_mode & ~UMASK) != dir_mode
 
@@ -226,36 +223,19 @@ class Fs:
             if fd >= 0:
                 os.close(fd)
 
-    def open_abs_dir(self, path: bytes) -> int | None:
-        """Open an absolute directory path in one call, refusing symlinks in every component.
-
-        For a ``path`` whose own prefix is already symlink-free (a realpath); None where
-        openat2 is unavailable or the path does not exist (callers take the slow way).
-        """
-        if not self.openat2_ok:
-            return None
-        try:
-            return _openat2_dir(_AT_FDCWD, path, _ABS_DIR_HOW)
-        except OSError as exc:
-            if exc.errno in (errno.ENOSYS, errno.E2BIG, errno.EPERM):
-                self.openat2_ok = False
-                return None
-            if exc.errno in (errno.ENOENT, errno.ELOOP, errno.ENOTDIR):
-                return None  # the walk decides: create, or UNSAFE_PATH
-            raise
-
-    def mtimes_beneath(self, base_fd: int, names: list[str], suffix: bytes) -> list[int]:
-        """st_mtime_ns of each ``base/name+suffix`` (no symlink followed), or
-        ``MTIME_ERROR - errno`` (below any mtime, even one before 1970).
+    def dir_mtimes_beneath(self, base_fd: int, names: list[str], suffix: bytes) -> list[int]:
+        """st_mtime_ns of each directory ``base/name+suffix`` (no symlink followed), or
+        ``MTIME_ERROR - errno`` (below any mtime, even one before 1970; ENOTDIR for
+        anything but a directory).
 
         The listing hot path (one path per session, thousands per call): one loop
-        with errors as numbers, so a session without a state file costs no exception.
+        with errors as numbers, so a session without a transcript costs no exception.
         """
         out: list[int] = []
         if self.openat2_ok and _O_PATH:
             call, fstat, close, add = _syscall, os.fstat, os.close, out.append
             for name in names:
-                fd = call(_SYS_OPENAT2, base_fd, name.encode() + suffix, _PATH_HOW_REF, _HOW_SIZE)
+                fd = call(_SYS_OPENAT2, base_fd, name.encode() + suffix, _PATH_DIR_HOW_REF, _HOW_SIZE)
                 if fd >= 0:
                     try:
                         add(fstat(fd).st_mtime_ns)
@@ -269,9 +249,11 @@ class Fs:
                 add(MTIME_ERROR - err)
         for name in names[len(out):]:
             try:
-                out.append(self.stat_beneath(base_fd, name + os.fsdecode(suffix)).st_mtime_ns)
+                st = self.stat_beneath(base_fd, name + os.fsdecode(suffix))
             except OSError as exc:
                 out.append(MTIME_ERROR - (exc.errno or errno.EIO))
+                continue
+            out.append(st.st_mtime_ns if stat.S_ISDIR(st.st_mode) else MTIME_ERROR - errno.ENOTDIR)
         return out
 
     def stat_beneath(self, base_fd: int, relpath: str) -> os.stat_result:
@@ -305,34 +287,52 @@ class Fs:
 
     def make_dir(self, parent_fd: int, name: str, original: str | None) -> None:
         """Create a directory; hashed names appear atomically with their ``.key`` file."""
-        if original is None:
-            try:
-                os.mkdir(name, self.dir_mode, dir_fd=parent_fd)
-            except FileExistsError:
-                return
-            self._fix_dir_mode(parent_fd, name)
-        else:
-            tmp = temp_name("-dir")
-            os.mkdir(tmp, self.dir_mode, dir_fd=parent_fd)
-            try:
-                self._fix_dir_mode(parent_fd, tmp)
-                tfd = os.open(tmp, DIR_FLAGS, dir_fd=parent_fd)
-                try:
-                    self.write_new(tfd, KEY_FILE, original.encode("utf-8"))
-                finally:
-                    os.close(tfd)
-                # rename() would replace an *empty* directory, but every directory
-                # with a hashed name holds its .key, so a racing creator gets
-                # EEXIST/ENOTEMPTY here and simply uses the winner's directory.
-                os.rename(tmp, name, src_dir_fd=parent_fd, dst_dir_fd=parent_fd)
-                tmp = ""
-            except OSError as exc:
-                if exc.errno not in (errno.EEXIST, errno.ENOTEMPTY):
-                    raise
-            finally:
-                if tmp:
-                    remove_tree(parent_fd, tmp)
+        if original is not None:
+            self.new_dir(parent_fd, name, original)
+            return
+        try:
+            os.mkdir(name, self.dir_mode, dir_fd=parent_fd)
+        except FileExistsError:
+            return
+        self._fix_dir_mode(parent_fd, name)
         self.sync_dir(parent_fd)
+
+    def new_dir(
+        self, parent_fd: int, name: str, original: str | None,
+        fill: Callable[[int], object] | None = None,
+    ) -> bool:
+        """Publish ``parent/name`` with its content: made under a temp name, given its
+        ``.key`` (hashed names) and whatever ``fill`` writes into it, then renamed
+        into place. False (nothing left behind) if ``name`` exists already.
+
+        rename() would replace an *empty* directory, but a directory published this
+        way is never empty, so a racing creator gets EEXIST/ENOTEMPTY and uses the
+        winner's directory.
+        """
+        tmp = temp_name("-dir")
+        os.mkdir(tmp, self.dir_mode, dir_fd=parent_fd)
+        try:
+            self._fix_dir_mode(parent_fd, tmp)
+            tfd = os.open(tmp, DIR_FLAGS, dir_fd=parent_fd)
+            try:
+                if original is not None:
+                    self.write_new(tfd, KEY_FILE, original.encode("utf-8"))
+                if fill is not None:
+                    fill(tfd)
+                self.sync_dir(tfd)
+            finally:
+                os.close(tfd)
+            os.rename(tmp, name, src_dir_fd=parent_fd, dst_dir_fd=parent_fd)
+            tmp = ""
+        except OSError as exc:
+            if exc.errno not in (errno.EEXIST, errno.ENOTEMPTY):
+                raise
+            return False
+        finally:
+            if tmp:
+                remove_tree(parent_fd, tmp)
+        self.sync_dir(parent_fd)
+        return True
 
     def make_dirs(self, path: str) -> None:
         """``mkdir -p`` where every directory created gets ``dir_mode`` (not 0777 & ~umask)."""
@@ -353,6 +353,25 @@ class Fs:
                 os.fchmod(fd, self.dir_mode)
             finally:
                 os.close(fd)
+
+    def mark(self, dir_fd: int, name: str) -> None:
+        """Create the empty file ``name`` (a marker) unless it exists."""
+        fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | _CLOEXEC, self.file_mode,
+                     dir_fd=dir_fd)
+        os.close(fd)
+
+    def subdirs_beneath(self, base_fd: int, names: list[str], base_path: str, operation: str) -> list[str]:
+        """Names of the directories in ``base/names...`` (none if it does not exist);
+        no symlink followed."""
+        fd = self.open_dir(base_fd, [(n, None) for n in names], create=False,
+                           base_path=base_path, operation=operation)
+        if fd is None:
+            return []
+        try:
+            with os.scandir(fd) as it:
+                return [e.name for e in it if is_dir_entry(e)]
+        finally:
+            os.close(fd)
 
     def sync_dir(self, fd: int) -> None:
         """fsync a directory if fsync is on; degrade once, loudly, where the mount refuses."""
@@ -413,8 +432,9 @@ class NotAFile(OSError):
     """Something other than a regular file sits where the store expects one (a FIFO...)."""
 
 
-def read_file(dir_fd: int, name: str) -> bytes:
-    """The whole content of a regular file; NotAFile for a FIFO, device or directory.
+def read_file(dir_fd: int, name: str, *, limit: int | None = None) -> bytes:
+    """The whole content of a regular file; NotAFile for a FIFO, device or directory,
+    or for a file larger than ``limit`` bytes.
 
     O_NONBLOCK keeps a FIFO planted under a part's name from blocking the open.
     """
@@ -422,8 +442,8 @@ def read_file(dir_fd: int, name: str) -> bytes:
     try:
         chunks = []
         st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise NotAFile(errno.EINVAL, "not a regular file", name)
+        if not stat.S_ISREG(st.st_mode) or (limit is not None and st.st_size > limit):
+            raise NotAFile(errno.EINVAL, "not a regular file of the expected size", name)
         size = st.st_size
         while True:
             chunk = os.read(fd, max(size, 1 << 16))
@@ -455,68 +475,30 @@ except (OSError, AttributeError):  # no glibc >= 2.28 (musl, macOS): link()+unli
     _renameat2 = None
 
 
-_RENAME_EXCHANGE = 2
-# Local file systems (statfs f_type): one host's page cache and attributes are the
-# only ones, so a file rewritten in place is seen at once by every process.
-_LOCAL_FS = {
-    0xEF53,  # ext2/3/4
-    0x58465342,  # xfs
-    0x9123683E,  # btrfs
-    0x01021994,  # tmpfs
-    0xF2F52010,  # f2fs
-    0x2FC12FC1,  # zfs
-}
+def link_noreplace(fs: Fs, dir_fd: int, src: str, dst: str) -> bool | None:
+    """Give the file ``src`` the second name ``dst`` unless ``dst`` exists.
 
-
-class _StatFs(ctypes.Structure):
-    _fields_ = [("f_type", ctypes.c_long), ("_rest", ctypes.c_byte * 120)]
-
-
-def is_local_fs(path: str) -> bool:
-    """Whether ``path`` is on a local file system fsstore knows (never a network or FUSE one),
-    on a system that names its boots (the in-place state file needs both)."""
-    if sys.platform != "linux" or boot_id().startswith("unknown-"):
-        return False
-    try:
-        statfs = ctypes.CDLL(None, use_errno=True).statfs
-    except (OSError, AttributeError):
-        return False
-    buf = _StatFs()
-    if statfs(os.fsencode(path), ctypes.byref(buf)) != 0:
-        return False
-    return (buf.f_type & 0xFFFFFFFF) in _LOCAL_FS
-
-
-_boot_id: str | None = None
-
-
-def boot_id() -> str:
-    """This boot of this machine (Linux: a random id the kernel draws at boot)."""
-    global _boot_id
-    if _boot_id is None:
-        try:
-            with open("/proc/sys/kernel/random/boot_id", encoding="ascii") as fh:
-                _boot_id = fh.read().strip()
-        except OSError:  # no /proc: a value no other boot shares (and no in-place state)
-            _boot_id = f"unknown-{secrets.token_hex(8)}"
-    return _boot_id
-
-
-def exchange(fs: Fs, dir_fd: int, a: bytes, b: bytes) -> bool:
-    """Swap the names ``a`` and ``b`` in one atomic step; False if ``b`` does not exist.
-
-    Where the file system refuses RENAME_EXCHANGE, :attr:`Fs.exchange_ok` is turned
-    off and NotImplementedError raised (nothing was moved).
+    True when linked (``src`` stays: a commit can still move its batch elsewhere);
+    None when ``dst`` exists. Where the mount has no hard links it moves instead
+    (:func:`move_noreplace`) and returns False: ``src`` is gone then.
     """
-    if _renameat2 is not None and _renameat2(dir_fd, a, dir_fd, b, _RENAME_EXCHANGE) == 0:
-        return True
-    err = ctypes.get_errno() if _renameat2 is not None else errno.ENOSYS
-    if err == errno.ENOENT:
-        return False
-    if err in (errno.EINVAL, errno.ENOSYS, errno.ENOTSUP, errno.EOPNOTSUPP):
-        fs.exchange_ok = False
-        raise NotImplementedError("RENAME_EXCHANGE")
-    raise OSError(err, os.strerror(err), os.fsdecode(b))
+    if fs.link_ok:
+        try:
+            os.link(src, dst, src_dir_fd=dir_fd, dst_dir_fd=dir_fd, follow_symlinks=False)
+            return True
+        except FileExistsError:
+            # On NFS a retransmitted LINK whose first reply was lost answers EEXIST
+            # for a link that did happen: it is ours if dst is the same inode as src.
+            return True if _same_inode(dir_fd, src, dst) else None
+        except OSError as exc:
+            if exc.errno not in _NO_LINKS:
+                raise
+            fs.link_ok = False
+    return False if move_noreplace(fs, dir_fd, src, dst) else None
+
+
+# What a mount without hard links answers to link().
+_NO_LINKS = {errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.ENOSYS, errno.EMLINK}
 
 
 def move_noreplace(fs: Fs, dir_fd: int, src: str, dst: str) -> bool:

@@ -10,8 +10,8 @@ transcript directory:
 
     00000000000000000001.jsonl                        a part: one committed batch
     00000000000000000001-00000000000000000300.jsonl   a segment: parts 1..300 merged
-    state.json                                        last sequence, summary (a hint)
-    .state.spare                                      the state before (local file systems)
+    state.json                                        the summary as of a compaction (a hint)
+    .deleted                                          a delete is under way
     .tmp-*                                            temp files (garbage once old)
 """
 
@@ -30,11 +30,13 @@ SUBKEYS = "subkeys"
 TRASH = ".trash"
 LOCKS = ".locks"
 STATE = "state.json"
-STATE_SPARE = ".state.spare"  # the previous state.json, rewritten into the next one
+STATE_SPARE = ".state.spare"  # format 1's previous state.json: ignored, removed by gc/migrate
+DELETED = ".deleted"  # created in a transcript directory before a delete moves it away
 
 Component = tuple[str, "str | None"]
 
 _SEQ_DIGITS = 20
+MAX_SEQ = 10**_SEQ_DIGITS - 1
 _ITEM = re.compile(r"([0-9]{20})(?:-([0-9]{20}))?\.jsonl")
 
 
@@ -57,6 +59,12 @@ def transcript_dirs(key: TranscriptKey) -> list[Component]:
     if key.subpath is None:
         return [*base, (MAIN, None)]
     return [*base, (SUBKEYS, None), _named(key.subpath)]
+
+
+def session_marker(key: TranscriptKey) -> str | None:
+    """Where a subagent transcript's directory sees its session's delete marker (the
+    main transcript's ``.deleted``: a session delete marks it first)."""
+    return None if key.subpath is None else f"../../{MAIN}/{DELETED}"
 
 
 def rel(components: list[Component]) -> str:

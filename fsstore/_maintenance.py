@@ -61,7 +61,7 @@ from ._errors import FsStoreError
 from ._keys import TranscriptKey
 from ._lock import read_marker, reclaim_if_stale
 from ._store import SyncStore, decode_entry
-from ._transcript import dedupe, parse, plan, read_state
+from ._transcript import dedupe, parse, plan
 
 #: ``progress(done, total)``: called as a walk advances (the CLI draws a bar).
 Progress = Callable[[int, int], None]
@@ -224,7 +224,6 @@ class TranscriptInfo:
     live: list[Item]
     temps: list[Garbage]
     entries: int | None = None
-    late: set[str] = field(default_factory=set)  # parts committed after the segment covering them
 
     @property
     def parts(self) -> int:
@@ -599,22 +598,13 @@ class Walker:
         # lock (taken from then on where it can be), is damage.
         settled = attempt >= _SETTLED_AFTER
         path = self.path(ref.comps)
-        # The state is read before the listing: whatever sequence it records was
-        # committed before it was written, so the listing must show that part.
-        state = read_state(fd)[0] if verify else None
         items, temps = self._listing(fd, ref, last_try)
-        try:
-            chosen = {name for _f, _l, name in plan([(i.first, i.last, i.name) for i in items])}
-        except ValueError as exc:
-            self.problem("error", "corrupt", path, f"segments overlap: {exc}", code="CORRUPT")
-            chosen = set()
+        chain, _gap = plan([(i.first, i.last, i.name) for i in items])
+        chosen = {name for _f, _l, name in chain}
         live = [it for it in items if it.name in chosen]
         info = TranscriptInfo(ref, path, items, live, temps)
         self._gaps(fd, info, settled, last_try)
-        self._late_parts(info, settled, last_try)
         if verify:
-            if state is not None and state.seq > info.last_seq:
-                self._state_ahead(fd, info, state.seq, settled, last_try)
             self._verify(fd, info, last_try)
         try:
             moved = not _fsio.same_dir(fd, self.rfd, ref.comps)
@@ -656,6 +646,8 @@ class Walker:
                                  "committed file is not a regular file; load() cannot read it")
             elif name.startswith(_fsio.TEMP_PREFIX):
                 temps.append(self._garbage("temp", ref.comps, entry, st))
+            elif name == _layout.DELETED:
+                raise _Deleted(path)  # a delete under way (or its deleter died: gc finishes it)
             elif name.startswith(NFS_SILLY_PREFIX):
                 self._silly(f"{path}/{name}")
             elif name not in (_layout.STATE, _layout.STATE_SPARE) and not (
@@ -690,33 +682,6 @@ class Walker:
                              f"sequence gap: {span} missing before this file "
                              "(lost files; load() returns the rest)")
             expected = it.last + 1
-
-    def _late_parts(self, info: TranscriptInfo, settled: bool, last_try: bool) -> None:
-        """Note parts inside a segment's range with a later ctime (see
-        :func:`fsstore._transcript.late_part`): a leftover caught mid-unlink looks the
-        same, so only a look that stays counts."""
-        segments = [it for it in info.live if it.first != it.last]
-        live = {it.name for it in info.live}
-        for it in info.items:
-            if it.first != it.last or it.name in live:
-                continue
-            seg = next((s for s in segments if s.first <= it.first <= s.last), None)
-            if seg is not None and it.ctime_ns > seg.ctime_ns:
-                if not settled and not last_try:
-                    raise _Changed(it.name)
-                info.late.add(it.name)
-
-    def _state_ahead(
-        self, fd: int, info: TranscriptInfo, seq: int, settled: bool, last_try: bool
-    ) -> None:
-        if not last_try and (
-            not settled or self._exists(fd, _layout.part_name(info.last_seq + 1))
-        ):
-            raise _Changed("state")
-        self.problem("warning", "state-ahead", f"{info.path}/{_layout.STATE}",
-                     f"state.json records sequence {seq} but the newest committed file ends at "
-                     f"{info.last_seq}: files are missing, or this host's directory cache is "
-                     "stale (run check again)")
 
     def _verify(self, fd: int, info: TranscriptInfo, last_try: bool) -> None:
         total = 0
@@ -988,13 +953,8 @@ def _check_transcript(w: Walker, report: CheckReport, t: TranscriptInfo, older_t
         if it.name in live:
             continue
         path = f"{t.path}/{it.name}"
-        seg = next((s for s in segments if s.first <= it.first and it.last <= s.last), None)
-        if seg is not None and it.name in t.late:
-            w.problem("error", "late-part", path,
-                      f"committed after {seg.name}, which covers its sequence number: two "
-                      "lock holders overlapped; load() refuses the transcript (CORRUPT) "
-                      "until the part is dealt with by hand")
-            continue
+        if not any(s.first <= it.first and it.last <= s.last for s in segments):
+            continue  # a segment of an overlapping compaction: its twin removes it
         age = w.now - it.mtime_ns / 1e9
         w.problem("warning" if age > older_than else "info", "leftover", path,
                   f"already merged into a segment, {_age_text(max(age, 0))} old: "

@@ -13,6 +13,7 @@ import errno
 import os
 import stat
 import threading
+import time
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -23,25 +24,21 @@ from ._keys import TranscriptKey
 from ._layout import Component
 from ._lock import Held, Locks
 from ._transcript import (
+    Deleted,
+    Item,
     State,
-    StateFile,
-    Unsettled,
     Vanished,
     commit,
     dedupe,
     encode_batch,
-    log_state_failure,
     parse,
-    parse_state,
-    probe_latest,
-    read_batches,
-    read_raw_state,
+    plan,
+    read_snapshot,
     read_state,
-    read_state_stat,
-    rebuild_state,
+    scan,
     scan_items,
-    warn_damage,
-    write_state,
+    top,
+    warn_gap,
 )
 
 # A reader that keeps losing races with compactions and deletes gives up after this.
@@ -52,46 +49,26 @@ _OPTIMISTIC_LOADS = 8
 _APPEND_ATTEMPTS = 50
 
 
-# Transcripts an appending process remembers (validated key, paths, state, the two
-# state files held open: at most 2 x 32 descriptors per store).
-_APPENDING = 32
+# Transcripts an appending process remembers (validated key, paths, next number).
+_APPENDING = 64
 
 
 @dataclasses.dataclass(eq=False)
 class _Appending:
-    """One transcript as a process that appends to it remembers it between appends.
-
-    The key is validated and its paths worked out once. ``state`` is the state this
-    process last wrote and ``head`` how that write's state.json begins (its write
-    id): while state.json still begins so, nobody else has written since. On a
-    local file system the two state files are then also still as this process left
-    them, and stay open between appends: ``current`` (state.json, the file it
-    swapped in) and ``spare`` (.state.spare, the one it swapped out). A steady
-    append then opens neither by name. Both are only used under the transcript's
-    lock, and closed whenever ``head`` is dropped or the object goes (an append in
-    flight keeps its object alive).
-    """
+    """One transcript as a process that appends to it remembers it between appends:
+    the key validated and its paths worked out once, and where the next part goes."""
 
     key: TranscriptKey
     comps: list[Component]
     path: str  # <root>/<rel>, for messages
     lock_path: str  # <root>/.locks/<lock name>
     sdk_key: dict[str, str]  # the key as the SDK's summary fold takes it
-    abs_dir: bytes | None = None  # <realpath of root>/<rel>, once root was resolved
-    state: State | None = None
-    head: bytes | None = None
-    current: StateFile | None = None
-    spare: StateFile | None = None
-
-    def forget_files(self) -> None:
-        """Close the state files held open (someone else wrote, or a write failed)."""
-        for kept in (self.current, self.spare):
-            if kept is not None:
-                os.close(kept.fd)
-        self.current = self.spare = None
-
-    def __del__(self) -> None:
-        self.forget_files()
+    session_marker: str | None  # see _layout.session_marker
+    # One above the highest number this process saw in the directory ``dir_id``
+    # (st_dev, st_ino) at its last commit: a directory deleted and made again is
+    # another inode, and its numbers start over.
+    next_seq: int = 0
+    dir_id: tuple[int, int] | None = None
 
 
 def decode_entry(parent_fd: int, entry: os.DirEntry[str]) -> str | None:
@@ -121,14 +98,15 @@ def decode_entry(parent_fd: int, entry: os.DirEntry[str]) -> str | None:
     return original if _keys.matches(name, original) else None
 
 
-def _known_seq(dfd: int) -> int:
-    """The sequence state.json records as committed (read before listing); 0 if none
-    can be trusted. A hint for load: a listing must reach it."""
-    try:
-        state = read_state(dfd)[0]
-    except OSError:
-        return 0
-    return state.seq if state is not None else 0
+def _tick_mtime(dfd: int, before_ns: int) -> None:
+    """Make the directory's mtime (the session's mtime) at least 1 ms later than
+    before the commit. The SDK compares a summary's mtime with list_sessions' in
+    whole milliseconds, and file systems stamp with a coarse clock (ext4: a few
+    ms): without this, a commit within the same tick would leave a summary made
+    before it looking fresh. Only ever moves forward, from the storage's own times."""
+    st = os.fstat(dfd)
+    if st.st_mtime_ns // 1_000_000 <= before_ns // 1_000_000:
+        os.utime(dfd, ns=(st.st_atime_ns, (before_ns // 1_000_000 + 1) * 1_000_000))
 
 
 class SyncStore:
@@ -165,17 +143,14 @@ class SyncStore:
             mode=file_mode,
         )
         self._fold = _summaries.fold_function() if summaries is not False else None
-        # The root with its own symlinks resolved (the operator's choice, resolved once):
-        # lets an append open its transcript directory in a single openat2 call.
-        self._real_root: str | None = None
         self._forget_appending()
         _fsio.in_forked_child(self, "_forget_appending")
         if summaries is True and self._fold is None:
             raise ValueError("summaries=True needs claude-agent-sdk (pip install fsstore[claude])")
 
     def _forget_appending(self) -> None:
-        """Remember no transcript (also in a forked child: its state files are the
-        parent's descriptors, and a thread that held the guard does not exist there)."""
+        """Remember no transcript (also in a forked child, where a thread that held
+        the guard does not exist)."""
         # The transcripts this process appended to lately (see _Appending).
         self._appending: collections.OrderedDict[tuple[str, str, str | None], _Appending] = (
             collections.OrderedDict()
@@ -235,31 +210,6 @@ class SyncStore:
             raise _fsio.unsafe(locks, operation)
         return locks
 
-    def _open_transcript(self, t: _Appending, operation: str) -> int:
-        """Open (creating if needed) a transcript directory for writing."""
-        if t.abs_dir is None and self._real_root is not None:
-            t.abs_dir = os.fsencode(f"{self._real_root}/{_layout.rel(t.comps)}")
-        if t.abs_dir is not None:
-            fd = self._fs.open_abs_dir(t.abs_dir)
-            if fd is not None:
-                return fd
-        with self._open_root(create=True) as rfd:
-            assert rfd is not None
-            dfd = self._open(rfd, t.comps, operation, create=True)
-            assert dfd is not None
-            self._resolve_root()
-            return dfd
-
-    def _resolve_root(self) -> None:
-        """Resolve the (existing) root's own symlinks, and tell from its file-system
-        type whether state.json may be rewritten in place (``Fs.exchange_ok``): done
-        once per store, by whatever writes state.json first, an append or a
-        compaction. Once: what the store learns later (a mount refusing
-        RENAME_EXCHANGE) must stick, also where every append walks (no openat2)."""
-        if self._real_root is None:
-            self._real_root = os.path.realpath(self.root)
-            self._fs.exchange_ok = _fsio.is_local_fs(self._real_root)
-
     # -- append --------------------------------------------------------------------
 
     def _appending_to(self, key: Mapping[str, Any], operation: str) -> _Appending:
@@ -279,7 +229,8 @@ class SyncStore:
         tk = _keys.parse_key(key, operation)
         comps = _layout.transcript_dirs(tk)
         t = _Appending(key=tk, comps=comps, path=self._path(comps),
-                       lock_path=f"{self._locks_path}/{_layout.lock_name(comps)}", sdk_key=tk.as_dict())
+                       lock_path=f"{self._locks_path}/{_layout.lock_name(comps)}", sdk_key=tk.as_dict(),
+                       session_marker=_layout.session_marker(tk))
         with self._appending_guard:
             t = self._appending.setdefault((tk.project_key, tk.session_id, tk.subpath), t)
             while len(self._appending) > _APPENDING:
@@ -287,20 +238,29 @@ class SyncStore:
         return t
 
     def append(self, key: Mapping[str, Any], entries: list[Any]) -> None:
+        """Commit ``entries`` as one batch (see :mod:`fsstore._transcript` for the protocol).
+
+        When it returns, the batch is in every later ``load()`` on every host whose
+        client sees the file, exactly once and whole. An empty list writes nothing.
+        Raises :class:`~fsstore.FsStoreError`: ``INVALID_KEY``/``INVALID_ENTRY``
+        before anything touches disk; otherwise nothing of the batch is committed.
+        """
         op = "append"
         t = self._appending_to(key, op)
         if isinstance(entries, list) and not entries:
             return
         payload = encode_batch(entries, op)
         with translating(op, t.path):
-            for _attempt in range(_APPEND_ATTEMPTS):
+            for attempt in range(_APPEND_ATTEMPTS):
                 try:
-                    self._append_once(t, entries, payload)
+                    self._append_once(t, payload)
                     return
-                except FileNotFoundError:
-                    # The transcript directory was moved away (a concurrent delete)
-                    # before our commit: nothing of ours is visible; start over.
-                    continue
+                except (FileNotFoundError, Deleted):
+                    # The transcript directory was moved away or is being deleted
+                    # (a concurrent delete) before our commit: nothing of ours is
+                    # visible; start over, in a new directory once it is gone.
+                    t.dir_id = None
+                    time.sleep(min(0.001 * attempt, 0.05))
             raise FsStoreError(
                 "ENOENT",
                 "transcript directory kept disappearing (concurrent deletes)",
@@ -309,263 +269,157 @@ class SyncStore:
                 errno=errno.ENOENT,
             )
 
-    def _append_once(self, t: _Appending, entries: list[dict[str, Any]], payload: bytes) -> None:
+    def _append_once(self, t: _Appending, payload: bytes) -> None:
         op = "append"
-        dfd = self._open_transcript(t, op)
+        with self._open_root(create=True) as rfd:
+            assert rfd is not None
+            dfd = self._open(rfd, t.comps, op)
+            if dfd is None:
+                if self._first_commit(rfd, t, payload):
+                    return
+                raise FileNotFoundError(errno.ENOENT, "created and deleted meanwhile", t.path)
         try:
             tmp = _fsio.temp_name()
             self._fs.write_temp(dfd, tmp, payload)
-            committed = False
             try:
                 self._locks_dir(op)
                 with self._locks.hold(t.lock_path, op) as held:
-                    state, state_mtime, opened = self._current_state(t, dfd)
+                    before = os.fstat(dfd)
+                    seq = self._next_seq(t, dfd, before)
+                    held.check(op)
                     try:
-                        held.check(op)
-                        seq = commit(self._fs, dfd, tmp, state.seq)
-                        committed = True
-                        spare, opened = opened, None  # _finish_commit owns it from here
-                        self._finish_commit(t, dfd, held, state, state_mtime, seq, entries, spare)
-                    finally:
-                        if opened is not None:
-                            os.close(opened.fd)
+                        seq, items = commit(self._fs, dfd, tmp, seq, t.session_marker)
+                    except Deleted as exc:
+                        # A delete is committed once marked: finish it (its deleter
+                        # may have died) and start over in a new directory.
+                        self._finish_delete(t.comps, t.path, session=exc.session)
+                        raise
+                    t.next_seq = top(items) + 1
+                    tmp = self._drop_temp(dfd, tmp, t.path)
+                    self._after_commit(t, dfd, held, items, before.st_mtime_ns)
             finally:
-                if not committed:
+                if tmp:
                     _fsio.unlink_quiet(dfd, tmp)
         finally:
             os.close(dfd)
 
-    def _current_state(self, t: _Appending, dfd: int) -> tuple[State, int, StateFile | None]:
-        """The transcript's state (under its lock), state.json's mtime (0 if none), and
-        state.json held open for writing where it may become the next spare (else None).
+    @staticmethod
+    def _drop_temp(dfd: int, tmp: str, path: str) -> str:
+        """Unlink a committed batch's temp name (a second link to its part). After the
+        commit point: a failure is logged (the name is garbage for ``fsstore gc``),
+        since raising would make the SDK retry a committed batch. Returns ``""``."""
+        try:
+            _fsio.unlink_quiet(dfd, tmp)
+        except OSError as exc:
+            log.warning("temp link left after commit: %s", exc, extra={
+                "code": "TEMP_LEFT", "operation": "append", "path": f"{path}/{tmp}"})
+        return ""
 
-        If state.json still begins with the head of this process's last write, nobody
-        wrote since and the state remembered is current: no parse. Elsewhere than on
-        a local file system it is opened, not stat'ed by name, so that NFS
-        revalidates it (close-to-open consistency).
-        """
-        kept = self._kept_state(t, dfd)
-        if kept is not None:
-            return kept
-        read_only = _fsio.READ_FLAGS | os.O_NONBLOCK
+    def _first_commit(self, rfd: int, t: _Appending, payload: bytes) -> bool:
+        """Commit the first batch of a new transcript: its directory appears with part
+        1 already in it (one rename), so no reader or listing ever sees a transcript
+        without a part. False if another writer's directory appeared first."""
+        parent = self._open(rfd, t.comps[:-1], "append", create=True)
+        assert parent is not None
+        name, original = t.comps[-1]
         try:
-            try:
-                fd = os.open(_layout.STATE, _fsio.RW_FLAGS if self._fs.exchange_ok else read_only, dir_fd=dfd)
-            except PermissionError:
-                if not self._fs.exchange_ok:
-                    raise
-                fd = os.open(_layout.STATE, read_only, dir_fd=dfd)  # another user's: read it only
-        except FileNotFoundError:
-            return rebuild_state(dfd), 0, None
-        try:
-            st = os.fstat(fd)
-            raw = read_raw_state(fd, st)
-            if t.head is None or not raw.startswith(t.head):
-                state = parse_state(raw)
-            else:
-                assert t.state is not None
-                state = t.state.copy()
-            if self._fs.exchange_ok and stat.S_ISREG(st.st_mode) and st.st_nlink == 1 \
-                    and st.st_uid == os.geteuid():
-                keep, fd = StateFile.of(fd, st), -1
-            else:
-                keep = None
+            self._locks_dir("append")
+            with self._locks.hold(t.lock_path, "append") as held:
+                held.check("append")
+                return self._fs.new_dir(parent, name, original, lambda tfd: self._fs.write_new(
+                    tfd, _layout.part_name(1), payload))
         finally:
-            if fd >= 0:
-                os.close(fd)
-        return (state if state is not None else rebuild_state(dfd)), st.st_mtime_ns, keep
+            os.close(parent)
 
-    def _kept_state(self, t: _Appending, dfd: int) -> tuple[State, int, StateFile] | None:
-        """:meth:`_current_state` from the two state files held open since this
-        process's last append (local file systems), if nobody else wrote since:
+    def _next_seq(self, t: _Appending, dfd: int, st: os.stat_result) -> int:
+        """Where this process's next part goes (step 4 of the commit)."""
+        ident = (st.st_dev, st.st_ino)
+        if t.dir_id != ident:
+            t.dir_id, t.next_seq = ident, top(scan_items(dfd)) + 1
+        return t.next_seq
 
-        - the file it swapped in still has one link (no rename replaced it, no hard
-          link shares it) and still begins with its write id (another writer's
-          rewrite in place begins with theirs): an fstat and a pread, no lookup;
-        - ``.state.spare`` is still the file it swapped out (same inode, which no
-          other file can have while it is held open; one link). Every other
-          writer's swap moves one of the two; and anything planted at that name is
-          caught here, before a swap could make it state.json.
-
-        Else both are closed and None returned: state.json is then read by name.
-        """
-        current, spare = t.current, t.spare
-        if current is not None and spare is not None and t.head is not None and t.state is not None:
-            try:
-                st = os.fstat(current.fd)
-                if st.st_nlink == 1 and os.pread(current.fd, len(t.head), 0) == t.head:
-                    at_spare = os.stat(_layout.STATE_SPARE, dir_fd=dfd, follow_symlinks=False)
-                    if (at_spare.st_dev, at_spare.st_ino) == spare.ident and at_spare.st_nlink == 1:
-                        t.current = None  # the caller's now (it becomes the spare)
-                        return t.state.copy(), st.st_mtime_ns, current
-            except OSError:
-                pass  # unreadable, or nothing at the spare's name: read by name
-        t.forget_files()  # someone else wrote (or not both are held)
-        return None
-
-    def _remember_state(self, t: _Appending, head: bytes | None, state: State) -> None:
-        t.state, t.head = (state, head) if head is not None else (None, None)
-        if head is None:
-            t.forget_files()
-
-    def _finish_commit(
-        self,
-        t: _Appending,
-        dfd: int,
-        held: Held,
-        state: State,
-        state_mtime: int,
-        seq: int,
-        entries: list[dict[str, Any]],
-        opened: StateFile | None,
+    def _after_commit(
+        self, t: _Appending, dfd: int, held: Held, items: list[Item], before_ns: int
     ) -> None:
-        """Everything after the commit point. Nothing here fails the append.
+        """After the commit point. Nothing here fails the append.
 
-        ``opened`` is state.json, open for writing (or None): once the new state is
-        swapped in, it is the spare, kept for the next append (this takes it over).
-
-        The batch is visible from the moment it got its name; raising now would make
-        the SDK retry it, and a retried batch is stored twice (entries without a
-        uuid are not de-duplicated). So failures here are logged: the state file
-        and summary heal, and a failed directory fsync is the operator's to see.
+        The batch is committed; raising now would make the SDK retry it, and a
+        retried batch is stored twice (entries without a uuid are not de-duplicated).
+        So failures are logged: a failed directory fsync is the operator's to see, a
+        failed compaction only costs load speed.
         """
-        path = t.path
         try:
+            _tick_mtime(dfd, before_ns)
             self._fs.sync_dir(dfd)
         except OSError as exc:
             code = errno.errorcode.get(exc.errno or 0, "EIO")
             log.error(
                 "batch committed and visible, but the directory fsync failed (%s): it may not "
                 "survive a power loss", exc,
-                extra={"code": code, "operation": "append", "path": path, "errno": exc.errno},
+                extra={"code": code, "operation": "append", "path": t.path, "errno": exc.errno},
             )
-        new = self._after_commit(t, dfd, state, seq, entries)
-        try:
-            # A holder past its lease skips the write: another holder may have moved
-            # on, and an old sequence in state.json could send later commits into a
-            # segment's range. The state stays behind, which heals.
-            held.check("append")
-            spare, t.spare = t.spare, None  # write_state closes it or hands it back
-            head, current = write_state(self._fs, dfd, new, after_ns=state_mtime, spare=spare, keep=True)
-        except (OSError, FsStoreError) as exc:
-            if opened is not None:
-                os.close(opened.fd)
-            self._remember_state(t, None, new)
-            log_state_failure(exc, path)
+        if not self._compact_every:
             return
-        self._remember_state(t, head, new)
-        if current is not None:  # swapped: the previous state.json is the spare now
-            t.current, t.spare = current, opened
-        elif opened is not None:
-            os.close(opened.fd)
-        if self._compact_every and seq - new.compacted >= self._compact_every:
-            self._auto_compact(t, dfd, held, new)
-
-    def _auto_compact(self, t: _Appending, dfd: int, held: Held, state: State) -> None:
-        path = t.path
-        self._remember_state(t, None, state)  # compaction rewrites state.json
+        compacted = max((last for first, last, _ in items if first != last), default=0)
+        if sum(1 for first, last, _ in items if first == last and first > compacted) < self._compact_every:
+            return
         try:
-            _compact.compact(self._fs, dfd, path, held, state, everything=False, operation="compact")
-        except (OSError, FsStoreError) as exc:
-            # The append itself is committed; a failed compaction only costs load speed.
-            # Try again only after another compact_every parts, not on every append.
-            log.warning("automatic compaction failed: %s", exc,
-                        extra={"code": "COMPACT_FAILED", "operation": "compact", "path": path})
-            state.compacted = state.seq
-            try:
-                held.check("compact")
-                write_state(self._fs, dfd, state)
-            except (OSError, FsStoreError) as exc:
-                log_state_failure(exc, path)
-
-    def _after_commit(
-        self,
-        t: _Appending,
-        dfd: int,
-        state: State,
-        seq: int,
-        entries: list[dict[str, Any]],
-    ) -> State:
-        """The next state: new sequence, and for a main transcript the folded summary."""
-        new = State(max(seq, state.seq), state.folded, state.summary, state.compacted)
-        if t.key.subpath is not None or self._fold is None:
-            return new
-        key, path = t.sdk_key, t.path
-        try:
-            summary, folded = self._catch_up(dfd, path, key, state.summary, state.folded, seq - 1,
-                                             locked=True)
-            if folded < seq:
-                summary, folded = _summaries.fold(self._fold, summary, key, [entries]), seq
+            _compact.compact(self._fs, dfd, t.path, held, everything=False, operation="compact",
+                             summary=self._summary_of(t.key))
         except (OSError, FsStoreError, Vanished) as exc:
-            # The batch is committed; the summary stays behind and readers heal it.
-            log.warning(
-                "summary not updated after commit: %s", exc,
-                extra={"code": "SUMMARY_BEHIND", "operation": "append", "path": path},
-            )
-            return new
-        new.summary, new.folded = summary, folded
-        return new
+            log.warning("automatic compaction failed: %s", exc,
+                        extra={"code": "COMPACT_FAILED", "operation": "compact", "path": t.path})
 
-    def _catch_up(
-        self,
-        dfd: int,
-        path: str,
-        key: dict[str, str],
-        summary: dict[str, Any] | None,
-        folded: int,
-        upto: int,
-        *,
-        locked: bool,
-    ) -> tuple[dict[str, Any] | None, int]:
-        """Fold committed parts ``folded+1..upto`` into ``summary``.
+    def _summary_of(self, tk: TranscriptKey) -> _compact.Summary | None:
+        """What compaction needs to keep the summary sidecar: main transcripts only."""
+        if tk.subpath is not None or self._fold is None:
+            return None
+        return self._fold, {"project_key": tk.project_key, "session_id": tk.session_id}
 
-        Reads them by name; if one was merged into a segment, refolds the whole
-        transcript instead (then the result may cover more than ``upto``). Without
-        the lock (``locked``) a listing racing a compaction raises Vanished.
-        """
-        assert self._fold is not None
-        if folded >= upto:
-            return summary, folded
-        if summary is not None or folded == 0:
+    def _finish_delete(self, comps: list[Component], path: str, *, session: bool) -> None:
+        """Move a marked transcript into the trash, or its whole session where the
+        main transcript is marked (only a session delete marks it; ``session``: a
+        subagent transcript saw that marker). Whoever finds a marked transcript
+        under its lock does this: its deleter may have died between mark and move."""
+        if comps[-1][0] == _layout.MAIN and len(comps) == 5:
+            comps = comps[:-1]  # <S>/main -> <S>
+        elif session:
+            comps = comps[:-2]  # <S>/subkeys/<SP> -> <S>
+        with self._open_root(create=False) as rfd:
+            parent = self._open(rfd, comps[:-1], "delete") if rfd is not None else None
+            if rfd is None or parent is None:
+                return
             try:
-                batches = [
-                    parse(
-                        _fsio.read_file(dfd, _layout.part_name(seq)),
-                        f"{path}/{_layout.part_name(seq)}",
-                        "summary",
-                    )
-                    for seq in range(folded + 1, upto + 1)
-                ]
-                return _summaries.fold(self._fold, summary, key, batches), upto
-            except FileNotFoundError:
-                pass  # merged into a segment: refold from the start below
-        everything, damage = read_batches(dfd, path, "summary", locked=locked)
-        if damage is not None:
-            warn_damage(damage, path, "summary")
-        if not everything:
-            return None, 0
-        return (
-            _summaries.fold(self._fold, None, key, [b for _, b in everything]),
-            everything[-1][0],
-        )
+                self._move_to_trash(rfd, parent, comps[-1][0], path)
+            except OSError as exc:  # a reader on a read-only mount: the delete stays marked
+                log.debug("could not finish a marked delete: %s", exc)
+            finally:
+                os.close(parent)
 
     # -- load ----------------------------------------------------------------------
 
     def load(self, key: Mapping[str, Any]) -> list[Any] | None:
+        """The transcript's entries in commit order, or None if it has none.
+
+        Every batch whose ``append`` returned before this call is in it, each once
+        and whole; entries with a string ``uuid`` seen before are dropped. A load
+        racing a delete returns the whole transcript or None. Raises
+        :class:`~fsstore.FsStoreError` (``CORRUPT`` names the file and line of
+        damaged bytes; ``EAGAIN`` after losing too many races with compactions).
+        """
         op = "load"
         tk = _keys.parse_key(key, op)
         comps = _layout.transcript_dirs(tk)
         path = self._path(comps)
+        names = [n for n, _ in comps]
         with translating(op, path):
             stale: OSError | None = None
-            names = [n for n, _ in comps]
-            previous: tuple[object, ...] | None = None  # the damage the last listing showed
-            wary = False  # a listing looked damaged: settle it under the lock
+            deleting = False  # a .deleted marker was seen: look again under the lock
             for attempt in range(_LOAD_ATTEMPTS):
                 with contextlib.ExitStack() as guard, self._open_root(create=False) as rfd:
                     if rfd is None:
                         return None
-                    locked = (wary or attempt >= _OPTIMISTIC_LOADS) and self._hold_for_reading(guard, comps)
+                    locked = (deleting or attempt >= _OPTIMISTIC_LOADS) and self._hold_for_reading(guard, comps)
                     try:
                         dfd = self._open(rfd, comps, op)
                     except OSError as exc:
@@ -576,30 +430,35 @@ class SyncStore:
                     if dfd is None:
                         return None
                     try:
-                        try:
-                            batches, damage = read_batches(dfd, path, op, locked=locked,
-                                                           state_seq=_known_seq(dfd), previous=previous)
-                        except Unsettled as exc:
-                            wary = True
-                            # damage if the next listing shows the same, in this directory
-                            previous = exc.signature if _fsio.same_dir(dfd, rfd, names) else None
-                            continue
-                        except Vanished as exc:
-                            previous = None  # the directory moved on: start the comparison over
-                            if isinstance(exc.__cause__, OSError) and exc.__cause__.errno == errno.ESTALE:
-                                stale = exc.__cause__
-                            continue
-                        except FsStoreError:
-                            if _fsio.same_dir(dfd, rfd, names):
-                                raise
-                            continue  # a half-removed directory (a delete) is not damage
+                        batches, gap = read_snapshot(dfd, path, op, _layout.session_marker(tk))
                         if not _fsio.same_dir(dfd, rfd, names):
-                            previous = None
-                            continue  # deleted (renamed away) while we read: look again
-                        if damage is not None:
-                            warn_damage(damage, path, op)
+                            continue  # deleted (moved away) while we read: look again
+                    except Deleted as exc:
+                        # A delete is committed once marked; under the lock nobody
+                        # is deleting it right now: its deleter died, finish it.
+                        if locked:
+                            self._finish_delete(comps, path, session=exc.session)
+                        if locked or deleting:
+                            return None
+                        deleting = True
+                        continue
+                    except Vanished as exc:
+                        if isinstance(exc.__cause__, OSError) and exc.__cause__.errno == errno.ESTALE:
+                            stale = exc.__cause__
+                        continue
+                    except OSError as exc:
+                        if exc.errno not in (errno.ENOENT, errno.ESTALE):
+                            raise
+                        stale = exc if exc.errno == errno.ESTALE else stale
+                        continue  # the directory went away under us (another host's delete)
+                    except FsStoreError:
+                        if _fsio.same_dir(dfd, rfd, names):
+                            raise
+                        continue  # a half-removed directory (a delete) is not damage
                     finally:
                         os.close(dfd)
+                if gap is not None:
+                    warn_gap(gap, path, op)
                 return dedupe(batches) if batches else None
             if stale is not None:
                 raise stale  # a mount that keeps answering ESTALE: say so, not "busy"
@@ -636,44 +495,27 @@ class SyncStore:
     def _transcript_mtimes(
         self, parent_fd: int, children: list[tuple[str, str]], below: str
     ) -> Iterator[tuple[str, int]]:
-        """``(key part, mtime in epoch ms)`` of each child whose transcript
-        ``parent/name+below`` has a committed part.
+        """``(key part, mtime in epoch ms)`` of each child's transcript directory
+        ``parent/name+below``.
 
-        The state file is rewritten at every commit, so its mtime is the time of the
-        last commit by the storage's own clock; the summary uses the same stat. One
-        symlink-proof probe per transcript: this runs over every session of a
-        project each time the SDK lists them (names are ASCII: names
+        A commit links a file into that directory, so its mtime is the time of the
+        last commit (or compaction) by the storage's own clock; the summary uses
+        the same stat. One symlink-proof probe per transcript: this runs over every
+        session of a project each time the SDK lists them (names are ASCII: names
         :func:`decode_entry` accepted).
         """
-        found = self._fs.mtimes_beneath(parent_fd, [name for name, _ in children],
-                                        f"{below}/{_layout.STATE}".encode("ascii"))
+        found = self._fs.dir_mtimes_beneath(parent_fd, [name for name, _ in children],
+                                        below.encode("ascii"))
         error = _fsio.MTIME_ERROR
-        for (name, part), ns in zip(children, found):
+        for (_name, part), ns in zip(children, found):
             if ns > error:
                 yield part, ns // 1_000_000
-            elif (ms := self._mtime_without_state(parent_fd, f"{name}{below}", error - ns)) is not None:
-                yield part, ms
-
-    def _mtime_without_state(self, parent_fd: int, name: str, err: int) -> int | None:
-        """:meth:`_transcript_mtimes` where state.json could not be stat'ed (``err``)."""
-        if err in (errno.ELOOP, errno.EXDEV):
-            return None  # a symlink inside the transcript path: not ours to report
-        if err not in (errno.ENOENT, errno.ENOTDIR):
-            raise OSError(err, os.strerror(err))  # reported at the listed directory
-        # No state file: a first commit whose writer died before writing it.
-        try:
-            fd = self._fs.open_dir(parent_fd, [(n, None) for n in name.split("/")],
-                                   create=False, base_path=self.root, operation="list")
-        except (FsStoreError, NotADirectoryError):  # a symlink or a file where a directory should be
-            return None
-        if fd is None:
-            return None
-        try:
-            if not scan_items(fd):
-                return None
-            return os.fstat(fd).st_mtime_ns // 1_000_000
-        finally:
-            os.close(fd)
+                continue
+            err = error - ns
+            if err not in (errno.ELOOP, errno.EXDEV, errno.ENOENT, errno.ENOTDIR):
+                raise OSError(err, os.strerror(err))  # reported at the listed directory
+            # A symlink inside the transcript path is not ours to report; a session
+            # without a main transcript (only subagents, or removed) has no mtime.
 
     @contextlib.contextmanager
     def _children(self, comps: list[Component], op: str) -> Iterator[tuple[int, list[tuple[str, str]]]]:
@@ -749,22 +591,24 @@ class SyncStore:
     def _fresh_summary(
         self, mfd: int, path: str, key: dict[str, str]
     ) -> tuple[dict[str, Any] | None, int]:
-        """The summary, folded up to the newest committed part; None if not provable."""
-        state, mtime_ns = read_state(mfd)
-        if state is None:
-            return None, 0
-        latest = probe_latest(mfd, state.seq)
-        if state.summary is not None and state.folded >= latest:
-            return state.summary, mtime_ns
-        if self._fold is None:
-            return None, 0
+        """The summary of every part committed before its mtime (the stat comes first),
+        from the sidecar a compaction left plus the parts after it; None if it cannot
+        be had now (the SDK then rebuilds it through load(), which reports problems)."""
+        mtime_ns = os.fstat(mfd).st_mtime_ns
+        state = read_state(mfd) or State()
         try:
-            summary, _folded = self._catch_up(
-                mfd, path, key, state.summary, state.folded, latest, locked=False
-            )
-        except (FsStoreError, Vanished) as exc:
-            # Leave it out: the SDK then rebuilds this session's info through load(),
-            # which reports the problem properly.
+            items, deleted = scan(mfd)
+            chain, gap = plan(items)
+            if deleted or gap is not None or not chain:
+                return None, 0
+            if state.summary is not None and state.folded == chain[-1][1]:
+                return state.summary, mtime_ns
+            if self._fold is None:
+                return None, 0
+            summary, _folded = _compact.fold_chain(
+                (self._fold, key), state, chain,
+                lambda name: parse(_fsio.read_file(mfd, name), f"{path}/{name}", "summary"))
+        except (FsStoreError, FileNotFoundError) as exc:
             log.warning("summary left out: %s", exc, extra={"code": "SUMMARY_BEHIND",
                         "operation": "list_session_summaries", "path": path})
             return None, 0
@@ -773,6 +617,14 @@ class SyncStore:
     # -- delete --------------------------------------------------------------------
 
     def delete(self, key: Mapping[str, Any]) -> None:
+        """Delete a session (its main and subagent transcripts) or, with ``subpath``,
+        one subagent transcript. Missing is not an error.
+
+        Each transcript directory is marked (``.deleted``) before the session is moved
+        into ``.trash`` in one rename and removed there: a reader on any host sees the
+        whole transcript or None, and an append that was not yet committed starts
+        over in a new directory.
+        """
         op = "delete"
         tk = _keys.parse_key(key, op)
         if tk.subpath is None:
@@ -787,32 +639,69 @@ class SyncStore:
             if parent is None:
                 return
             try:
-                self._move_to_trash(rfd, parent, comps[-1][0], path)
+                self._move_to_trash(rfd, parent, comps[-1][0], path,
+                                    mark=_layout.MAIN if tk.subpath is None else "")
             finally:
                 os.close(parent)
                 self._forget(tk)
 
+    def _mark(self, parent: int, name: str, path: str, below: str, *, undo: bool = False) -> None:
+        """Create (``undo``: remove) ``.deleted`` in the transcript directory
+        ``parent/name`` (``below=""``), or for a session in ``parent/name/main`` first
+        (the commit point of a session delete: its subagent transcripts look there
+        too), then in each of its subagent transcripts."""
+        base = path.rsplit("/", 1)[0]
+        dirs = [[name]] if not below else [[name, below]] + [
+            [name, _layout.SUBKEYS, sp]
+            for sp in self._fs.subdirs_beneath(parent, [name, _layout.SUBKEYS], base, "delete")]
+        for names in dirs:
+            tfd = self._fs.open_dir(parent, [(n, None) for n in names], create=False,
+                                    base_path=base, operation="delete")
+            if tfd is None:
+                continue
+            try:
+                if undo:
+                    _fsio.unlink_quiet(tfd, _layout.DELETED)
+                else:
+                    self._fs.mark(tfd, _layout.DELETED)
+            finally:
+                os.close(tfd)
+
     def _forget(self, tk: TranscriptKey) -> None:
         """Drop what appends remember of a deleted session (or subagent transcript).
 
-        Not needed for correctness (a new state.json does not begin with the head
-        remembered), only to give the kept spare files' descriptors back at once.
+        Not needed for correctness (a new directory is another inode), only to
+        forget at once.
         """
         with self._appending_guard:
             for ident in [i for i in self._appending if i[:2] == (tk.project_key, tk.session_id)
                           and (tk.subpath is None or i[2] == tk.subpath)]:
                 del self._appending[ident]
 
-    def _move_to_trash(self, rfd: int, parent: int, name: str, path: str) -> None:
-        """Rename ``parent/name`` into ``.trash`` (atomic: readers see all or None), then remove it."""
+    def _move_to_trash(
+        self, rfd: int, parent: int, name: str, path: str, mark: str | None = None
+    ) -> None:
+        """Rename ``parent/name`` into ``.trash`` (atomic), then remove it there.
+
+        With ``mark`` (``""``: ``name`` is a transcript directory; ``"main"``: a
+        session) the transcripts are marked ``.deleted`` first, so that a reader
+        holding a directory open, or a client whose cache still shows the old path,
+        sees the delete (see delete); a move that fails takes the marks back.
+        """
         trash = self._open(rfd, [(_layout.TRASH, None)], "delete", create=True)
         assert trash is not None
         try:
+            if mark is not None:
+                self._mark(parent, name, path, mark)
             aside = _fsio.temp_name("-deleted")
             try:
                 os.rename(name, aside, src_dir_fd=parent, dst_dir_fd=trash)
             except FileNotFoundError:
                 return  # never written, or deleted already: not an error
+            except OSError:
+                if mark is not None:
+                    self._mark(parent, name, path, mark, undo=True)
+                raise
             self._fs.sync_dir(parent)
             try:
                 _fsio.remove_tree(trash, aside)
@@ -838,15 +727,10 @@ class SyncStore:
             dfd = self._open(rfd, comps, op)
             if dfd is None:
                 return 0
-            self._resolve_root()
             try:
                 with self._locks.hold(self._lock_path(_layout.lock_name(comps), op), op) as held:
-                    state, _st = read_state_stat(dfd)
-                    if state is None:
-                        state = rebuild_state(dfd)
-                    return _compact.compact(
-                        self._fs, dfd, path, held, state, everything=True, operation=op
-                    )
+                    return _compact.compact(self._fs, dfd, path, held, everything=True,
+                                            operation=op, summary=self._summary_of(tk))
             finally:
                 os.close(dfd)
 

@@ -242,36 +242,35 @@ def test_unparseable_part_is_corruption_naming_file_and_line(
 # -- the commit protocol ----------------------------------------------------------
 
 
-def test_commit_never_overwrites_when_state_is_behind(store: SyncStore, root: Path) -> None:
-    """Two writers that both think they hold the lock: the second takes the next number."""
-    store.append(KEY, [entry(1)])
-    store.append(KEY, [entry(2)])
-    state = tdir(root, KEY) / _layout.STATE
-    stale = json.loads(state.read_text())
-    stale["seq"] = 0  # as if this writer read the state before both commits
-    state.write_text(json.dumps(stale))
-    store.append(KEY, [entry(3)])
-    assert store.load(KEY) == [entry(1), entry(2), entry(3)]
-    assert parts_of(root, KEY)[-1] == _layout.part_name(3)
+def test_commit_never_overwrites_when_a_writer_view_is_behind(root: Path) -> None:
+    """A writer whose remembered next number was taken by another takes the next free one."""
+    a, b = SyncStore(root), SyncStore(root)
+    a.append(KEY, [entry(1)])
+    a.append(KEY, [entry(2)])  # a now remembers 3 as its next number
+    b.append(KEY, [entry(3)])  # b takes 3
+    a.append(KEY, [entry(4)])  # 3 exists: a's link refuses, and a takes 4
+    assert b.load(KEY) == [entry(1), entry(2), entry(3), entry(4)]
+    assert parts_of(root, KEY) == [_layout.part_name(n) for n in (1, 2, 3, 4)]
 
 
-def test_lost_state_file_is_rebuilt_from_parts(store: SyncStore, root: Path) -> None:
+def test_appends_write_no_state_file_and_summaries_fold_the_parts(store: SyncStore, root: Path) -> None:
+    """No shared file is rewritten by a commit; the summary is folded from the parts."""
     store.append(KEY, [entry(1, message={"role": "user", "content": "first prompt"})])
     store.append(KEY, [entry(2)])
-    (tdir(root, KEY) / _layout.STATE).unlink()
-    store.append(KEY, [entry(3)])
-    assert store.load(KEY) == [entry(1, message={"role": "user", "content": "first prompt"}),
-                               entry(2), entry(3)]
+    assert not (tdir(root, KEY) / _layout.STATE).exists()
     [summary] = store.list_session_summaries(KEY["project_key"])
     assert summary["data"]["first_prompt"] == "first prompt"
 
 
-def test_torn_state_file_is_rebuilt_from_parts(store: SyncStore, root: Path) -> None:
-    store.append(KEY, [entry(1)])
-    (tdir(root, KEY) / _layout.STATE).write_text('{"format":1,"se')
-    store.append(KEY, [entry(2)])
-    assert store.load(KEY) == [entry(1), entry(2)]
-    assert json.loads((tdir(root, KEY) / _layout.STATE).read_text())["seq"] == 2
+@pytest.mark.parametrize("content", [b'{"format":1,"se', b"[]", b'{"folded": -1}', b"\xff"])
+def test_a_torn_or_foreign_state_file_is_ignored(store: SyncStore, root: Path, content: bytes) -> None:
+    store.append(KEY, BATCHES[0])
+    store.append(KEY, BATCHES[1])
+    (tdir(root, KEY) / _layout.STATE).write_bytes(content)
+    store.append(KEY, BATCHES[2])
+    assert store.load(KEY) == [e for b in BATCHES for e in b]
+    [s] = store.list_session_summaries(KEY["project_key"])
+    assert s["data"] == _reference_summary(BATCHES, KEY)
 
 
 def test_failed_append_leaves_no_part_and_no_temp_file(
@@ -282,7 +281,7 @@ def test_failed_append_leaves_no_part_and_no_temp_file(
     def eio(*_a: object) -> bool:
         raise OSError(errno.EIO, "Input/output error")
 
-    monkeypatch.setattr(_fsio, "move_noreplace", eio)
+    monkeypatch.setattr(_fsio, "link_noreplace", eio)
     with pytest.raises(FsStoreError) as info:
         store.append(KEY, [entry(2)])
     assert (info.value.code, info.value.errno, info.value.operation) == ("EIO", errno.EIO, "append")
@@ -336,20 +335,26 @@ BATCHES = [
 ]
 
 
-def test_summary_agrees_with_transcript_after_writer_dies_before_state_write(
+def test_a_summary_sidecar_behind_or_rolled_back_never_disagrees_with_the_transcript(
     store: SyncStore, root: Path
 ) -> None:
     state = tdir(root, KEY) / _layout.STATE
     store.append(KEY, BATCHES[0])
-    old = state.read_bytes()
     store.append(KEY, BATCHES[1])
-    state.write_bytes(old)  # as if killed between the commit and the state write
+    store.compact(KEY)  # the sidecar: folded through part 2
+    assert json.loads(state.read_text())["folded"] == 2
+    old = state.read_bytes()
+    store.append(KEY, BATCHES[2])
+    store.append(KEY, [entry(4)])
+    store.compact(KEY)
+    assert json.loads(state.read_text())["folded"] == 4
     [s] = store.list_session_summaries(KEY["project_key"])
-    assert s["data"] == _reference_summary(BATCHES[:2], KEY)  # the reader heals
-    store.append(KEY, BATCHES[2])  # and so does the next writer
-    assert json.loads(state.read_text())["folded"] == 3
+    batches = [*BATCHES, [entry(4)]]
+    assert s["data"] == _reference_summary(batches, KEY)
+    state.write_bytes(old)  # a stalled compactor writes an old sidecar back
     [s] = store.list_session_summaries(KEY["project_key"])
-    assert s["data"] == _reference_summary(BATCHES, KEY)
+    assert s["data"] == _reference_summary(batches, KEY)  # folded again, not trusted
+    store.compact(KEY)  # nothing to merge; the next compaction that merges rewrites it
 
 
 def test_subagent_appends_never_touch_the_main_summary(store: SyncStore) -> None:
@@ -365,7 +370,7 @@ def test_summary_mtime_uses_the_list_sessions_clock(store: SyncStore, root: Path
     store.append(KEY, BATCHES[0])
     [listed] = store.list_sessions(KEY["project_key"])
     [summary] = store.list_session_summaries(KEY["project_key"])
-    st = (tdir(root, KEY) / _layout.STATE).stat()
+    st = tdir(root, KEY).stat()
     assert listed["mtime"] == summary["mtime"] == st.st_mtime_ns // 1_000_000
     assert t0 - 2000 <= listed["mtime"] <= time.time() * 1000 + 2000
 
@@ -534,7 +539,7 @@ def test_lock_timeout_is_retryable_not_a_timeout_error(root: Path) -> None:
             store.append(KEY, [entry(1)])
         assert info.value.code == "LOCK_TIMEOUT" and info.value.operation == "append"
         assert not isinstance(info.value, TimeoutError)
-        assert not [p for p in tdir(root, KEY).iterdir() if p.name.startswith(".tmp-")]
+        assert not [p for p in root.rglob(".tmp-*")]
     finally:
         release.set()
         holder.join(30)
@@ -713,8 +718,7 @@ def test_two_writers_alternating_keep_sequence_and_summary_right(root: Path) -> 
     assert a.load(KEY) == [e for batch in batches for e in batch]
     [s] = a.list_session_summaries(KEY["project_key"])
     assert s["data"] == _reference_summary(batches, KEY)
-    assert json.loads((tdir(root, KEY) / _layout.STATE).read_text())["seq"] == 6
-    b.delete(KEY)  # a's remembered state now describes a transcript that is gone
+    b.delete(KEY)  # a's remembered next number now describes a transcript that is gone
     a.append(KEY, batches[0])
     assert a.load(KEY) == batches[0]
     [s] = b.list_session_summaries(KEY["project_key"])
@@ -814,17 +818,7 @@ def test_a_directory_moved_and_replaced_by_a_symlink_to_it_is_refused(root: Path
     with pytest.raises(FsStoreError) as info:
         store.append(KEY, [entry(2)])
     assert info.value.code == "UNSAFE_PATH"
-    assert sorted(p.name for p in moved.iterdir()) == [_layout.part_name(1), _layout.STATE]
-
-
-def test_a_hard_linked_state_file_does_not_confuse_the_next_append(root: Path, tmp_path: Path) -> None:
-    store = SyncStore(root)
-    store.append(KEY, [entry(1)])
-    os.link(tdir(root, KEY) / _layout.STATE, tmp_path / "snapshot-state.json")  # cp -al style backup
-    store.append(KEY, [entry(2)])
-    store.append(KEY, [entry(3)])
-    assert store.load(KEY) == [entry(1), entry(2), entry(3)]
-    assert parts_of(root, KEY) == [_layout.part_name(n) for n in (1, 2, 3)]
+    assert sorted(p.name for p in moved.iterdir()) == [_layout.part_name(1)]
 
 
 @pytest.mark.parametrize("how", [
@@ -878,8 +872,7 @@ def test_first_appends_racing_in_threads_leave_no_descriptor_behind(root: Path) 
 def test_a_session_dated_before_1970_is_listed(store: SyncStore, root: Path) -> None:
     store.append({**KEY, "session_id": "good"}, [entry(1)])
     store.append({**KEY, "session_id": "old"}, [entry(2)])
-    state = tdir(root, {**KEY, "session_id": "old"}) / _layout.STATE
-    os.utime(state, ns=(-10**9, -10**9))
+    os.utime(tdir(root, {**KEY, "session_id": "old"}), ns=(-10**9, -10**9))
     listed = {s["session_id"]: s["mtime"] for s in store.list_sessions(KEY["project_key"])}
     assert listed.keys() == {"good", "old"} and listed["old"] == -1000
 

@@ -314,24 +314,25 @@ POINTS: dict[str, tuple[str, bool, Callable[[Tracer, str, str, tuple[str, ...], 
         lambda t, ph, c, n, ok: ph == "after" and ok and _moved_to(c, n, PART)),
     "during_dir_fsync_after_move": ("append", True,
         lambda t, ph, c, n, ok: ph == "before" and c == "fsync_dir" and any(_moved_to(x, y, PART) for x, y, _o in t.events)),
-    "during_summary_update": ("append", False, lambda t, ph, c, n, ok: ph == "fold"),
-    "state_temp_written": ("append", False,
-        lambda t, ph, c, n, ok: ph == "after" and c == "write"
-        and (n[0].endswith("-state") or n[0] == ".state.spare")),
-    # state.json replaced: renamed over (new files) or swapped with the spare (in place)
-    "after_state_before_lock_release": ("append", False,
-        lambda t, ph, c, n, ok: ph == "after" and ok and c in ("rename", "renameat2")
-        and n[1] == "state.json"),
+    # the check: linked, the listing not yet made or the temp name not yet unlinked
+    "after_commit_before_temp_unlink": ("append", False,
+        lambda t, ph, c, n, ok: ph == "before" and c == "unlink" and bool(_TMP_BATCH.match(n[0]))
+        and any(_moved_to(x, y, PART) for x, y, _o in t.events)),
     # compaction (automatic, inside an append that reaches compact_every)
     "compaction_segment_temp_written": ("append_compacting", False,
         lambda t, ph, c, n, ok: ph == "after" and c == "write" and n[0].endswith("-segment")),
     "compaction_after_segment_move": ("append_compacting", False,
         lambda t, ph, c, n, ok: ph == "after" and ok and _moved_to(c, n, SEGMENT)),
+    "during_summary_update": ("append_compacting", False, lambda t, ph, c, n, ok: ph == "fold"),
+    "compaction_summary_written": ("append_compacting", False,
+        lambda t, ph, c, n, ok: ph == "after" and ok and c == "rename" and n[1] == "state.json"),
     "compaction_midway_unlinking_parts": ("append_compacting", False,
         lambda t, ph, c, n, ok: ph == "after" and c == "unlink" and PART.match(n[0]) is not None
         and any(_moved_to(x, y, SEGMENT) for x, y, _o in t.events)
         and t.count_done("unlink", PART.pattern, 0) >= 2),
     # delete
+    "delete_marked": ("delete", False,
+        lambda t, ph, c, n, ok: ph == "after" and ok and c == "open" and n[0] == ".deleted"),
     "delete_before_rename_to_trash": ("delete", False,
         lambda t, ph, c, n, ok: ph == "before" and c == "rename" and n[1].endswith("-deleted")),
     "delete_after_rename_to_trash": ("delete", False,
@@ -344,6 +345,10 @@ POINTS: dict[str, tuple[str, bool, Callable[[Tracer, str, str, tuple[str, ...], 
         lambda t, ph, c, n, ok: ph == "before" and c == "rename" and n[0].endswith("-dir")),
     "new_session_first_mkdir": ("append_new", False,
         lambda t, ph, c, n, ok: ph == "after" and c == "mkdir" and ok),
+    # a new transcript: its directory made under a temp name with part 1 inside
+    "new_transcript_before_rename": ("append_new", False,
+        lambda t, ph, c, n, ok: ph == "before" and c == "rename" and n[0].endswith("-dir")
+        and t.done("open", PART.pattern)),
 }
 
 

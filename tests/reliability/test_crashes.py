@@ -8,7 +8,7 @@ SIGKILLs it there, reaps it, and then checks the promises:
   twice, in commit order; the killed batch is there if and only if the child's
   trace shows the move of its temp file to a part name (the commit point);
 * a delete is all or nothing: the session is gone if and only if the trace shows
-  its rename into ``.trash``;
+  its ``.deleted`` marker made (whoever finds a marked transcript finishes it);
 * every summary the store reports agrees with a fold of the transcript;
 * ``list_sessions`` / ``list_subkeys`` report exactly the transcripts that load;
 * a new writer gets the lock within ``stale_lock_seconds`` plus a small margin,
@@ -138,15 +138,24 @@ def _kind(name: str) -> str:
 
 
 def committed(events: list[Any]) -> bool:
-    """Did the trace move a temp file to a part name (the commit point)?"""
-    return any(
-        c in ("renameat2", "link") and o == "ok" and _children.PART.match(n[1]) and n[0].startswith(".tmp-")
-        for c, n, o in events
-    )
+    """Did the trace reach a commit point: a temp file linked (or moved) to a part
+    name, or a new transcript's directory, part 1 inside, renamed into place?"""
+    wrote_part = False
+    for c, n, o in events:
+        if o != "ok":
+            continue
+        if c in ("renameat2", "link") and _children.PART.match(n[1]) and n[0].startswith(".tmp-"):
+            return True
+        if c == "open" and _children.PART.match(n[0]):
+            wrote_part = True
+        if c == "rename" and wrote_part and n[0].endswith("-dir"):
+            return True
+    return False
 
 
 def deleted(events: list[Any]) -> bool:
-    return any(c == "rename" and o == "ok" and n[1].endswith("-deleted") for c, n, o in events)
+    """A delete is committed once it marked the transcript (``.deleted``)."""
+    return any(c == "open" and o == "ok" and n[0] == ".deleted" for c, n, o in events)
 
 
 def recover(model: Model, key: dict[str, str], figures: Any) -> float:

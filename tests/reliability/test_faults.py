@@ -76,11 +76,8 @@ def append_faults() -> dict[str, Case]:
         "create EIO of the lock file": Case("append", [rule("create", lock, "EIO")], "EIO", None),
         "create EACCES of the lock file": Case("append", [rule("create", lock, "EACCES")], "EACCES", None),
         "write ENOSPC of the lock marker": Case("append", [rule("write", lock, "ENOSPC")], "ENOSPC", None),
-        # reading the state under the lock: a stat of state.json (the state this store
-        # object wrote is remembered), or opening it when another writer changed it
-        "stat/open EIO of state.json": Case(
-            "append", [rule("getattr", f"{T}/state.json$", "EIO"), rule("open", f"{T}/state.json$", "EIO")],
-            "EIO", None),
+        # the check after the link (a listing): failing, it takes the link back
+        "readdir EIO at the commit's check": Case("append", [rule("readdir", f"{T}$", "EIO")], "EIO", t),
         # the commit move (link() on libfuse2, rename(RENAME_NOREPLACE) on libfuse3)
         "link/rename EIO to the part name": Case(
             "append", [rule("link", T + PART, "EIO"), rule("rename", T + PART, "EIO")], "EIO", t),
@@ -93,10 +90,12 @@ def append_faults() -> dict[str, Case]:
         "mkdir EACCES of a new session": Case(
             "append_new", [rule("mkdir", "{r}/projects/-faults/sessions/fresh", "EACCES")], "EACCES", None),
         # best-effort steps after the commit: the append succeeds and says so in the log
-        "create ENOSPC of the state temp file": Case(
-            "append", [rule("create", f"{T}/\\.tmp-[^/]*-state$", "ENOSPC")], None, logged={"STATE_WRITE_FAILED"}),
-        "rename EIO onto state.json": Case(
-            "append", [rule("rename", f"{T}/state.json$", "EIO")], None, logged={"STATE_WRITE_FAILED"}),
+        "create ENOSPC of the summary sidecar's temp file (compaction)": Case(
+            "append", [rule("create", f"{T}/\\.tmp-[^/]*-state$", "ENOSPC")], None, logged={"SUMMARY_BEHIND"},
+            compact_every=3),
+        "rename EIO onto state.json (compaction)": Case(
+            "append", [rule("rename", f"{T}/state.json$", "EIO")], None, logged={"SUMMARY_BEHIND"},
+            compact_every=3),
         "write ENOSPC of a compaction segment": Case(
             "append", [rule("write", f"{T}/\\.tmp-[^/]*-segment$", "ENOSPC")], None,
             logged={"COMPACT_FAILED"}, compact_every=3),
@@ -124,8 +123,8 @@ def read_faults() -> dict[str, Case]:
         "readdir EACCES of the subkeys directory": Case(
             "list_subkeys", [rule("readdir", "{r}/projects/-faults/sessions/s/subkeys$", "EACCES")], "EACCES",
             "{root}/projects/-faults/sessions/s/subkeys"),
-        "open EIO of state.json while listing summaries": Case(
-            "list_session_summaries", [rule("open", f"{T}/state.json$", "EIO")], "EIO", None),
+        "open EIO of a part while listing summaries": Case(
+            "list_session_summaries", [rule("open", T + PART, "EIO")], "EIO", None),
     }
 
 
