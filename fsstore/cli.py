@@ -40,8 +40,8 @@ EXIT_USAGE = 2
 
 # argv can never contain NUL, so a NUL prefix marks "this is a value" unambiguously.
 _MARK = "\x00"
-_DURATION = re.compile(r"([0-9]+(?:\.[0-9]+)?)\s*([smhdw]?)")
-_UNITS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
+_DURATION = re.compile(r"([0-9]+(?:\.[0-9]+)?)\s*([smhdw])")
+_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
 
 
 # -- argument types ----------------------------------------------------------------
@@ -60,7 +60,11 @@ def _key_part(value: str) -> str:
 
 
 def parse_duration(value: str) -> float:
-    """Seconds in ``30d``, ``1h30m``, ``90m``, ``45s``, ``2w`` or a plain number of seconds."""
+    """Seconds in ``30d``, ``1h30m``, ``90m``, ``45s``, ``2w``.
+
+    Every number needs its unit: ``--older-than 30`` meant to be days deleted every
+    session as 30 seconds, so a bare number is a usage error.
+    """
     text = _text(value).strip().lower()
     pos = 0
     total = 0.0
@@ -71,7 +75,8 @@ def parse_duration(value: str) -> float:
         pos = match.end()
     if not text or pos != len(text):
         raise argparse.ArgumentTypeError(
-            f"invalid duration {_text(value)!r} (examples: 45s, 90m, 1h30m, 30d, 2w)"
+            f"invalid duration {_text(value)!r}: every number needs a unit "
+            "(s, m, h, d, w; e.g. 45s, 90m, 1h30m, 30d, 2w)"
         )
     return total
 
