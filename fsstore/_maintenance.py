@@ -294,9 +294,22 @@ def _changed_at(st: os.stat_result) -> float:
     return max(st.st_mtime, st.st_ctime)
 
 
+#: What a store root holds once anything was written to it (``.fsstore``: a store marker).
+_STORE_NAMES = (_layout.PROJECTS, _layout.LOCKS, ".fsstore")
+
+
+def is_store(root: str) -> bool:
+    """Whether the directory ``root`` looks like a store: it holds ``projects/``,
+    ``.locks/`` or ``.fsstore`` (an empty directory, or ``/etc``, does not)."""
+    return any(os.path.lexists(os.path.join(root, name)) for name in _STORE_NAMES)
+
+
 def require_store(root: str, *, create: bool = False) -> None:
-    """NoStore unless ``root`` is a directory (or, with ``create``, does not exist yet)."""
+    """NoStore unless ``root`` is a store directory (or, with ``create``, a directory or
+    nothing yet)."""
     if os.path.isdir(root):
+        if not create and not is_store(root):
+            raise NoStore(f"{root}: not an fsstore store (no {', '.join(_STORE_NAMES)})")
         return
     if os.path.lexists(root):
         raise NoStore(f"{root}: no store here (not a directory)")
@@ -319,7 +332,10 @@ class Walker:
     """Walks one store; collects problems and garbage as it goes.
 
     ``rfd`` is an open descriptor of the root of ``store``; every path below it is
-    opened one component at a time without following symlinks.
+    opened one component at a time without following symlinks. ``looks_only`` (check):
+    a transcript lock is taken only where no marker exists, since taking one that
+    exists reclaims it if it is stale, and a stale lock is check's to report and gc's
+    to break.
     """
 
     def __init__(
@@ -329,8 +345,10 @@ class Walker:
         *,
         now: float | None = None,
         stale_lock_seconds: float = 30.0,
+        looks_only: bool = False,
     ) -> None:
         self.rfd = rfd
+        self.looks_only = looks_only
         self.store = store
         self.root = store.root
         self.now = time.time() if now is None else now
@@ -566,7 +584,7 @@ class Walker:
         attempt = 0
         while True:
             with contextlib.ExitStack() as guard:
-                if attempt >= _SETTLED_AFTER:
+                if attempt >= _SETTLED_AFTER and self._may_lock(ref):
                     # A writer compacting faster than this reads can change every
                     # listing before it is read: look under the transcript lock (if
                     # this process may take it), like a reader that keeps losing.
@@ -590,6 +608,13 @@ class Walker:
                     os.close(fd)
             time.sleep(0.005 * attempt)
             attempt += 1
+
+    def _may_lock(self, ref: TranscriptRef) -> bool:
+        """Whether :meth:`inspect` may take the transcript's lock (see ``looks_only``)."""
+        if not self.looks_only:
+            return True
+        lock = f"{self.store.root}/{_layout.LOCKS}/{_layout.lock_name(_layout.transcript_dirs(ref.tk))}"
+        return not os.path.lexists(lock)
 
     def _inspect(self, fd: int, ref: TranscriptRef, *, verify: bool, attempt: int) -> TranscriptInfo:
         last_try = attempt == _ATTEMPTS - 1
@@ -795,10 +820,11 @@ def _name_locks(found: list[LockInfo], refs: Iterable[TranscriptRef]) -> None:
 
 @contextlib.contextmanager
 def walking(
-    root: str, *, stale_lock_seconds: float = 30.0, lock_timeout_seconds: float = 10.0
+    root: str, *, stale_lock_seconds: float = 30.0, lock_timeout_seconds: float = 10.0,
+    looks_only: bool = False,
 ) -> Iterator[Walker]:
     """A walker over the store at ``root`` (NoStore if there is none); the root itself
-    may be a symlink."""
+    may be a symlink. ``looks_only``: see :class:`Walker`."""
     store = SyncStore(root, summaries=False, stale_lock_seconds=stale_lock_seconds,
                       lock_timeout_seconds=lock_timeout_seconds)
     with contextlib.ExitStack() as stack:
@@ -808,7 +834,8 @@ def walking(
             rfd = None
         if rfd is None:
             raise NoStore(f"{root}: no store here (not a directory)")
-        yield Walker(rfd, store, stale_lock_seconds=stale_lock_seconds)
+        require_store(root)
+        yield Walker(rfd, store, stale_lock_seconds=stale_lock_seconds, looks_only=looks_only)
 
 
 def _tick(progress: Progress | None, done: int, total: int) -> None:
@@ -1010,7 +1037,7 @@ def check(
 ) -> CheckReport:
     """Verify every transcript; see the module docstring for what counts as a problem."""
     report = CheckReport()
-    with walking(root, stale_lock_seconds=stale_lock_seconds) as w:
+    with walking(root, stale_lock_seconds=stale_lock_seconds, looks_only=True) as w:
         w.root_entries()
         refs = w.sessions()
         report.sessions = len(refs)
@@ -1677,7 +1704,7 @@ def import_projects(
     """
     if not create and not os.path.lexists(root):
         raise NoStore(f"{root}: no store here (does not exist; --create starts a new one)")
-    require_store(root, create=True)
+    require_store(root, create=create)
     projects_dir = os.path.abspath(projects_dir)
     files, problems = local_transcripts(projects_dir, project)
     store = SyncStore(root)
