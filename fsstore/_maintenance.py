@@ -1249,9 +1249,29 @@ def _look(w: Walker, ref: SessionRef) -> _Look:
     infos = [info for t in trefs if (info := w.inspect(t)) is not None]
     unseen = next((p for p in w.problems[mark:]
                    if p.severity == "error" and p.kind in _UNSEEN), None)
+    unseen = unseen or next((p for i in infos if (p := _unreadable_file(w, i)) is not None), None)
     mtime = max((i.mtime_ns for i in infos if i.mtime_ns is not None), default=None)
     temps = [*w.garbage[gmark:], *(g for i in infos for g in i.temps)]
     return _Look(trefs, mtime, unseen, temps)
+
+
+def _unreadable_file(w: Walker, info: TranscriptInfo) -> Problem | None:
+    """The first committed file of a transcript that this process cannot open for
+    reading (a listing does not tell): a session with one is not looked at entirely."""
+    fd = w.open(info.ref.comps)
+    if fd is None:
+        return None  # gone meanwhile (or unreadable: the next look says so)
+    try:
+        for it in info.items:
+            try:
+                os.close(os.open(it.name, _fsio.READ_FLAGS | os.O_NONBLOCK, dir_fd=fd))
+            except OSError as exc:
+                if not _gone(exc):  # a file merged away meanwhile is not unreadable
+                    return Problem("error", "unreadable", f"{info.path}/{it.name}",
+                                   f"cannot read: {exc.strerror}", code=_code(exc))
+    finally:
+        os.close(fd)
+    return None
 
 
 def prune(
