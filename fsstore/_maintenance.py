@@ -1566,7 +1566,7 @@ def read_local(path: str) -> tuple[list[dict[str, Any]], str]:
             continue
         try:
             entry = json.loads(line)
-        except ValueError as exc:
+        except (ValueError, RecursionError) as exc:  # RecursionError: nested too deeply
             raise ValueError(f"line {lineno} is not valid JSON: {exc}") from exc
         if not isinstance(entry, dict):
             raise ValueError(f"line {lineno} is not a JSON object")  # noqa: TRY004
