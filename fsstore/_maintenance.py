@@ -1211,8 +1211,9 @@ def gc(
 
 def locks(
     root: str, *, stale_lock_seconds: float = 30.0, progress: Progress | None = None
-) -> list[LockInfo]:
-    """Every transcript lock file in the store and what its record says.
+) -> tuple[list[LockInfo], list[Problem]]:
+    """Every transcript lock file in the store and what its record says, and what could
+    not be read (an unreadable ``.locks``: then the list is not all there is).
 
     The lock names are hashes; the store is walked (its session and subkey
     directories listed, no transcript opened) only to name the transcripts of the
@@ -1227,7 +1228,7 @@ def locks(
                 seen += w.transcripts(ref)
                 _tick(progress, i + 1, len(refs))
             _name_locks(found, seen)
-    return found
+    return found, [p for p in w.problems if p.counts]
 
 
 # -- prune -----------------------------------------------------------------------

@@ -388,10 +388,16 @@ def cmd_ls(args: argparse.Namespace, out: TextIO, err: TextIO, progress: Progres
         projects = len({s.ref.project_key for s in sessions})
         total = sum(s.bytes for s in sessions)
         out.write(f"{projects} project(s), {len(sessions)} session(s), {_size(total)}\n")
-    err.writelines(f"fsstore: {p.severity}: {_rel(args.root, p.path)}: {p.message}\n" for p in problems)
+    _problems(args, err, problems)
     if problems:
         err.write("fsstore: run `fsstore check` for the details\n")
     return EXIT_PROBLEMS if errors else EXIT_OK
+
+
+def _problems(args: argparse.Namespace, err: TextIO, problems: Sequence[m.Problem]) -> None:
+    """What a command could not look at, on stderr (also with --json: stdout has it too)."""
+    err.writelines(f"fsstore: {p.severity}: {_rel(args.root, p.path)}: {p.message}\n"
+                   for p in problems)
 
 
 def cmd_cat(args: argparse.Namespace, out: TextIO, err: TextIO, progress: Progress) -> int:
@@ -497,12 +503,13 @@ def cmd_prune(args: argparse.Namespace, out: TextIO, err: TextIO, progress: Prog
 
 
 def cmd_locks(args: argparse.Namespace, out: TextIO, err: TextIO, progress: Progress) -> int:
-    found = m.locks(args.root, stale_lock_seconds=args.stale_lock_seconds, progress=progress)
+    found, problems = m.locks(args.root, stale_lock_seconds=args.stale_lock_seconds,
+                              progress=progress)
     progress.close()
     stale = [lk for lk in found if lk.stale]
     if args.json:
         _dump(out, {"root": args.root, "locks": [lk.as_dict() for lk in found],
-                    "stale": len(stale)})
+                    "stale": len(stale), "problems": [p.as_dict() for p in problems]})
     else:
         rows = []
         for lk in found:
@@ -514,8 +521,11 @@ def cmd_locks(args: argparse.Namespace, out: TextIO, err: TextIO, progress: Prog
             rows.append([label, "-" if lk.pid is None else str(lk.pid), lk.host or "-",
                          since, _age(lk.age), lk.status + (" (this host)" if lk.local else "")])
         table(out, ["TRANSCRIPT", "PID", "HOST", "SINCE", "AGE", "STATUS"], rows, right=(1, 4))
-        out.write(f"{len(found)} lock(s), {len(stale)} stale\n")
-    return EXIT_PROBLEMS if stale else EXIT_OK
+        incomplete = (f"; incomplete: {len(problems)} place(s) could not be read"
+                      if problems else "")
+        out.write(f"{len(found)} lock(s), {len(stale)} stale{incomplete}\n")
+    _problems(args, err, problems)
+    return EXIT_PROBLEMS if stale or problems else EXIT_OK
 
 
 def cmd_import(args: argparse.Namespace, out: TextIO, err: TextIO, progress: Progress) -> int:
