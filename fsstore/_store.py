@@ -634,7 +634,7 @@ class SyncStore:
     # -- listing -------------------------------------------------------------------
 
     def _transcript_mtimes(
-        self, parent_fd: int, children: list[tuple[str, str]], below: str
+        self, parent_fd: int, children: list[tuple[str, str]], below: str, where: str, op: str
     ) -> Iterator[tuple[str, int]]:
         """``(key part, mtime in epoch ms)`` of each child whose transcript
         ``parent/name+below`` has a committed part.
@@ -651,15 +651,19 @@ class SyncStore:
         for (name, part), ns in zip(children, found):
             if ns > error:
                 yield part, ns // 1_000_000
-            elif (ms := self._mtime_without_state(parent_fd, f"{name}{below}", error - ns)) is not None:
+            elif (err := error - ns) not in (errno.ENOENT, errno.ENOTDIR, errno.ELOOP, errno.EXDEV):
+                # One transcript this process may not read must not hide the others.
+                log.warning("left out of the listing: %s", os.strerror(err), extra={
+                    "code": errno.errorcode.get(err, "EIO"), "operation": op,
+                    "path": f"{where}/{name}", "errno": err})
+            elif (ms := self._mtime_without_state(parent_fd, f"{name}{below}", err)) is not None:
                 yield part, ms
 
     def _mtime_without_state(self, parent_fd: int, name: str, err: int) -> int | None:
-        """:meth:`_transcript_mtimes` where state.json could not be stat'ed (``err``)."""
+        """:meth:`_transcript_mtimes` where state.json could not be stat'ed (``err``:
+        missing, or a symlink on the way)."""
         if err in (errno.ELOOP, errno.EXDEV):
             return None  # a symlink inside the transcript path: not ours to report
-        if err not in (errno.ENOENT, errno.ENOTDIR):
-            raise OSError(err, os.strerror(err))  # reported at the listed directory
         # No state file: a first commit whose writer died before writing it.
         try:
             fd = self._fs.open_dir(parent_fd, [(n, None) for n in name.split("/")],
@@ -707,7 +711,8 @@ class SyncStore:
         comps = _layout.project_dirs(project_key)
         with translating(op, self._path(comps)), self._children(comps, op) as (pfd, children):
             return [{"session_id": session_id, "mtime": mtime}
-                    for session_id, mtime in self._transcript_mtimes(pfd, children, f"/{_layout.MAIN}")]
+                    for session_id, mtime in self._transcript_mtimes(
+                        pfd, children, f"/{_layout.MAIN}", self._path(comps), op)]
 
     def list_subkeys(self, key: Mapping[str, Any]) -> list[str]:
         op = "list_subkeys"
@@ -721,7 +726,8 @@ class SyncStore:
                 except FsStoreError:
                     continue  # a name no valid key encodes to: not ours to report
                 valid.append((name, subpath))
-            return [subpath for subpath, _mtime in self._transcript_mtimes(pfd, valid, "")]
+            return [subpath for subpath, _mtime
+                    in self._transcript_mtimes(pfd, valid, "", self._path(comps), op)]
 
     def list_session_summaries(self, project_key: str) -> list[dict[str, Any]]:
         op = "list_session_summaries"
