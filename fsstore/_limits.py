@@ -26,7 +26,7 @@ MAX_INT_DIGITS = 4300
 
 _TOO_BIG = 10**MAX_INT_DIGITS
 # A run of digits longer than any float repr: an integer (or a string) worth a look.
-_LONG_DIGITS = re.compile(r"(?<![0-9])[0-9]{%d}" % (MAX_INT_DIGITS + 1))
+_LONG_DIGITS = re.compile(rf"(?<![0-9])[0-9]{{{MAX_INT_DIGITS + 1}}}")
 
 
 def beyond_limits(entry: Any, line: str) -> str | None:
