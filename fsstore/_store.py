@@ -858,18 +858,26 @@ class SyncStore:
 
     @contextlib.contextmanager
     def locked(self, key: Mapping[str, Any]) -> Iterator[None]:
-        """Hold the transcript's commit lock (the transcript need not exist)."""
-        op = "lock"
-        tk = _keys.parse_key(key, op)
-        comps = _layout.transcript_dirs(tk)
-        path = self._path(comps)
-        with translating(op, path):
-            lock_path = self._lock_path(_layout.lock_name(comps), op)
-            hold = self._locks.hold(lock_path, op)
-            hold.__enter__()
+        """Hold the transcript's commit lock (the transcript need not exist).
+
+        Inside, this store's append, compact and load of that transcript, in the
+        same thread or task, run under it rather than wait for it (nested
+        ``locked`` too); other threads, tasks, processes and stores wait.
+        """
+        hold, held = self._take_lock(key)
         # The caller's own errors pass through untranslated.
         try:
-            with self._locks.marked_held(lock_path):
+            with self._locks.marked_held(held):
                 yield
         finally:
             hold.__exit__(None, None, None)
+
+    def _take_lock(self, key: Mapping[str, Any]) -> tuple[contextlib.AbstractContextManager[Held], Held]:
+        """The entered hold of a transcript's lock, for :meth:`locked` (and the async
+        store's, which takes it in a worker thread); the caller exits it."""
+        op = "lock"
+        tk = _keys.parse_key(key, op)
+        comps = _layout.transcript_dirs(tk)
+        with translating(op, self._path(comps)):
+            hold = self._locks.hold(self._lock_path(_layout.lock_name(comps), op), op)
+            return hold, hold.__enter__()

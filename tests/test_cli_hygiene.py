@@ -19,7 +19,7 @@ from fsstore import _layout
 from fsstore._store import SyncStore
 
 from .conftest import KEY, entry
-from .test_cli import P, S, SUB, fsstore, lock_file, tdir, write_jsonl
+from .test_cli import SUB, P, S, fsstore, lock_file, tdir, write_jsonl
 
 #: Terminal escape sequences: set the window title, clear the screen, colour.
 PLANTED = ("\x1b]0;owned\x07", "\x1b[2J", "\x1b[31m")

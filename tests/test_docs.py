@@ -22,7 +22,7 @@ from fsstore._errors import STORE_CODES
 TOP = Path(__file__).resolve().parents[1]
 README = (TOP / "README.md").read_text()
 COMPILE_ONLY = "<!-- readme-test: compile-only -->"
-_BLOCK = re.compile(r"(?P<before>[^\n]*)\n```python\n(?P<code>.*?)\n```", re.S)
+_BLOCK = re.compile(r"(?P<before>[^\n]*)\n```python\n(?P<code>.*?)\n```", re.DOTALL)
 #: How the source raises or logs a code: FsStoreError("CODE", ...), "code": "CODE", code="CODE".
 _CODE_USE = re.compile(r'(?:FsStoreError\(\s*|"code":\s*|code=)"([A-Z][A-Z0-9_]+)"')
 
@@ -45,7 +45,7 @@ def test_every_code_raised_or_logged_is_in_readmes_code_tables() -> None:
     used = codes_in_source()
     assert {"NOT_FOUND", "EAGAIN", "TEMP_LEFT", "LOCK_RECLAIMED", "LOCK_RELEASE_FAILED"} <= used
     tables = _section(README, "Error codes")
-    listed = set(re.findall(r"^\| ([^|]*)\|", tables, re.M))
+    listed = set(re.findall(r"^\| ([^|]*)\|", tables, re.MULTILINE))
     listed_codes = {c for cell in listed for c in re.findall(r"`([A-Z][A-Z0-9_]+)`", cell)}
     assert used - listed_codes == set()
     # One registry: every code of the store's own (not an errno name) is in it, and
@@ -59,7 +59,7 @@ def test_every_code_raised_or_logged_is_in_readmes_code_tables() -> None:
 
 def test_readme_installs_this_projects_distribution() -> None:
     project = (TOP / "pyproject.toml").read_text().split("[project]\n", 1)[1]
-    name = re.search(r'^name = "([^"]+)"', project, re.M)[1]  # type: ignore[index]
+    name = re.search(r'^name = "([^"]+)"', project, re.MULTILINE)[1]  # type: ignore[index]
     # "fsstore" on the package index is someone else's project (2012, dict-like file I/O).
     assert name == "fsstore-sessions"
     installs = re.findall(r"pip install (?:-e )?'?([A-Za-z0-9_.\-]+)", README)
