@@ -1758,10 +1758,26 @@ def _encode_jsonl(entries: list[dict[str, Any]]) -> bytes:
                     for e in entries)
 
 
+def _make_dirs(path: str, mode: int) -> None:
+    """``os.makedirs`` where every directory it creates gets ``mode``, the store's
+    default ``dir_mode`` (makedirs gives it to the last one only, the others get 0777
+    less the umask: world-writable under umask 000), set exactly, whatever the umask."""
+    missing: list[str] = []
+    while path and not os.path.isdir(path):
+        missing.append(path)
+        path = os.path.dirname(path)
+    for directory in reversed(missing):
+        try:
+            os.mkdir(directory, mode)
+        except FileExistsError:
+            continue  # made meanwhile (or not a directory: the write says so)
+        os.chmod(directory, mode)
+
+
 def _atomic_write(path: str, data: bytes) -> None:
     """Write ``path`` whole or not at all: temp file, fsync, rename over."""
     directory = os.path.dirname(path)
-    os.makedirs(directory, mode=0o700, exist_ok=True)
+    _make_dirs(directory, 0o700)
     tmp = os.path.join(directory, f".{os.path.basename(path)}.tmp-{os.getpid()}-"
                                   f"{secrets.token_hex(6)}")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
