@@ -28,11 +28,16 @@ import shlex
 import sys
 import time
 from collections.abc import Callable, Sequence
-from typing import Any, NoReturn, TextIO
+from typing import Any, NoReturn, TextIO, final
 
-from . import _maintenance as m
-from ._errors import FsStoreError
-from ._store import SyncStore
+try:
+    from . import _maintenance as m
+    from ._errors import FsStoreError
+    from ._keys import check_part
+    from ._store import SyncStore
+except KeyboardInterrupt:  # Ctrl-C while the store's modules load: no traceback
+    sys.stderr.write("fsstore: interrupted\n")
+    raise SystemExit(130) from None
 
 EXIT_OK = 0
 EXIT_PROBLEMS = 1
@@ -291,11 +296,24 @@ def _age(seconds: float | None) -> str:
 
 
 def _rel(root: str, path: str) -> str:
+    """``path`` relative to ``root`` where it is inside it, for a person (:func:`clean`)."""
     try:
         rel = os.path.relpath(path, root)
     except ValueError:
-        return path
-    return path if rel.startswith("..") else rel
+        return clean(path)
+    return clean(path if rel.startswith("..") else rel)
+
+
+def clean(text: str) -> str:
+    """``text`` safe for a terminal: every character that is not printable (control
+    characters, so escape sequences; the lone surrogates of names that are not UTF-8)
+    as a backslash escape. File names, lock records and local file names are written
+    by whoever can write to the store or the directory: they never reach the
+    terminal raw. Everything printed for a person goes through here or :func:`shown`."""
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii")
+                   for c in text)
 
 
 def table(
@@ -396,7 +414,7 @@ def cmd_ls(args: argparse.Namespace, out: TextIO, err: TextIO, progress: Progres
 
 def _problems(args: argparse.Namespace, err: TextIO, problems: Sequence[m.Problem]) -> None:
     """What a command could not look at, on stderr (also with --json: stdout has it too)."""
-    err.writelines(f"fsstore: {p.severity}: {_rel(args.root, p.path)}: {p.message}\n"
+    err.writelines(f"fsstore: {p.severity}: {_rel(args.root, p.path)}: {clean(p.message)}\n"
                    for p in problems)
 
 
@@ -406,7 +424,8 @@ def cmd_cat(args: argparse.Namespace, out: TextIO, err: TextIO, progress: Progre
     key = {"project_key": args.project, "session_id": args.session}
     if args.subpath:
         key["subpath"] = args.subpath
-    entries = store.load(key)
+    with _Noting("GAP") as gaps:
+        entries = store.load(key)
     if entries is None:
         what = f"subpath {args.subpath!r} of " if args.subpath else ""
         err.write(f"fsstore: no transcript: {what}session {args.session!r} "
@@ -417,11 +436,36 @@ def cmd_cat(args: argparse.Namespace, out: TextIO, err: TextIO, progress: Progre
     if args.json:
         json.dump(entries, out, separators=(",", ":"))
         out.write("\n")
-        return EXIT_OK
-    for entry in entries:
-        out.write(json.dumps(entry, separators=(",", ":")))
-        out.write("\n")
-    return EXIT_OK
+    else:
+        for entry in entries:
+            out.write(json.dumps(entry, separators=(",", ":")))
+            out.write("\n")
+    # A transcript with a piece missing is printed (it is what load() returns), but
+    # a prefix must not pass for the whole.
+    err.writelines(f"fsstore: warning: the transcript is incomplete: {clean(r.getMessage())}\n"
+                   for r in gaps.records)
+    return EXIT_PROBLEMS if gaps.records else EXIT_OK
+
+
+@final
+class _Noting(logging.Handler):
+    """The ``fsstore`` logger's records with one code, kept while in the ``with``."""
+
+    def __init__(self, code: str) -> None:
+        super().__init__(logging.WARNING)
+        self.code = code
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if getattr(record, "code", None) == self.code:
+            self.records.append(record)
+
+    def __enter__(self) -> _Noting:
+        logging.getLogger("fsstore").addHandler(self)
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        logging.getLogger("fsstore").removeHandler(self)
 
 
 def cmd_check(args: argparse.Namespace, out: TextIO, err: TextIO, progress: Progress) -> int:
@@ -434,7 +478,7 @@ def cmd_check(args: argparse.Namespace, out: TextIO, err: TextIO, progress: Prog
         for p in report.problems:
             where = _rel(args.root, p.path) + (f":{p.line}" if p.line else "")
             code = f"{p.code} " if p.code and p.code not in p.message else ""
-            out.write(f"{p.severity.upper():<8} {where}  {code}{p.message}\n")
+            out.write(f"{p.severity.upper():<8} {where}  {code}{clean(p.message)}\n")
         verdict = "ok" if report.ok else (
             f"{report.errors} error(s), {report.warnings} warning(s)")
         out.write(f"checked {report.sessions} session(s), {report.transcripts} transcript(s), "
@@ -470,7 +514,7 @@ def _actions(
                 verb = (_DRY_VERB if dry else _DONE_VERB)[a.action]
             else:
                 verb = {"keep": "kept", "skip": "skipped"}.get(a.action, "nothing")
-            out.write(f"{verb:<17} {_rel(args.root, a.path)}  {a.detail}\n")
+            out.write(f"{verb:<17} {_rel(args.root, a.path)}  {clean(a.detail)}\n")
         done = sum(1 for a in actions if a.done)
         summary = (f"{what}: {len(actions)} action(s) in a dry run; nothing changed" if dry
                    else f"{what}: {done} done, {len(failed)} failed")
@@ -518,7 +562,7 @@ def cmd_locks(args: argparse.Namespace, out: TextIO, err: TextIO, progress: Prog
             else:
                 label = " ".join(shown(v) for v in lk.key.values())
             since = _when(int(lk.mtime * 1e9))
-            rows.append([label, "-" if lk.pid is None else str(lk.pid), lk.host or "-",
+            rows.append([label, "-" if lk.pid is None else str(lk.pid), clean(lk.host or "-"),
                          since, _age(lk.age), lk.status + (" (this host)" if lk.local else "")])
         table(out, ["TRANSCRIPT", "PID", "HOST", "SINCE", "AGE", "STATUS"], rows, right=(1, 4))
         incomplete = (f"; incomplete: {len(problems)} place(s) could not be read"
@@ -558,9 +602,10 @@ def _transfers(
             else:
                 key = " ".join(shown(v) for v in t.key.values())
             added = f"+{t.added}" if t.added else ""
-            note = f"  ({t.detail})" if t.detail else ""
-            out.write(f"{t.status:<12} {added:>6}  {t.path}  [{key}]{note}\n")
-        err.writelines(f"fsstore: {p.severity}: {p.path}: {p.message}\n" for p in problems)
+            note = f"  ({clean(t.detail)})" if t.detail else ""
+            out.write(f"{t.status:<12} {added:>6}  {clean(t.path)}  [{key}]{note}\n")
+        err.writelines(f"fsstore: {p.severity}: {clean(p.path)}: {clean(p.message)}\n"
+                       for p in problems)
         total = sum(t.added for t in transfers)
         counts: dict[str, int] = {}
         for t in transfers:
@@ -588,9 +633,25 @@ def _logging(verbose: int, err: TextIO) -> None:
         log.addHandler(logging.NullHandler())
         return
     handler = logging.StreamHandler(err)
-    handler.setFormatter(logging.Formatter("fsstore: log %(levelname)s: %(message)s"))
+    handler.setFormatter(_CleanFormatter("fsstore: log %(levelname)s: %(message)s"))
     log.addHandler(handler)
     log.setLevel(logging.DEBUG if verbose > 1 else logging.INFO)
+
+
+class _CleanFormatter(logging.Formatter):
+    """Log lines name files in the store: escaped like everything else (:func:`clean`)."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        return clean(super().format(record))
+
+
+def _check_keys(args: argparse.Namespace) -> None:
+    """INVALID_KEY (exit 2) for a project or session that is no key (e.g. not UTF-8:
+    a lone surrogate from os.fsdecode), before anything is walked or encoded."""
+    for name, what in (("project", "project_key"), ("session", "session_id")):
+        value = getattr(args, name, None)
+        if value is not None:
+            check_part(value, what, args.command)
 
 
 def _tolerant_output() -> None:
@@ -604,6 +665,14 @@ def _tolerant_output() -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; return the exit code."""
+    try:
+        return _run(argv)
+    except KeyboardInterrupt:  # before the command started (parsing, setting up)
+        sys.stderr.write("fsstore: interrupted\n")
+        return 130
+
+
+def _run(argv: Sequence[str] | None) -> int:
     _tolerant_output()
     parser, opts = build_parser()
     raw = list(sys.argv[1:] if argv is None else argv)
@@ -612,20 +681,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     _logging(args.verbose, err)
     progress = Progress(f"fsstore {args.command}", err)
     try:
+        _check_keys(args)
         return HANDLERS[args.command](args, out, err, progress)
     except m.NoStore as exc:
         progress.close()
-        err.write(f"fsstore: error: {exc}\n")
+        err.write(f"fsstore: error: {clean(str(exc))}\n")
         return EXIT_USAGE
     except m.NotFound as exc:
         progress.close()
-        err.write(f"fsstore: {exc}\n")
+        err.write(f"fsstore: {clean(str(exc))}\n")
         if args.json:
             _dump(out, {"error": {"code": "NOT_FOUND", "message": str(exc)}})
         return EXIT_PROBLEMS
     except FsStoreError as exc:
         progress.close()
-        err.write(f"{exc}\n")
+        err.write(f"{clean(str(exc))}\n")
         if args.json:
             _dump(out, {"error": {"code": exc.code, "message": exc.message,
                                   "operation": exc.operation, "path": exc.path}})
@@ -643,7 +713,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 141
     except OSError as exc:
         progress.close()
-        err.write(f"fsstore: error: {exc}\n")
+        err.write(f"fsstore: error: {clean(str(exc))}\n")
         return EXIT_PROBLEMS
 
 
