@@ -171,7 +171,7 @@ class SyncStore:
         self._forget_appending()
         _fsio.in_forked_child(self, "_forget_appending")
         if summaries is True and self._fold is None:
-            raise ValueError("summaries=True needs claude-agent-sdk (pip install fsstore[claude])")
+            raise ValueError("summaries=True needs claude-agent-sdk (pip install 'fsstore-sessions[claude]')")
 
     def _forget_appending(self) -> None:
         """Remember no transcript (also in a forked child: its state files are the

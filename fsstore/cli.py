@@ -243,13 +243,20 @@ def _mark_values(argv: Sequence[str], opts: _Options) -> list[str]:
 # -- output helpers ----------------------------------------------------------------
 
 
-def _version() -> str:
-    try:
-        from importlib.metadata import version
+#: The distribution's name ("fsstore" on the package index is another project).
+DISTRIBUTION = "fsstore-sessions"
 
-        return version("fsstore")
-    except Exception:  # noqa: BLE001 - not installed as a distribution
-        return "unknown"
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    # "fsstore": a checkout installed before the distribution was renamed.
+    for name in (DISTRIBUTION, "fsstore"):
+        try:
+            return version(name)
+        except PackageNotFoundError:
+            continue
+    return "unknown"  # not installed as a distribution (a checkout on PYTHONPATH)
 
 
 def _raw(c: str) -> bytes:
