@@ -56,8 +56,9 @@ def test_quickstart_runs_offline(tmp_path: Path) -> None:
     loaded = store.sync.load({"project_key": project_key, "session_id": sid})
     assert loaded is not None and count == len(loaded)
     # Nothing in the tree is left unexplained, and it ends with what to run next.
-    assert ".state.spare" not in out or "state.spare" in out.split("What is on disk:")[1].split(
-        f"main transcript of {sid}")[1]
+    tree, explained = out.split("What is on disk:")[1].split(f"main transcript of {sid}")
+    for name in (".state.spare", ".locks"):
+        assert name not in tree or name in explained, name
     assert out.rstrip().splitlines()[-1].strip() == f"fsstore ls {tmp_path / 'store'}"
 
 
