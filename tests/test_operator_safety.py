@@ -298,6 +298,16 @@ def test_append_and_compact_inside_locked_do_not_wait_for_themselves(root: Path)
     assert not lock_file(root, KEY).exists()  # released once, at the end
 
 
+def test_an_append_inside_locked_keeps_the_holders_lease(root: Path) -> None:
+    store = SyncStore(root, stale_lock_seconds=0.4)
+    with store.locked(KEY):
+        time.sleep(0.3)  # past half of stale_lock_seconds: another host may reclaim it
+        with pytest.raises(FsStoreError) as err:
+            store.append(KEY, [entry(1)])
+    assert err.value.code == "LOCK_EXPIRED"
+    assert store.load(KEY) is None
+
+
 def test_another_thread_still_waits_for_a_lock_held_by_locked(root: Path) -> None:
     store = SyncStore(root, lock_timeout_seconds=0.3)
     errors: list[BaseException] = []
