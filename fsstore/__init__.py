@@ -21,12 +21,12 @@ __all__ = ["FsSessionStore", "FsStoreError"]
 
 
 def __getattr__(name: str) -> object:
+    found: object
     if name == "FsSessionStore":
-        from ._async import FsSessionStore
-
-        return FsSessionStore
-    if name == "FsStoreError":
-        from ._errors import FsStoreError
-
-        return FsStoreError
-    raise AttributeError(f"module 'fsstore' has no attribute {name!r}")
+        from ._async import FsSessionStore as found
+    elif name == "FsStoreError":
+        from ._errors import FsStoreError as found
+    else:
+        raise AttributeError(f"module 'fsstore' has no attribute {name!r}")
+    globals()[name] = found  # looked up here once
+    return found
