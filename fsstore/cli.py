@@ -6,9 +6,10 @@ by default and JSON with ``--json``; commands that walk a whole store draw a
 progress counter on stderr when stderr is a terminal.
 
 Exit codes: 0 ok; 1 problems found, or the operation failed (anything reported as
-FAILED); 2 usage error (bad arguments, an invalid key, ROOT is not a directory, or,
-for ``import`` without ``--create``, does not exist). Interrupted: 130; stdout
-closed early (``| head``): 141.
+FAILED); 2 usage error (bad arguments, an invalid key, ROOT is not a directory or
+not a store, or, for ``import`` without ``--create``, does not exist). Interrupted
+(also while starting: see :mod:`fsstore.__main__`): 130; stdout closed early
+(``| head``): 141.
 
 Claude's project keys start with ``-`` (``-home-user-repo``). argparse alone would
 read such an argument as an option, so before parsing, every argument of a
@@ -30,14 +31,10 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any, NoReturn, TextIO, final
 
-try:
-    from . import _maintenance as m
-    from ._errors import FsStoreError
-    from ._keys import check_part
-    from ._store import SyncStore
-except KeyboardInterrupt:  # Ctrl-C while the store's modules load: no traceback
-    sys.stderr.write("fsstore: interrupted\n")
-    raise SystemExit(130) from None
+from . import _maintenance as m
+from ._errors import FsStoreError
+from ._keys import check_part
+from ._store import SyncStore
 
 EXIT_OK = 0
 EXIT_PROBLEMS = 1

@@ -8,6 +8,7 @@ Driven as a user drives it: the CLI in a subprocess.
 from __future__ import annotations
 
 import json
+import re
 import stat
 import subprocess
 import sys
@@ -21,6 +22,7 @@ from fsstore._store import SyncStore
 from .conftest import KEY, entry
 from .test_cli import SUB, P, S, fsstore, lock_file, tdir, write_jsonl
 
+TOP = Path(__file__).resolve().parents[1]
 #: Terminal escape sequences: set the window title, clear the screen, colour.
 PLANTED = ("\x1b]0;owned\x07", "\x1b[2J", "\x1b[31m")
 
@@ -82,12 +84,13 @@ class CtrlC:
             raise KeyboardInterrupt
         return None
 
-form, root = sys.argv[1:]
+form, root, entry_point = sys.argv[1:]
 sys.meta_path.insert(0, CtrlC())
 sys.argv = ["fsstore", "ls", root]
-if form == "console-script":
-    from fsstore.cli import main  # what the installed `fsstore` script runs
-    sys.exit(main())
+if form == "console-script":  # what the installed `fsstore` script runs
+    import importlib
+    module, function = entry_point.split(":")
+    sys.exit(getattr(importlib.import_module(module), function)())
 import runpy
 runpy.run_module("fsstore", run_name="__main__", alter_sys=True)
 """
@@ -96,8 +99,10 @@ runpy.run_module("fsstore", run_name="__main__", alter_sys=True)
 @pytest.mark.parametrize("form", ["console-script", "python -m"])
 def test_ctrl_c_during_start_up_prints_no_traceback(root: Path, store: SyncStore, form: str) -> None:
     store.append(KEY, [entry(1)])
-    proc = subprocess.run([sys.executable, "-c", _INTERRUPTED_START, form, str(root)], capture_output=True,
-                          text=True, timeout=60, check=False)
+    scripts = (TOP / "pyproject.toml").read_text().split("[project.scripts]\n", 1)[1]
+    entry_point = re.search(r'^fsstore = "([^"]+)"', scripts, re.MULTILINE)[1]  # type: ignore[index]
+    proc = subprocess.run([sys.executable, "-c", _INTERRUPTED_START, form, str(root), entry_point],
+                          capture_output=True, text=True, timeout=60, check=False)
     assert proc.returncode == 130, proc.stdout + proc.stderr
     assert "Traceback" not in proc.stderr and "interrupted" in proc.stderr
 
