@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import subprocess
 import sys
 import tempfile
@@ -148,7 +149,9 @@ def describe(root: Path, cwd: Path, session_id: str) -> list[str]:
     return [
         f"main transcript of {session_id}: {len(entries)} entries ({top})",
         f"  in {parts} .jsonl parts, one per append() the SDK's mirror made (host A's first, then B's);",
-        "  state.json is a rebuildable hint (last sequence number, the listing summary).",
+        "  state.json is a rebuildable hint (last sequence number, the listing summary);",
+        "  on a local disk .state.spare is the previous one, rewritten and swapped in at the",
+        "  next append; .locks/ holds a transcript's lock file only while someone commits.",
     ]
 
 
@@ -247,6 +250,8 @@ def main() -> None:
     print("\n".join(describe(root, cwd, a["session_id"])))
     if "42" not in b["reply"]:
         sys.exit("host B did not recall the number: the session did not come across.")
+    print("\nNext, list the store's sessions (`fsstore check` verifies every file):")
+    print(f"  fsstore ls {shlex.quote(str(root))}")
 
 
 if __name__ == "__main__":

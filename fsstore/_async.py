@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Mapping
+from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
-from anyio import to_thread
+from anyio import CancelScope, to_thread
 
+from ._lock import Locks
 from ._store import SyncStore
 
 
@@ -91,9 +92,23 @@ class FsSessionStore:
         """Merge all of a transcript's files into one segment; return how many were merged."""
         return await to_thread.run_sync(self.sync.compact, key)
 
-    def locked(self, key: Mapping[str, Any]) -> contextlib.AbstractContextManager[None]:
-        """Hold the transcript's commit lock (sync context manager, for maintenance)."""
-        return self.sync.locked(key)
+    @contextlib.asynccontextmanager
+    async def locked(self, key: Mapping[str, Any]) -> AsyncIterator[None]:
+        """``async with store.locked(key):`` holds the transcript's commit lock (the
+        blocking one is ``store.sync.locked(key)``).
+
+        Inside, this task's ``append``, ``compact`` and ``load`` of that transcript run
+        under it instead of waiting for it. Taking and releasing are shielded from
+        cancellation: a cancelled task never leaves the lock behind.
+        """
+        with CancelScope(shield=True):
+            hold, held = await to_thread.run_sync(self.sync._take_lock, key)
+        try:
+            with Locks.marked_held(held):
+                yield
+        finally:
+            with CancelScope(shield=True):
+                await to_thread.run_sync(hold.__exit__, None, None, None)
 
 
 __all__ = ["FsSessionStore"]

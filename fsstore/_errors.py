@@ -6,6 +6,11 @@ string carries code, operation and path too.
 
 Codes are either the POSIX name of the underlying ``errno`` (``ENOSPC``, ``EIO``,
 ``EACCES``, ``ESTALE``, ...) or one of the store's own codes in :data:`STORE_CODES`.
+
+Everything is also logged to the ``fsstore`` logger (with ``code``, ``operation``,
+``path`` and ``errno`` as record attributes), which has a ``NullHandler``, as the
+standard library advises for libraries: an application that configured no logging
+sees nothing twice, one that did gets every record (docs/operations.md, "Alerting").
 """
 
 from __future__ import annotations
@@ -14,16 +19,33 @@ import errno as _errno
 import logging
 
 log = logging.getLogger("fsstore")
+log.addHandler(logging.NullHandler())
 
-#: The store's own codes (POSIX names are used for everything the OS reports).
+#: The store's own codes (POSIX names are used for everything the OS reports), each
+#: listed in README's tables (tests/test_docs.py checks both against the source).
 STORE_CODES: dict[str, str] = {
+    # raised (FsStoreError.code)
     "INVALID_KEY": "a key part is empty, not a string, contains NUL, or a subpath is not relative",
-    "INVALID_ENTRY": "entries is not a list of JSON objects that json.dumps accepts",
+    "INVALID_ENTRY": "entries is not a list of JSON objects that json.dumps accepts and every "
+    "default reader can read back",
     "CORRUPT": "a committed part or segment cannot be parsed (file and line in the message)",
     "LOCK_TIMEOUT": "the transcript lock was not acquired within lock_timeout_seconds",
     "LOCK_EXPIRED": "the lock was held past half of stale_lock_seconds before publishing; "
     "nothing was written (retryable)",
     "UNSAFE_PATH": "something inside root is a symlink or not a directory where the store expects one",
+    # logged only (the operation succeeded, or went on)
+    "SUMMARY_BEHIND": "the session summary sidecar was not updated; readers fold it themselves",
+    "RELOCATED": "an append's number had been compacted away under it (two lock holders "
+    "overlapped); the batch was committed again above",
+    "COMPACT_FAILED": "automatic compaction failed; the append itself succeeded",
+    "TRASH_LEFT": "a delete left files in .trash",
+    "TEMP_LEFT": "a commit could not remove the temp name of the committed part",
+    "GAP": "load() returned a transcript with a sequence gap",
+    "DIR_FSYNC_UNSUPPORTED": "the mount refuses directory fsync",
+    "LOCK_RECLAIMED": "a stale lock was reclaimed",
+    "LOCK_RELEASE_FAILED": "a lock could not be released after the work under it was done",
+    # the command line (cat --json, export)
+    "NOT_FOUND": "no such transcript or session",
 }
 
 

@@ -39,8 +39,9 @@ import socket
 import stat
 import threading
 import time
+import types
 import typing
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 
 import filelock
 
@@ -48,9 +49,9 @@ from . import _fsio
 from ._errors import FsStoreError, log
 
 _IDLE_LOCKS = 256
-# Lock paths held by SyncStore.locked in this context (see Locks.held_here).
-_HELD_HERE: contextvars.ContextVar[frozenset[str]] = contextvars.ContextVar(
-    "fsstore_held_here", default=frozenset()
+# The locks held by SyncStore.locked in this context, by lock path (see Locks.held_here).
+_HELD_HERE: contextvars.ContextVar[Mapping[str, Held]] = contextvars.ContextVar(
+    "fsstore_held_here", default=types.MappingProxyType({})
 )
 
 
@@ -275,21 +276,31 @@ class Locks:
         :meth:`marked_held` (``SyncStore.locked``). Taking it again would wait for
         itself until LOCK_TIMEOUT: the in-process lock is not reentrant. A context
         variable, not the thread: the async API runs a load in a worker thread with
-        the caller's context while the caller's thread holds the lock."""
+        the caller's context while the caller's task holds the lock."""
         return lock_path in _HELD_HERE.get()
 
     @staticmethod
     @contextlib.contextmanager
-    def marked_held(lock_path: str) -> Iterator[None]:
-        _HELD_HERE.set(_HELD_HERE.get() | {lock_path})
+    def marked_held(held: Held) -> Iterator[None]:
+        before = _HELD_HERE.get()
+        _HELD_HERE.set({**before, held.path: held})
         try:
             yield
         finally:
-            _HELD_HERE.set(_HELD_HERE.get() - {lock_path})
+            _HELD_HERE.set(before)
 
-    def hold(self, lock_path: str, operation: str) -> Held:
+    def hold(self, lock_path: str, operation: str) -> contextlib.AbstractContextManager[Held]:
         """``with locks.hold(path, op) as held:`` holds the transcript lock at
-        ``lock_path``; LOCK_TIMEOUT if not had in time."""
+        ``lock_path``; LOCK_TIMEOUT if not had in time.
+
+        In a context that holds it already through these locks' :meth:`marked_held`
+        (``store.locked(key)``, then ``store.append(key, ...)``), the work runs under
+        that hold and its lease instead of waiting for itself; releasing stays the
+        outer holder's. Other contexts (threads, tasks) and other stores wait.
+        """
+        outer = _HELD_HERE.get().get(lock_path)
+        if outer is not None and outer._locks is self:
+            return contextlib.nullcontext(outer)
         return Held(self, lock_path, operation)
 
     def _use(self, lock_path: str) -> _Local:
@@ -338,10 +349,24 @@ class Locks:
     def _timeout(self, path: str, operation: str, exc: filelock.Timeout | None) -> FsStoreError:
         # Deliberately not a TimeoutError: the SDK does not retry those, and a lock
         # timeout is safe to retry (nothing was committed).
-        holder = f" (held by {exc})" if exc is not None and str(exc) else ""
         return FsStoreError(
             "LOCK_TIMEOUT",
-            f"transcript lock not acquired within {self.timeout:g}s{holder}",
+            f"transcript lock not acquired within {self.timeout:g}s{_holder(path)}",
             operation=operation,
             path=path,
         )
+
+
+def _holder(lock_path: str) -> str:
+    """`` (held by pid P on HOST since T, Ns)`` from the lock's marker, for messages."""
+    try:
+        marker = read_marker(lock_path)
+    except OSError as exc:  # not ours to read: say so rather than guess
+        return f" (its marker cannot be read: {exc.strerror})"
+    if marker is None:
+        return " (released just now)"
+    who = "an unreadable record" if marker.pid is None else f"pid {marker.pid}"
+    host = "" if marker.host is None else f" on {marker.host}"
+    since = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(marker.stat.st_mtime))
+    # The host line is whatever was written to the marker: printable only.
+    return ascii(f" (held by {who}{host} since {since}, {max(marker.age, 0):.0f}s ago)")[1:-1]

@@ -293,9 +293,22 @@ def _changed_at(st: os.stat_result) -> float:
     return max(st.st_mtime, st.st_ctime)
 
 
+#: What a store root holds once anything was written to it (``.fsstore``: a store marker).
+_STORE_NAMES = (_layout.PROJECTS, _layout.LOCKS, ".fsstore")
+
+
+def is_store(root: str) -> bool:
+    """Whether the directory ``root`` looks like a store: it holds ``projects/``,
+    ``.locks/`` or ``.fsstore`` (an empty directory, or ``/etc``, does not)."""
+    return any(os.path.lexists(os.path.join(root, name)) for name in _STORE_NAMES)
+
+
 def require_store(root: str, *, create: bool = False) -> None:
-    """NoStore unless ``root`` is a directory (or, with ``create``, does not exist yet)."""
+    """NoStore unless ``root`` is a store directory (or, with ``create``, a directory or
+    nothing yet)."""
     if os.path.isdir(root):
+        if not create and not is_store(root):
+            raise NoStore(f"{root}: not an fsstore store (no {', '.join(_STORE_NAMES)})")
         return
     if os.path.lexists(root):
         raise NoStore(f"{root}: no store here (not a directory)")
@@ -318,7 +331,10 @@ class Walker:
     """Walks one store; collects problems and garbage as it goes.
 
     ``rfd`` is an open descriptor of the root of ``store``; every path below it is
-    opened one component at a time without following symlinks.
+    opened one component at a time without following symlinks. ``looks_only`` (check):
+    a transcript lock is taken only where no marker exists, since taking one that
+    exists reclaims it if it is stale, and a stale lock is check's to report and gc's
+    to break.
     """
 
     def __init__(
@@ -328,8 +344,10 @@ class Walker:
         *,
         now: float | None = None,
         stale_lock_seconds: float = 30.0,
+        looks_only: bool = False,
     ) -> None:
         self.rfd = rfd
+        self.looks_only = looks_only
         self.store = store
         self.root = store.root
         self.now = time.time() if now is None else now
@@ -565,7 +583,7 @@ class Walker:
         attempt = 0
         while True:
             with contextlib.ExitStack() as guard:
-                if attempt >= _SETTLED_AFTER:
+                if attempt >= _SETTLED_AFTER and self._may_lock(ref):
                     # A writer compacting faster than this reads can change every
                     # listing before it is read: look under the transcript lock (if
                     # this process may take it), like a reader that keeps losing.
@@ -589,6 +607,13 @@ class Walker:
                     os.close(fd)
             time.sleep(0.005 * attempt)
             attempt += 1
+
+    def _may_lock(self, ref: TranscriptRef) -> bool:
+        """Whether :meth:`inspect` may take the transcript's lock (see ``looks_only``)."""
+        if not self.looks_only:
+            return True
+        lock = f"{self.store.root}/{_layout.LOCKS}/{_layout.lock_name(_layout.transcript_dirs(ref.tk))}"
+        return not os.path.lexists(lock)
 
     def _inspect(self, fd: int, ref: TranscriptRef, *, verify: bool, attempt: int) -> TranscriptInfo:
         last_try = attempt == _ATTEMPTS - 1
@@ -760,10 +785,11 @@ def _name_locks(found: list[LockInfo], refs: Iterable[TranscriptRef]) -> None:
 
 @contextlib.contextmanager
 def walking(
-    root: str, *, stale_lock_seconds: float = 30.0, lock_timeout_seconds: float = 10.0
+    root: str, *, stale_lock_seconds: float = 30.0, lock_timeout_seconds: float = 10.0,
+    looks_only: bool = False,
 ) -> Iterator[Walker]:
     """A walker over the store at ``root`` (NoStore if there is none); the root itself
-    may be a symlink."""
+    may be a symlink. ``looks_only``: see :class:`Walker`."""
     store = SyncStore(root, summaries=False, stale_lock_seconds=stale_lock_seconds,
                       lock_timeout_seconds=lock_timeout_seconds)
     with contextlib.ExitStack() as stack:
@@ -773,7 +799,8 @@ def walking(
             rfd = None
         if rfd is None:
             raise NoStore(f"{root}: no store here (not a directory)")
-        yield Walker(rfd, store, stale_lock_seconds=stale_lock_seconds)
+        require_store(root)
+        yield Walker(rfd, store, stale_lock_seconds=stale_lock_seconds, looks_only=looks_only)
 
 
 def _tick(progress: Progress | None, done: int, total: int) -> None:
@@ -970,7 +997,7 @@ def check(
 ) -> CheckReport:
     """Verify every transcript; see the module docstring for what counts as a problem."""
     report = CheckReport()
-    with walking(root, stale_lock_seconds=stale_lock_seconds) as w:
+    with walking(root, stale_lock_seconds=stale_lock_seconds, looks_only=True) as w:
         w.root_entries()
         refs = w.sessions()
         report.sessions = len(refs)
@@ -1144,8 +1171,9 @@ def gc(
 
 def locks(
     root: str, *, stale_lock_seconds: float = 30.0, progress: Progress | None = None
-) -> list[LockInfo]:
-    """Every transcript lock file in the store and what its record says.
+) -> tuple[list[LockInfo], list[Problem]]:
+    """Every transcript lock file in the store and what its record says, and what could
+    not be read (an unreadable ``.locks``: then the list is not all there is).
 
     The lock names are hashes; the store is walked (its session and subkey
     directories listed, no transcript opened) only to name the transcripts of the
@@ -1160,7 +1188,7 @@ def locks(
                 seen += w.transcripts(ref)
                 _tick(progress, i + 1, len(refs))
             _name_locks(found, seen)
-    return found
+    return found, [p for p in w.problems if p.counts]
 
 
 # -- prune -----------------------------------------------------------------------
@@ -1182,9 +1210,29 @@ def _look(w: Walker, ref: SessionRef) -> _Look:
     infos = [info for t in trefs if (info := w.inspect(t)) is not None]
     unseen = next((p for p in w.problems[mark:]
                    if p.severity == "error" and p.kind in _UNSEEN), None)
+    unseen = unseen or next((p for i in infos if (p := _unreadable_file(w, i)) is not None), None)
     mtime = max((i.mtime_ns for i in infos if i.mtime_ns is not None), default=None)
     temps = [*w.garbage[gmark:], *(g for i in infos for g in i.temps)]
     return _Look(trefs, mtime, unseen, temps)
+
+
+def _unreadable_file(w: Walker, info: TranscriptInfo) -> Problem | None:
+    """The first committed file of a transcript that this process cannot open for
+    reading (a listing does not tell): a session with one is not looked at entirely."""
+    fd = w.open(info.ref.comps)
+    if fd is None:
+        return None  # gone meanwhile (or unreadable: the next look says so)
+    try:
+        for it in info.items:
+            try:
+                os.close(os.open(it.name, _fsio.READ_FLAGS | os.O_NONBLOCK, dir_fd=fd))
+            except OSError as exc:
+                if not _gone(exc):  # a file merged away meanwhile is not unreadable
+                    return Problem("error", "unreadable", f"{info.path}/{it.name}",
+                                   f"cannot read: {exc.strerror}", code=_code(exc))
+    finally:
+        os.close(fd)
+    return None
 
 
 def prune(
@@ -1479,7 +1527,7 @@ def read_local(path: str) -> tuple[list[dict[str, Any]], str]:
             continue
         try:
             entry = json.loads(line)
-        except ValueError as exc:
+        except (ValueError, RecursionError) as exc:  # RecursionError: nested too deeply
             raise ValueError(f"line {lineno} is not valid JSON: {exc}") from exc
         if not isinstance(entry, dict):
             raise ValueError(f"line {lineno} is not a JSON object")  # noqa: TRY004
@@ -1637,7 +1685,7 @@ def import_projects(
     """
     if not create and not os.path.lexists(root):
         raise NoStore(f"{root}: no store here (does not exist; --create starts a new one)")
-    require_store(root, create=True)
+    require_store(root, create=create)
     projects_dir = os.path.abspath(projects_dir)
     files, problems = local_transcripts(projects_dir, project)
     store = SyncStore(root)
@@ -1670,10 +1718,26 @@ def _encode_jsonl(entries: list[dict[str, Any]]) -> bytes:
                     for e in entries)
 
 
+def _make_dirs(path: str, mode: int) -> None:
+    """``os.makedirs`` where every directory it creates gets ``mode``, the store's
+    default ``dir_mode`` (makedirs gives it to the last one only, the others get 0777
+    less the umask: world-writable under umask 000), set exactly, whatever the umask."""
+    missing: list[str] = []
+    while path and not os.path.isdir(path):
+        missing.append(path)
+        path = os.path.dirname(path)
+    for directory in reversed(missing):
+        try:
+            os.mkdir(directory, mode)
+        except FileExistsError:
+            continue  # made meanwhile (or not a directory: the write says so)
+        os.chmod(directory, mode)
+
+
 def _atomic_write(path: str, data: bytes) -> None:
     """Write ``path`` whole or not at all: temp file, fsync, rename over."""
     directory = os.path.dirname(path)
-    os.makedirs(directory, mode=0o700, exist_ok=True)
+    _make_dirs(directory, 0o700)
     tmp = os.path.join(directory, f".{os.path.basename(path)}.tmp-{os.getpid()}-"
                                   f"{secrets.token_hex(6)}")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)

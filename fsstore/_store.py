@@ -146,7 +146,7 @@ class SyncStore:
         self._forget_appending()
         _fsio.in_forked_child(self, "_forget_appending")
         if summaries is True and self._fold is None:
-            raise ValueError("summaries=True needs claude-agent-sdk (pip install fsstore[claude])")
+            raise ValueError("summaries=True needs claude-agent-sdk (pip install 'fsstore-sessions[claude]')")
 
     def _forget_appending(self) -> None:
         """Remember no transcript (also in a forked child, where a thread that held
@@ -493,7 +493,7 @@ class SyncStore:
     # -- listing -------------------------------------------------------------------
 
     def _transcript_mtimes(
-        self, parent_fd: int, children: list[tuple[str, str]], below: str
+        self, parent_fd: int, children: list[tuple[str, str]], below: str, where: str, op: str
     ) -> Iterator[tuple[str, int]]:
         """``(key part, mtime in epoch ms)`` of each child's transcript directory
         ``parent/name+below``.
@@ -507,13 +507,16 @@ class SyncStore:
         found = self._fs.dir_mtimes_beneath(parent_fd, [name for name, _ in children],
                                         below.encode("ascii"))
         error = _fsio.MTIME_ERROR
-        for (_name, part), ns in zip(children, found):
+        for (name, part), ns in zip(children, found):
             if ns > error:
                 yield part, ns // 1_000_000
                 continue
             err = error - ns
             if err not in (errno.ELOOP, errno.EXDEV, errno.ENOENT, errno.ENOTDIR):
-                raise OSError(err, os.strerror(err))  # reported at the listed directory
+                # One transcript this process may not read must not hide the others.
+                log.warning("left out of the listing: %s", os.strerror(err), extra={
+                    "code": errno.errorcode.get(err, "EIO"), "operation": op,
+                    "path": f"{where}/{name}", "errno": err})
             # A symlink inside the transcript path is not ours to report; a session
             # without a main transcript (only subagents, or removed) has no mtime.
 
@@ -549,7 +552,8 @@ class SyncStore:
         comps = _layout.project_dirs(project_key)
         with translating(op, self._path(comps)), self._children(comps, op) as (pfd, children):
             return [{"session_id": session_id, "mtime": mtime}
-                    for session_id, mtime in self._transcript_mtimes(pfd, children, f"/{_layout.MAIN}")]
+                    for session_id, mtime in self._transcript_mtimes(
+                        pfd, children, f"/{_layout.MAIN}", self._path(comps), op)]
 
     def list_subkeys(self, key: Mapping[str, Any]) -> list[str]:
         op = "list_subkeys"
@@ -563,7 +567,8 @@ class SyncStore:
                 except FsStoreError:
                     continue  # a name no valid key encodes to: not ours to report
                 valid.append((name, subpath))
-            return [subpath for subpath, _mtime in self._transcript_mtimes(pfd, valid, "")]
+            return [subpath for subpath, _mtime
+                    in self._transcript_mtimes(pfd, valid, "", self._path(comps), op)]
 
     def list_session_summaries(self, project_key: str) -> list[dict[str, Any]]:
         op = "list_session_summaries"
@@ -736,18 +741,26 @@ class SyncStore:
 
     @contextlib.contextmanager
     def locked(self, key: Mapping[str, Any]) -> Iterator[None]:
-        """Hold the transcript's commit lock (the transcript need not exist)."""
-        op = "lock"
-        tk = _keys.parse_key(key, op)
-        comps = _layout.transcript_dirs(tk)
-        path = self._path(comps)
-        with translating(op, path):
-            lock_path = self._lock_path(_layout.lock_name(comps), op)
-            hold = self._locks.hold(lock_path, op)
-            hold.__enter__()
+        """Hold the transcript's commit lock (the transcript need not exist).
+
+        Inside, this store's append, compact and load of that transcript, in the
+        same thread or task, run under it rather than wait for it (nested
+        ``locked`` too); other threads, tasks, processes and stores wait.
+        """
+        hold, held = self._take_lock(key)
         # The caller's own errors pass through untranslated.
         try:
-            with self._locks.marked_held(lock_path):
+            with self._locks.marked_held(held):
                 yield
         finally:
             hold.__exit__(None, None, None)
+
+    def _take_lock(self, key: Mapping[str, Any]) -> tuple[contextlib.AbstractContextManager[Held], Held]:
+        """The entered hold of a transcript's lock, for :meth:`locked` (and the async
+        store's, which takes it in a worker thread); the caller exits it."""
+        op = "lock"
+        tk = _keys.parse_key(key, op)
+        comps = _layout.transcript_dirs(tk)
+        with translating(op, self._path(comps)):
+            hold = self._locks.hold(self._lock_path(_layout.lock_name(comps), op), op)
+            return hold, hold.__enter__()

@@ -71,6 +71,7 @@ from typing import Any
 
 from . import _fsio, _layout
 from ._errors import FsStoreError, log
+from ._limits import beyond_limits
 
 _ENCODER = json.JSONEncoder(ensure_ascii=True, separators=(",", ":"), allow_nan=True)
 
@@ -137,12 +138,16 @@ def encode_batch(entries: object, operation: str) -> bytes:
                 operation=operation,
             )
         try:
-            lines.append(_encode(entry))
+            line = _encode(entry)
         except (TypeError, ValueError, RecursionError) as exc:
             why = "nested too deeply" if isinstance(exc, RecursionError) else exc
             raise FsStoreError(
                 "INVALID_ENTRY", f"entry {i} is not JSON-serializable: {why}", operation=operation
             ) from exc
+        beyond = beyond_limits(entry, line)  # what readers could not parse back
+        if beyond is not None:
+            raise FsStoreError("INVALID_ENTRY", f"entry {i} {beyond}", operation=operation)
+        lines.append(line)
     lines.append("")
     return "\n".join(lines).encode("ascii")
 
@@ -369,7 +374,7 @@ def parse(data: bytes, path: str, operation: str) -> list[dict[str, Any]]:
     # one JSON array: one json.loads call instead of one per line.
     try:
         entries = json.loads(b"[" + data[:-1].replace(b"\n", b",") + b"]")
-    except ValueError:
+    except (ValueError, RecursionError):  # RecursionError: nested deeper than we can parse
         entries = None
     if (
         isinstance(entries, list)
@@ -380,7 +385,7 @@ def parse(data: bytes, path: str, operation: str) -> list[dict[str, Any]]:
     for lineno, line in enumerate(data.split(b"\n")[:-1], start=1):
         try:
             entry = json.loads(line)
-        except ValueError as exc:
+        except (ValueError, RecursionError) as exc:
             raise FsStoreError(
                 "CORRUPT", f"line {lineno} is not valid JSON: {exc}", operation=operation, path=path
             ) from exc

@@ -6,9 +6,10 @@ by default and JSON with ``--json``; commands that walk a whole store draw a
 progress counter on stderr when stderr is a terminal.
 
 Exit codes: 0 ok; 1 problems found, or the operation failed (anything reported as
-FAILED); 2 usage error (bad arguments, an invalid key, ROOT is not a directory, or,
-for ``import`` without ``--create``, does not exist). Interrupted: 130; stdout
-closed early (``| head``): 141.
+FAILED); 2 usage error (bad arguments, an invalid key, ROOT is not a directory or
+not a store, or, for ``import`` without ``--create``, does not exist). Interrupted
+(also while starting: see :mod:`fsstore.__main__`): 130; stdout closed early
+(``| head``): 141.
 
 Claude's project keys start with ``-`` (``-home-user-repo``). argparse alone would
 read such an argument as an option, so before parsing, every argument of a
@@ -28,10 +29,11 @@ import shlex
 import sys
 import time
 from collections.abc import Callable, Sequence
-from typing import Any, NoReturn, TextIO
+from typing import Any, NoReturn, TextIO, final
 
 from . import _maintenance as m
 from ._errors import FsStoreError
+from ._keys import check_part
 from ._store import SyncStore
 
 EXIT_OK = 0
@@ -40,8 +42,8 @@ EXIT_USAGE = 2
 
 # argv can never contain NUL, so a NUL prefix marks "this is a value" unambiguously.
 _MARK = "\x00"
-_DURATION = re.compile(r"([0-9]+(?:\.[0-9]+)?)\s*([smhdw]?)")
-_UNITS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
+_DURATION = re.compile(r"([0-9]+(?:\.[0-9]+)?)\s*([smhdw])")
+_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
 
 
 # -- argument types ----------------------------------------------------------------
@@ -60,7 +62,11 @@ def _key_part(value: str) -> str:
 
 
 def parse_duration(value: str) -> float:
-    """Seconds in ``30d``, ``1h30m``, ``90m``, ``45s``, ``2w`` or a plain number of seconds."""
+    """Seconds in ``30d``, ``1h30m``, ``90m``, ``45s``, ``2w``.
+
+    Every number needs its unit: ``--older-than 30`` meant to be days deleted every
+    session as 30 seconds, so a bare number is a usage error.
+    """
     text = _text(value).strip().lower()
     pos = 0
     total = 0.0
@@ -71,7 +77,8 @@ def parse_duration(value: str) -> float:
         pos = match.end()
     if not text or pos != len(text):
         raise argparse.ArgumentTypeError(
-            f"invalid duration {_text(value)!r} (examples: 45s, 90m, 1h30m, 30d, 2w)"
+            f"invalid duration {_text(value)!r}: every number needs a unit "
+            "(s, m, h, d, w; e.g. 45s, 90m, 1h30m, 30d, 2w)"
         )
     return total
 
@@ -233,13 +240,20 @@ def _mark_values(argv: Sequence[str], opts: _Options) -> list[str]:
 # -- output helpers ----------------------------------------------------------------
 
 
-def _version() -> str:
-    try:
-        from importlib.metadata import version
+#: The distribution's name ("fsstore" on the package index is another project).
+DISTRIBUTION = "fsstore-sessions"
 
-        return version("fsstore")
-    except Exception:  # noqa: BLE001 - not installed as a distribution
-        return "unknown"
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    # "fsstore": a checkout installed before the distribution was renamed.
+    for name in (DISTRIBUTION, "fsstore"):
+        try:
+            return version(name)
+        except PackageNotFoundError:
+            continue
+    return "unknown"  # not installed as a distribution (a checkout on PYTHONPATH)
 
 
 def _raw(c: str) -> bytes:
@@ -286,11 +300,24 @@ def _age(seconds: float | None) -> str:
 
 
 def _rel(root: str, path: str) -> str:
+    """``path`` relative to ``root`` where it is inside it, for a person (:func:`clean`)."""
     try:
         rel = os.path.relpath(path, root)
     except ValueError:
-        return path
-    return path if rel.startswith("..") else rel
+        return clean(path)
+    return clean(path if rel.startswith("..") else rel)
+
+
+def clean(text: str) -> str:
+    """``text`` safe for a terminal: every character that is not printable (control
+    characters, so escape sequences; the lone surrogates of names that are not UTF-8)
+    as a backslash escape. File names, lock records and local file names are written
+    by whoever can write to the store or the directory: they never reach the
+    terminal raw. Everything printed for a person goes through here or :func:`shown`."""
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii")
+                   for c in text)
 
 
 def table(
@@ -383,10 +410,16 @@ def cmd_ls(args: argparse.Namespace, out: TextIO, err: TextIO, progress: Progres
         projects = len({s.ref.project_key for s in sessions})
         total = sum(s.bytes for s in sessions)
         out.write(f"{projects} project(s), {len(sessions)} session(s), {_size(total)}\n")
-    err.writelines(f"fsstore: {p.severity}: {_rel(args.root, p.path)}: {p.message}\n" for p in problems)
+    _problems(args, err, problems)
     if problems:
         err.write("fsstore: run `fsstore check` for the details\n")
     return EXIT_PROBLEMS if errors else EXIT_OK
+
+
+def _problems(args: argparse.Namespace, err: TextIO, problems: Sequence[m.Problem]) -> None:
+    """What a command could not look at, on stderr (also with --json: stdout has it too)."""
+    err.writelines(f"fsstore: {p.severity}: {_rel(args.root, p.path)}: {clean(p.message)}\n"
+                   for p in problems)
 
 
 def cmd_cat(args: argparse.Namespace, out: TextIO, err: TextIO, progress: Progress) -> int:
@@ -395,7 +428,8 @@ def cmd_cat(args: argparse.Namespace, out: TextIO, err: TextIO, progress: Progre
     key = {"project_key": args.project, "session_id": args.session}
     if args.subpath:
         key["subpath"] = args.subpath
-    entries = store.load(key)
+    with _Noting("GAP") as gaps:
+        entries = store.load(key)
     if entries is None:
         what = f"subpath {args.subpath!r} of " if args.subpath else ""
         err.write(f"fsstore: no transcript: {what}session {args.session!r} "
@@ -406,11 +440,36 @@ def cmd_cat(args: argparse.Namespace, out: TextIO, err: TextIO, progress: Progre
     if args.json:
         json.dump(entries, out, separators=(",", ":"))
         out.write("\n")
-        return EXIT_OK
-    for entry in entries:
-        out.write(json.dumps(entry, separators=(",", ":")))
-        out.write("\n")
-    return EXIT_OK
+    else:
+        for entry in entries:
+            out.write(json.dumps(entry, separators=(",", ":")))
+            out.write("\n")
+    # A transcript with a piece missing is printed (it is what load() returns), but
+    # a prefix must not pass for the whole.
+    err.writelines(f"fsstore: warning: the transcript is incomplete: {clean(r.getMessage())}\n"
+                   for r in gaps.records)
+    return EXIT_PROBLEMS if gaps.records else EXIT_OK
+
+
+@final
+class _Noting(logging.Handler):
+    """The ``fsstore`` logger's records with one code, kept while in the ``with``."""
+
+    def __init__(self, code: str) -> None:
+        super().__init__(logging.WARNING)
+        self.code = code
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if getattr(record, "code", None) == self.code:
+            self.records.append(record)
+
+    def __enter__(self) -> _Noting:
+        logging.getLogger("fsstore").addHandler(self)
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        logging.getLogger("fsstore").removeHandler(self)
 
 
 def cmd_check(args: argparse.Namespace, out: TextIO, err: TextIO, progress: Progress) -> int:
@@ -423,7 +482,7 @@ def cmd_check(args: argparse.Namespace, out: TextIO, err: TextIO, progress: Prog
         for p in report.problems:
             where = _rel(args.root, p.path) + (f":{p.line}" if p.line else "")
             code = f"{p.code} " if p.code and p.code not in p.message else ""
-            out.write(f"{p.severity.upper():<8} {where}  {code}{p.message}\n")
+            out.write(f"{p.severity.upper():<8} {where}  {code}{clean(p.message)}\n")
         verdict = "ok" if report.ok else (
             f"{report.errors} error(s), {report.warnings} warning(s)")
         out.write(f"checked {report.sessions} session(s), {report.transcripts} transcript(s), "
@@ -459,7 +518,7 @@ def _actions(
                 verb = (_DRY_VERB if dry else _DONE_VERB)[a.action]
             else:
                 verb = {"keep": "kept", "skip": "skipped"}.get(a.action, "nothing")
-            out.write(f"{verb:<17} {_rel(args.root, a.path)}  {a.detail}\n")
+            out.write(f"{verb:<17} {_rel(args.root, a.path)}  {clean(a.detail)}\n")
         done = sum(1 for a in actions if a.done)
         summary = (f"{what}: {len(actions)} action(s) in a dry run; nothing changed" if dry
                    else f"{what}: {done} done, {len(failed)} failed")
@@ -492,12 +551,13 @@ def cmd_prune(args: argparse.Namespace, out: TextIO, err: TextIO, progress: Prog
 
 
 def cmd_locks(args: argparse.Namespace, out: TextIO, err: TextIO, progress: Progress) -> int:
-    found = m.locks(args.root, stale_lock_seconds=args.stale_lock_seconds, progress=progress)
+    found, problems = m.locks(args.root, stale_lock_seconds=args.stale_lock_seconds,
+                              progress=progress)
     progress.close()
     stale = [lk for lk in found if lk.stale]
     if args.json:
         _dump(out, {"root": args.root, "locks": [lk.as_dict() for lk in found],
-                    "stale": len(stale)})
+                    "stale": len(stale), "problems": [p.as_dict() for p in problems]})
     else:
         rows = []
         for lk in found:
@@ -506,11 +566,14 @@ def cmd_locks(args: argparse.Namespace, out: TextIO, err: TextIO, progress: Prog
             else:
                 label = " ".join(shown(v) for v in lk.key.values())
             since = _when(int(lk.mtime * 1e9))
-            rows.append([label, "-" if lk.pid is None else str(lk.pid), lk.host or "-",
+            rows.append([label, "-" if lk.pid is None else str(lk.pid), clean(lk.host or "-"),
                          since, _age(lk.age), lk.status + (" (this host)" if lk.local else "")])
         table(out, ["TRANSCRIPT", "PID", "HOST", "SINCE", "AGE", "STATUS"], rows, right=(1, 4))
-        out.write(f"{len(found)} lock(s), {len(stale)} stale\n")
-    return EXIT_PROBLEMS if stale else EXIT_OK
+        incomplete = (f"; incomplete: {len(problems)} place(s) could not be read"
+                      if problems else "")
+        out.write(f"{len(found)} lock(s), {len(stale)} stale{incomplete}\n")
+    _problems(args, err, problems)
+    return EXIT_PROBLEMS if stale or problems else EXIT_OK
 
 
 def cmd_import(args: argparse.Namespace, out: TextIO, err: TextIO, progress: Progress) -> int:
@@ -543,9 +606,10 @@ def _transfers(
             else:
                 key = " ".join(shown(v) for v in t.key.values())
             added = f"+{t.added}" if t.added else ""
-            note = f"  ({t.detail})" if t.detail else ""
-            out.write(f"{t.status:<12} {added:>6}  {t.path}  [{key}]{note}\n")
-        err.writelines(f"fsstore: {p.severity}: {p.path}: {p.message}\n" for p in problems)
+            note = f"  ({clean(t.detail)})" if t.detail else ""
+            out.write(f"{t.status:<12} {added:>6}  {clean(t.path)}  [{key}]{note}\n")
+        err.writelines(f"fsstore: {p.severity}: {clean(p.path)}: {clean(p.message)}\n"
+                       for p in problems)
         total = sum(t.added for t in transfers)
         counts: dict[str, int] = {}
         for t in transfers:
@@ -573,9 +637,25 @@ def _logging(verbose: int, err: TextIO) -> None:
         log.addHandler(logging.NullHandler())
         return
     handler = logging.StreamHandler(err)
-    handler.setFormatter(logging.Formatter("fsstore: log %(levelname)s: %(message)s"))
+    handler.setFormatter(_CleanFormatter("fsstore: log %(levelname)s: %(message)s"))
     log.addHandler(handler)
     log.setLevel(logging.DEBUG if verbose > 1 else logging.INFO)
+
+
+class _CleanFormatter(logging.Formatter):
+    """Log lines name files in the store: escaped like everything else (:func:`clean`)."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        return clean(super().format(record))
+
+
+def _check_keys(args: argparse.Namespace) -> None:
+    """INVALID_KEY (exit 2) for a project or session that is no key (e.g. not UTF-8:
+    a lone surrogate from os.fsdecode), before anything is walked or encoded."""
+    for name, what in (("project", "project_key"), ("session", "session_id")):
+        value = getattr(args, name, None)
+        if value is not None:
+            check_part(value, what, args.command)
 
 
 def _tolerant_output() -> None:
@@ -589,6 +669,14 @@ def _tolerant_output() -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; return the exit code."""
+    try:
+        return _run(argv)
+    except KeyboardInterrupt:  # before the command started (parsing, setting up)
+        sys.stderr.write("fsstore: interrupted\n")
+        return 130
+
+
+def _run(argv: Sequence[str] | None) -> int:
     _tolerant_output()
     parser, opts = build_parser()
     raw = list(sys.argv[1:] if argv is None else argv)
@@ -597,20 +685,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     _logging(args.verbose, err)
     progress = Progress(f"fsstore {args.command}", err)
     try:
+        _check_keys(args)
         return HANDLERS[args.command](args, out, err, progress)
     except m.NoStore as exc:
         progress.close()
-        err.write(f"fsstore: error: {exc}\n")
+        err.write(f"fsstore: error: {clean(str(exc))}\n")
         return EXIT_USAGE
     except m.NotFound as exc:
         progress.close()
-        err.write(f"fsstore: {exc}\n")
+        err.write(f"fsstore: {clean(str(exc))}\n")
         if args.json:
             _dump(out, {"error": {"code": "NOT_FOUND", "message": str(exc)}})
         return EXIT_PROBLEMS
     except FsStoreError as exc:
         progress.close()
-        err.write(f"{exc}\n")
+        err.write(f"{clean(str(exc))}\n")
         if args.json:
             _dump(out, {"error": {"code": exc.code, "message": exc.message,
                                   "operation": exc.operation, "path": exc.path}})
@@ -628,7 +717,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 141
     except OSError as exc:
         progress.close()
-        err.write(f"fsstore: error: {exc}\n")
+        err.write(f"fsstore: error: {clean(str(exc))}\n")
         return EXIT_PROBLEMS
 
 

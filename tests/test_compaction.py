@@ -565,7 +565,7 @@ def test_a_damaged_transcript_loaded_under_its_own_lock_does_not_wait_for_it(
         astore = FsSessionStore(root=root)
 
         async def main() -> Any:
-            with astore.locked(KEY):
+            async with astore.locked(KEY):
                 return await astore.load(KEY)
 
         got = anyio.run(main)

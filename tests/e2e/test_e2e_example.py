@@ -55,6 +55,11 @@ def test_quickstart_runs_offline(tmp_path: Path) -> None:
     assert [s["session_id"] for s in store.sync.list_sessions(project_key)] == [sid]
     loaded = store.sync.load({"project_key": project_key, "session_id": sid})
     assert loaded is not None and count == len(loaded)
+    # Nothing in the tree is left unexplained, and it ends with what to run next.
+    tree, explained = out.split("What is on disk:")[1].split(f"main transcript of {sid}")
+    for name in (".state.spare", ".locks"):
+        assert name not in tree or name in explained, name
+    assert out.rstrip().splitlines()[-1].strip() == f"fsstore ls {tmp_path / 'store'}"
 
 
 def test_real_mode_needs_an_api_key(tmp_path: Path) -> None:

@@ -1,0 +1,384 @@
+"""Safe for operators and newcomers (issue 15): what a new user, an operator and an
+attacker tried, and what the store and the CLI must do instead.
+
+Each test states the promise. Permission cases run the CLI (or the library) as
+uid 65534, a user that is not root (root ignores file modes): they need root to
+switch to it and skip otherwise.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import pickle
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from fsstore import FsSessionStore, FsStoreError, _layout
+from fsstore._store import SyncStore
+
+from .conftest import KEY, entry
+from .test_cli import DAY, P, S, age, age_tree, fsstore, lock_file, snapshot, tdir, write_jsonl
+from .test_cli_safety import NOBODY, as_nobody, chown_tree, shared  # noqa: F401 - fixture
+
+#: The nesting depth append accepts (README: "Entries").
+MAX_DEPTH = 500
+
+
+def nested(depth: int) -> dict[str, Any]:
+    """An entry whose containers nest ``depth`` levels deep (the entry itself is level 1)."""
+    top: dict[str, Any] = {"uuid": f"deep-{depth}"}
+    cur = top
+    for _ in range(depth - 1):
+        cur["a"] = {}
+        cur = cur["a"]
+    return top
+
+
+def deep_line(depth: int) -> str:
+    """One JSONL line nested ``depth`` levels deep, as a writer with a raised recursion
+    limit (or another implementation) could leave it."""
+    return '{"a":' * (depth - 1) + "{}" + "}" * (depth - 1) + "\n"
+
+
+def as_nobody_call(fn: Callable[[], Any]) -> Any:
+    """``fn()`` run as uid 65534 in a forked child; its result (or exception) comes back."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root, to switch to another uid")
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child
+        try:
+            os.close(r)
+            os.setgroups([])
+            os.setgid(NOBODY)
+            os.setuid(NOBODY)
+            try:
+                out: Any = ("ok", fn())
+            except BaseException as exc:  # noqa: BLE001 - sent back to the test
+                out = ("raised", repr(exc))
+            with open(w, "wb") as fh:
+                pickle.dump(out, fh)
+        finally:
+            os._exit(0)
+    os.close(w)
+    with open(r, "rb") as fh:
+        status, value = pickle.load(fh)
+    os.waitpid(pid, 0)
+    assert status == "ok", value
+    return value
+
+
+# -- 2: a duration needs a unit ----------------------------------------------------------
+
+
+def test_a_bare_number_is_not_a_duration_in_prune_and_gc(root: Path, store: SyncStore) -> None:
+    store.append(KEY, [entry(1)])
+    age_tree(tdir(root, KEY).parent, 3600)
+    for command in ("prune", "gc"):
+        for bare in ("30", "1h30", "0"):
+            proc = fsstore(command, root, "--older-than", bare)
+            assert proc.returncode == 2, (command, bare, proc.stdout + proc.stderr)
+            assert "unit" in proc.stderr
+    assert store.load(KEY) == [entry(1)]
+    assert fsstore("prune", root, "--older-than", "30d").returncode == 0
+    assert store.load(KEY) == [entry(1)]
+
+
+# -- 3: check only looks; "is it a store" ------------------------------------------------
+
+
+def test_check_leaves_a_stale_lock_of_a_damaged_transcript_and_reports_it(
+    root: Path, store: SyncStore
+) -> None:
+    for n in (1, 2, 3):
+        store.append(KEY, [entry(n)])
+    (tdir(root, KEY) / _layout.part_name(2)).unlink()  # a gap: check looks under the lock
+    lock = lock_file(root, KEY)
+    lock.write_text("4242\nother-host\n1\n")
+    age(lock, 2 * 3600)
+    before = snapshot(root)
+
+    proc = fsstore("check", root)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "gap" in proc.stdout
+    assert "stale lock" in proc.stdout and lock.name in proc.stdout
+    assert lock.read_text() == "4242\nother-host\n1\n"
+    assert snapshot(root) == before  # nothing was created, removed or touched
+
+
+def test_check_of_a_directory_that_is_not_a_store_says_so(tmp_path: Path) -> None:
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    for not_a_store in (empty, Path("/etc")):
+        proc = fsstore("check", not_a_store)
+        assert proc.returncode != 0, proc.stdout
+        assert "not an fsstore store" in proc.stderr
+    assert list(empty.iterdir()) == []
+
+
+# -- 4: prune keeps what it cannot read --------------------------------------------------
+
+
+def test_prune_keeps_a_session_with_an_unreadable_part(shared: Path) -> None:  # noqa: F811
+    root = shared / "store"
+    store = SyncStore(root, summaries=False)
+    store.append(KEY, [entry(1)])
+    store.append(KEY, [entry(2)])
+    chown_tree(shared, NOBODY)
+    part = tdir(root, KEY) / _layout.part_name(2)
+    part.chmod(0)  # unreadable for the operator (uid 65534), readable for root
+    age_tree(tdir(root, KEY).parent, 40 * DAY)
+
+    rc, out = as_nobody("prune", root, "--older-than", "30d")
+    assert rc == 1, out
+    assert "FAILED" in out and part.name in out
+    assert part.exists()
+    assert store.load(KEY) == [entry(1), entry(2)]
+
+
+# -- 5: entries no default reader can read back -------------------------------------------
+
+
+def test_append_rejects_what_a_default_reader_cannot_read_back(store: SyncStore) -> None:
+    for bad in (nested(MAX_DEPTH + 1), nested(991), {"n": 10**4300}, {"l": [[-(10**4300)]]}):
+        with pytest.raises(FsStoreError) as err:
+            store.append(KEY, [entry(1), bad])
+        assert err.value.code == "INVALID_ENTRY"
+        assert store.load(KEY) is None  # nothing written
+    ok = [nested(MAX_DEPTH), {"n": 10**4300 - 1, "m": -(10**4300 - 1)}]
+    store.append(KEY, ok)
+    assert store.load(KEY) == ok
+    # A reader in another thread (the async API's worker) reads it back too.
+    got: list[Any] = []
+    reader = threading.Thread(target=lambda: got.append(store.load(KEY)))
+    reader.start()
+    reader.join()
+    assert got == [ok]
+
+
+def test_a_writer_with_raised_limits_cannot_write_what_readers_fail_on(store: SyncStore) -> None:
+    limit, digits = sys.getrecursionlimit(), sys.get_int_max_str_digits()
+    sys.setrecursionlimit(20_000)
+    sys.set_int_max_str_digits(0)
+    try:
+        for bad in (nested(3000), {"n": 10**5000}):
+            with pytest.raises(FsStoreError) as err:
+                store.append(KEY, [bad])
+            assert err.value.code == "INVALID_ENTRY"
+    finally:
+        sys.setrecursionlimit(limit)
+        sys.set_int_max_str_digits(digits)
+    assert store.load(KEY) is None
+
+
+@pytest.mark.anyio
+async def test_the_async_api_rejects_deep_entries_its_worker_could_encode(root: Path) -> None:
+    astore = FsSessionStore(root)
+    with pytest.raises(FsStoreError) as err:
+        await astore.append(KEY, [nested(991)])
+    assert err.value.code == "INVALID_ENTRY"
+    await astore.append(KEY, [nested(MAX_DEPTH)])
+    assert await astore.load(KEY) == [nested(MAX_DEPTH)]
+
+
+def test_load_of_a_file_no_reader_can_parse_is_corrupt_with_file_and_line(
+    root: Path, store: SyncStore
+) -> None:
+    store.append(KEY, [entry(1)])
+    part = tdir(root, KEY) / _layout.part_name(2)
+    for line2 in (deep_line(5000), '{"n":' + "9" * 5000 + "}\n"):
+        part.write_text(json.dumps(entry(2)) + "\n" + line2)
+        with pytest.raises(FsStoreError) as err:
+            store.load(KEY)
+        assert err.value.code == "CORRUPT"
+        assert err.value.path is not None and err.value.path.endswith(part.name)
+        assert "line 2" in err.value.message
+        for command in ("cat", "check"):
+            proc = fsstore(command, root, *((P, S) if command == "cat" else ()))
+            assert proc.returncode == 1, proc.stdout + proc.stderr
+            assert "Traceback" not in proc.stderr and "CORRUPT" in proc.stdout + proc.stderr
+
+
+@pytest.mark.parametrize("summaries", [False, None])
+def test_nothing_after_the_commit_point_raises_out_of_append(root: Path, summaries: bool | None) -> None:
+    store = SyncStore(root, compact_every=2, summaries=summaries)
+    store.append(KEY, [entry(1)])
+    (tdir(root, KEY) / _layout.part_name(2)).write_text(deep_line(5000))  # what an old writer left
+    store.append(KEY, [entry(3)])  # commits; the compaction (and summary) after it fail, logged
+    store.append(KEY, [entry(4)])
+    parts = sorted(p.name for p in tdir(root, KEY).glob("*.jsonl"))
+    assert parts == [_layout.part_name(n) for n in (1, 2, 3, 4)]  # each batch once
+    assert json.loads((tdir(root, KEY) / _layout.part_name(3)).read_text()) == entry(3)
+
+
+# -- 6: import goes on past a file it cannot take -----------------------------------------
+
+
+def test_import_reports_a_file_with_an_unreadable_line_and_goes_on(
+    root: Path, store: SyncStore, tmp_path: Path
+) -> None:
+    store.append({"project_key": P, "session_id": "other"}, [entry(0)])
+    projects = tmp_path / "projects"
+    write_jsonl(projects / P / "a.jsonl", [entry(1)])
+    (projects / P / "b.jsonl").write_text(json.dumps(entry(2)) + "\n" + deep_line(5000))
+    write_jsonl(projects / P / "c.jsonl", [nested(800)])  # parses, but no store takes it
+    write_jsonl(projects / P / "d.jsonl", [entry(4)])
+
+    proc = fsstore("import", root, projects)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "Traceback" not in proc.stderr
+    failed = [line for line in proc.stdout.splitlines() if line.startswith("failed")]
+    assert len(failed) == 2 and "b.jsonl" in failed[0] and "line 2" in failed[0]
+    assert "c.jsonl" in failed[1] and "INVALID_ENTRY" in failed[1]
+    for name, n in (("a", 1), ("d", 4)):
+        assert store.load({"project_key": P, "session_id": name}) == [entry(n)]
+
+
+# -- 7, 8: unreadable directories are said, not hidden ------------------------------------
+
+
+def test_locks_says_when_it_cannot_read_the_lock_directory(shared: Path) -> None:  # noqa: F811
+    root = shared / "store"
+    SyncStore(root, summaries=False, dir_mode=0o755, file_mode=0o644).append(KEY, [entry(1)])
+    (root / _layout.LOCKS).chmod(0o700)  # root's: the operator cannot list it
+    rc, out = as_nobody("locks", root)
+    assert rc == 1, out
+    assert "EACCES" in out or "ermission denied" in out
+    assert "0 lock(s), 0 stale; incomplete: 1 place(s) could not be read" in out
+
+
+def test_list_sessions_lists_the_readable_sessions_and_names_the_other(shared: Path) -> None:  # noqa: F811
+    root = shared / "store"
+    store = SyncStore(root, summaries=False, dir_mode=0o755, file_mode=0o644)
+    hidden = {"project_key": P, "session_id": "hidden"}
+    store.append(KEY, [entry(1)])
+    store.append(hidden, [entry(2)])
+    tdir(root, hidden).parent.chmod(0o700)  # root's: unreadable for uid 65534
+
+    def listing() -> tuple[list[str], list[str]]:
+        seen: list[str] = []
+
+        class Keep(logging.Handler):
+            def emit(self, record: logging.LogRecord) -> None:
+                seen.append(f"{getattr(record, 'code', '?')} {getattr(record, 'path', '')}")
+
+        logging.getLogger("fsstore").addHandler(Keep())
+        sessions = SyncStore(root, summaries=False).list_sessions(P)
+        return [s["session_id"] for s in sessions], seen
+
+    sessions, logged = as_nobody_call(listing)
+    assert sessions == [S]
+    assert any(line.startswith("EACCES ") and line.endswith("/hidden") for line in logged), logged
+
+
+# -- 9, 10: the lock, held and waited for --------------------------------------------------
+
+
+def test_append_and_compact_inside_locked_do_not_wait_for_themselves(root: Path) -> None:
+    store = SyncStore(root, lock_timeout_seconds=5)
+    started = time.monotonic()
+    with store.locked(KEY):
+        store.append(KEY, [entry(1)])
+        store.append(KEY, [entry(2)])
+        assert store.compact(KEY) == 2
+        with store.locked(KEY):  # nested: still the same holder
+            store.append(KEY, [entry(3)])
+        store.append(KEY, [entry(4)])
+    assert time.monotonic() - started < 2
+    assert store.load(KEY) == [entry(n) for n in (1, 2, 3, 4)]
+    assert not lock_file(root, KEY).exists()  # released once, at the end
+
+
+def test_an_append_inside_locked_keeps_the_holders_lease(root: Path) -> None:
+    store = SyncStore(root, stale_lock_seconds=0.4)
+    with store.locked(KEY):
+        time.sleep(0.3)  # past half of stale_lock_seconds: another host may reclaim it
+        with pytest.raises(FsStoreError) as err:
+            store.append(KEY, [entry(1)])
+    assert err.value.code == "LOCK_EXPIRED"
+    assert store.load(KEY) is None
+
+
+def test_another_thread_still_waits_for_a_lock_held_by_locked(root: Path) -> None:
+    store = SyncStore(root, lock_timeout_seconds=0.3)
+    errors: list[BaseException] = []
+
+    def other() -> None:
+        try:
+            store.append(KEY, [entry(2)])
+        except FsStoreError as exc:
+            errors.append(exc)
+
+    with store.locked(KEY):
+        t = threading.Thread(target=other)
+        t.start()
+        t.join()
+    assert [getattr(e, "code", None) for e in errors] == ["LOCK_TIMEOUT"]
+    assert f"pid {os.getpid()}" in str(errors[0])
+
+
+@pytest.mark.anyio
+async def test_the_async_store_locks_with_async_with(root: Path) -> None:
+    astore = FsSessionStore(root, lock_timeout_seconds=5)
+    started = time.monotonic()
+    async with astore.locked(KEY):
+        assert lock_file(root, KEY).exists()
+        await astore.append(KEY, [entry(1)])
+        assert await astore.load(KEY) == [entry(1)]
+        assert await astore.compact(KEY) == 0
+    assert not lock_file(root, KEY).exists()
+    assert time.monotonic() - started < 2
+    with astore.sync.locked(KEY):  # the blocking one
+        assert lock_file(root, KEY).exists()
+
+
+def test_lock_timeout_says_who_holds_the_lock(root: Path, store: SyncStore) -> None:
+    store.append(KEY, [entry(1)])
+    lock = lock_file(root, KEY)
+    lock.write_text("4242\nbuild-host-7\n1\n")
+    age(lock, 5)
+    waiter = SyncStore(root, lock_timeout_seconds=0.2, stale_lock_seconds=3600)
+    with pytest.raises(FsStoreError) as err:
+        waiter.append(KEY, [entry(2)])
+    message = str(err.value)
+    assert err.value.code == "LOCK_TIMEOUT"
+    assert "pid 4242" in message and "build-host-7" in message and "since" in message
+    assert "The file lock" not in message and "held by held" not in message
+
+
+# -- 11: every code a user can meet is in README -------------------------------------------
+
+
+# -- 12: the library does not print -------------------------------------------------------
+
+
+def test_the_library_prints_nothing_when_logging_is_not_configured(root: Path) -> None:
+    script = f"""
+import json, logging
+from fsstore import FsSessionStore, FsStoreError
+store = FsSessionStore({str(root)!r}).sync
+key = {json.dumps(KEY)}
+store.append(key, [{{"uuid": "a"}}])
+with open({str(tdir(root, KEY) / _layout.part_name(2))!r}, "w") as fh:
+    fh.write("not json\\n")
+try:
+    store.load(key)
+except FsStoreError as exc:
+    assert exc.code == "CORRUPT"
+else:
+    raise SystemExit("no error")
+assert any(isinstance(h, logging.NullHandler) for h in logging.getLogger("fsstore").handlers)
+"""
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=60, check=False)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stderr == ""
