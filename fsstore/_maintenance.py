@@ -224,6 +224,7 @@ class TranscriptInfo:
     live: list[Item]
     temps: list[Garbage]
     entries: int | None = None
+    marked: bool = False  # holds a .deleted mark: a delete under way, or interrupted
 
     @property
     def parts(self) -> int:
@@ -623,11 +624,11 @@ class Walker:
         # lock (taken from then on where it can be), is damage.
         settled = attempt >= _SETTLED_AFTER
         path = self.path(ref.comps)
-        items, temps = self._listing(fd, ref, last_try)
+        items, temps, marked = self._listing(fd, ref, last_try)
         chain, _gap = plan([(i.first, i.last, i.name) for i in items])
         chosen = {name for _f, _l, name in chain}
         live = [it for it in items if it.name in chosen]
-        info = TranscriptInfo(ref, path, items, live, temps)
+        info = TranscriptInfo(ref, path, items, live, temps, marked=marked)
         self._gaps(fd, info, settled, last_try)
         if verify:
             self._verify(fd, info, last_try)
@@ -645,8 +646,10 @@ class Walker:
 
     def _listing(
         self, fd: int, ref: TranscriptRef, last_try: bool
-    ) -> tuple[list[Item], list[Garbage]]:
-        """The committed files (sorted by first, widest first) and temp files of a transcript."""
+    ) -> tuple[list[Item], list[Garbage], bool]:
+        """The committed files (sorted by first, widest first) and temp files of a
+        transcript, and whether it is marked deleted."""
+        marked = False
         items: list[Item] = []
         temps: list[Garbage] = []
         path = self.path(ref.comps)
@@ -672,7 +675,7 @@ class Walker:
             elif name.startswith(_fsio.TEMP_PREFIX):
                 temps.append(self._garbage("temp", ref.comps, entry, st))
             elif name == _layout.DELETED:
-                raise _Deleted(path)  # a delete under way (or its deleter died: gc finishes it)
+                marked = True  # a delete under way, or its deleter died
             elif name.startswith(NFS_SILLY_PREFIX):
                 self._silly(f"{path}/{name}")
             elif name not in (_layout.STATE, _layout.STATE_SPARE) and not (
@@ -681,7 +684,7 @@ class Walker:
                 self.problem("warning", "unexpected", f"{path}/{name}",
                              "unexpected entry in a transcript directory (load() ignores it)")
         items.sort(key=lambda it: (it.first, -it.last))
-        return items, temps
+        return items, temps, marked
 
     def _exists(self, fd: int, name: str) -> bool:
         try:
@@ -974,6 +977,10 @@ def _check_transcript(w: Walker, report: CheckReport, t: TranscriptInfo, older_t
     report.entries += t.entries or 0
     report.bytes += t.bytes
     w.problems += [_garbage_problem(g, older_than) for g in t.temps]
+    if t.marked:
+        w.problem("warning", "deleting", f"{t.path}/{_layout.DELETED}",
+                  "marked deleted: a delete under way, or one whose process died; load() "
+                  "returns None, and the next append or load under the lock finishes it")
     segments = [it for it in t.live if it.first != it.last]
     live = {it.name for it in t.live}
     for it in t.items:
@@ -1250,10 +1257,12 @@ def prune(
     Returns the actions and how many sessions were looked at. A session is never
     deleted if any part of it could not be looked at (an unreadable directory, a
     symlink, a name that does not decode) or if it has no committed file at all.
-    Each deletion is ``SyncStore.delete`` (an atomic rename into ``.trash``), done
-    while holding the lock of every transcript of the session, after looking at it
-    once more: a commit since, a transcript added since, or a temp file younger than
-    ``older_than`` (a writer that wrote its batch and waits for a lock) keeps it.
+    Each deletion is a ``SyncStore.delete`` (mark, then an atomic rename into
+    ``.trash``), done while holding the lock of every transcript of the session; the
+    session is looked at once more after it is marked and before it is moved: a
+    commit since, a transcript added since, or a temp file younger than ``older_than``
+    (a writer that wrote its batch and waits for a lock) keeps it (the mark is taken
+    back). The lock only saves work; the look after the mark is what makes it safe.
     """
     actions: list[Action] = []
     with walking(root, stale_lock_seconds=stale_lock_seconds,
@@ -1293,16 +1302,28 @@ def _prune_one(w: Walker, ref: SessionRef, older_than: float, dry_run: bool) -> 
             # Sorted: two prunes of one session never wait for each other crosswise.
             for tref in sorted(first.transcripts, key=lambda t: t.comps):
                 held.enter_context(w.store.locked(tref.key()))
-            w.now = time.time()
-            keep = _reason_to_keep(w, ref, first, older_than)
-            if keep is not None:
-                return keep
-            if time.monotonic() - since > w.stale_lock_seconds / 2:
-                # Like a writer's lease (fsstore._lock.Held): past half the lifetime,
-                # another host may judge the first lock stale and commit under it.
-                return Action("delete", path, f"{detail}: not deleted: taking the locks and "
-                              "looking took too long; run prune again", False, age, failed=True)
-            w.store.delete(ref.key())
+            kept: list[Action] = []
+
+            def keep() -> bool:
+                # The last look, made after the session is marked: an append whose
+                # check passed before the mark shows here; one after it sees the mark
+                # and commits nowhere (it starts over in a new session). So whatever
+                # stalls prune, no acknowledged batch is deleted unseen.
+                w.now = time.time()
+                reason = _reason_to_keep(w, ref, first, older_than)
+                if reason is None and time.monotonic() - since > w.stale_lock_seconds / 2:
+                    # Like a writer's lease (fsstore._lock.Held): past half the lifetime,
+                    # a writer may have taken the lock, found the mark and finished the
+                    # delete, and made the session anew with a batch of its own.
+                    reason = Action("delete", path, f"{detail}: not deleted: taking the locks and "
+                                    "looking took too long; run prune again", False, age, failed=True)
+                if reason is not None:
+                    kept.append(reason)
+                return reason is not None
+
+            w.store.delete_unless(ref.key(), keep)
+            if kept:
+                return kept[0]
     except FsStoreError as err:
         return Action("delete", path, f"{detail}: {err}", False, age, failed=True)
     return Action("delete", path, detail, True, age)

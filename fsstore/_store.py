@@ -14,7 +14,7 @@ import os
 import stat
 import threading
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 from . import _compact, _fsio, _keys, _layout, _summaries
@@ -96,6 +96,16 @@ def decode_entry(parent_fd: int, entry: os.DirEntry[str]) -> str | None:
             return None  # a symlink: never ours
         raise
     return original if _keys.matches(name, original) else None
+
+
+def _marked(parent: int, name: str, below: str) -> bool:
+    """Whether ``parent/name`` (``below``: its ``main``) holds a ``.deleted`` mark."""
+    rel = f"{name}/{below}/{_layout.DELETED}" if below else f"{name}/{_layout.DELETED}"
+    try:
+        os.stat(rel, dir_fd=parent, follow_symlinks=False)
+    except OSError:
+        return False
+    return True
 
 
 def _tick_mtime(dfd: int, before_ns: int) -> None:
@@ -630,6 +640,12 @@ class SyncStore:
         whole transcript or None, and an append that was not yet committed starts
         over in a new directory.
         """
+        self.delete_unless(key, None)
+
+    def delete_unless(self, key: Mapping[str, Any], keep: Callable[[], bool] | None) -> None:
+        """:meth:`delete`; where ``keep`` is given, it is asked after the transcripts are
+        marked and before they are moved: True takes the marks back and keeps them
+        (``fsstore prune``'s last look, which no commit can slip past)."""
         op = "delete"
         tk = _keys.parse_key(key, op)
         if tk.subpath is None:
@@ -645,7 +661,7 @@ class SyncStore:
                 return
             try:
                 self._move_to_trash(rfd, parent, comps[-1][0], path,
-                                    mark=_layout.MAIN if tk.subpath is None else "")
+                                    mark=_layout.MAIN if tk.subpath is None else "", keep=keep)
             finally:
                 os.close(parent)
                 self._forget(tk)
@@ -684,7 +700,8 @@ class SyncStore:
                 del self._appending[ident]
 
     def _move_to_trash(
-        self, rfd: int, parent: int, name: str, path: str, mark: str | None = None
+        self, rfd: int, parent: int, name: str, path: str, mark: str | None = None,
+        keep: Callable[[], bool] | None = None,
     ) -> None:
         """Rename ``parent/name`` into ``.trash`` (atomic), then remove it there.
 
@@ -698,6 +715,14 @@ class SyncStore:
         try:
             if mark is not None:
                 self._mark(parent, name, path, mark)
+                try:
+                    kept = keep is not None and keep()
+                except BaseException:
+                    self._mark(parent, name, path, mark, undo=True)
+                    raise
+                if kept:
+                    self._mark(parent, name, path, mark, undo=True)
+                    return
             aside = _fsio.temp_name("-deleted")
             try:
                 os.rename(name, aside, src_dir_fd=parent, dst_dir_fd=trash)
@@ -707,6 +732,14 @@ class SyncStore:
                 if mark is not None:
                     self._mark(parent, name, path, mark, undo=True)
                 raise
+            if mark is not None and not _marked(trash, aside, mark):
+                # Not what we marked: a writer finished our delete while we stalled
+                # and made the session anew (possible only past our lock's lease).
+                # Put it back; its batches were never ours to delete.
+                log.warning("a delete moved a session made anew after its mark; moved back",
+                            extra={"code": "DELETE_RACED", "operation": "delete", "path": path})
+                os.rename(aside, name, src_dir_fd=trash, dst_dir_fd=parent)
+                return
             self._fs.sync_dir(parent)
             try:
                 _fsio.remove_tree(trash, aside)

@@ -143,10 +143,9 @@ def test_disk_filling_up_at_each_step_of_an_append(
 ) -> None:
     """Leave k pages free for k = 0..11: each append either fails whole or commits whole.
 
-    Small k fails the part's temp file or the lock marker (ENOSPC, batch absent); a
-    little more lets the part commit but not the state file (committed, logged
-    STATE_WRITE_FAILED, healed by the next writer); more still lets the append
-    commit but not a compaction's segment (committed, logged COMPACT_FAILED).
+    Small k fails the part's temp file or the lock marker (ENOSPC, batch absent);
+    more lets the append commit but not a compaction's segment (committed, logged
+    COMPACT_FAILED).
     """
     seen: dict[int, set[str]] = {}
     with _mounts.tmpfs(tmpfs_dir / "mnt", "size=2m") as mnt:
