@@ -147,6 +147,28 @@ def compact(
     return len(merge)
 
 
+def close_gaps(fs: _fsio.Fs, dir_fd: int, path: str, chain: list[Item]) -> None:
+    """Merge the files of a chain with holes into one segment numbered from 1, which
+    closes them (``fsstore check --repair``: the missing parts were lost already)."""
+    blobs = []
+    for first, last, name in chain:
+        blob = _fsio.read_file(dir_fd, name)
+        parse(blob, f"{path}/{name}", "repair")  # never hide damage inside a segment
+        blobs.append(blob)
+    segment = _layout.segment_name(1, chain[-1][1])
+    tmp = _fsio.temp_name("-segment")
+    fs.write_new(dir_fd, tmp, b"".join(blobs))
+    try:
+        if not _fsio.move_noreplace(fs, dir_fd, tmp, segment):
+            raise FsStoreError("CORRUPT", f"{segment} exists already", operation="repair", path=path)
+        tmp = ""
+    finally:
+        if tmp:
+            _fsio.unlink_quiet(dir_fd, tmp)
+    fs.sync_dir(dir_fd)
+    _remove_covered(dir_fd, scan(dir_fd)[0], [(1, chain[-1][1], segment)])
+
+
 def _write_summary(fs: _fsio.Fs, dir_fd: int, path: str, summary: Summary, chain: list[Item],
                    blobs: dict[str, bytes]) -> None:
     def read(name: str) -> list[dict[str, Any]]:

@@ -168,6 +168,17 @@ class _SoftLock(filelock.SoftFileLock):
 
     _lifetime_replacements = None
 
+    def _acquire(self) -> None:
+        try:
+            super()._acquire()
+        except PermissionError:
+            # SFTP (sshfs) has no EEXIST: an O_EXCL create that lost the race for the
+            # marker comes back as EPERM/EACCES. A marker there now means another
+            # holder: not acquired, and the wait goes on. No marker: a real
+            # permission problem, raised as such.
+            if not os.path.lexists(self.lock_file):
+                raise
+
 
 class _Local:
     """The in-process lock of one lock path, and its SoftFileLock (made on first use)."""

@@ -269,8 +269,14 @@ class SyncStore:
                     # The transcript directory was moved away or is being deleted
                     # (a concurrent delete) before our commit: nothing of ours is
                     # visible; start over, in a new directory once it is gone.
-                    t.dir_id = None
-                    time.sleep(min(0.001 * attempt, 0.05))
+                    pass
+                except OSError as exc:
+                    if exc.errno != errno.ESTALE or attempt == _APPEND_ATTEMPTS - 1:
+                        raise
+                    # NFS: a directory another host replaced (deleted and made anew)
+                    # since this client looked it up; looked up again next time.
+                t.dir_id = None
+                time.sleep(min(0.001 * attempt, 0.05))
             raise FsStoreError(
                 "ENOENT",
                 "transcript directory kept disappearing (concurrent deletes)",

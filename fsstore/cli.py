@@ -32,6 +32,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, NoReturn, TextIO, final
 
 from . import _maintenance as m
+from . import _migrate
 from ._errors import FsStoreError
 from ._keys import check_part
 from ._store import SyncStore
@@ -146,6 +147,15 @@ def build_parser() -> tuple[argparse.ArgumentParser, _Options]:
              help="temp files and .trash entries older than this are orphaned (default 1h)")
     opts.add("check", p, "--stale-lock-seconds", metavar="AGE", type=parse_duration, default=30.0,
              help="the stores' stale_lock_seconds: locks older than this are stale (default 30s)")
+    opts.add("check", p, "--repair", action="store_true",
+             help="then commit misplaced batches again and close gaps (nothing that is there "
+             "is lost; what was lost before is named), and check again")
+    opts.add("check", p, "--dry-run", action="store_true", help="with --repair: show the repairs only")
+
+    p = command("migrate", "Bring a store written by format 1 to format 2 (safe while writers run).")
+    opts.add("migrate", p, "--dry-run", action="store_true", help="show what would be done")
+    opts.add("migrate", p, "--stale-lock-seconds", metavar="AGE", type=parse_duration, default=30.0,
+             help="the stores' stale_lock_seconds (default 30s)")
 
     p = command("gc", "Remove orphaned temp files and .trash leftovers; break stale locks.")
     opts.add("gc", p, "--older-than", metavar="AGE", type=parse_duration, default=3600.0,
@@ -473,11 +483,19 @@ class _Noting(logging.Handler):
 
 
 def cmd_check(args: argparse.Namespace, out: TextIO, err: TextIO, progress: Progress) -> int:
+    repairs: list[m.Action] = []
+    if args.repair:
+        repairs = _migrate.repair(args.root, dry_run=args.dry_run,
+                                  stale_lock_seconds=args.stale_lock_seconds)
+        if not args.json:
+            out.writelines(f"{'REPAIR' if a.done else 'WOULD':<8} {_rel(args.root, a.path)}  "
+                          f"{clean(a.detail)}\n" for a in repairs)
     report = m.check(args.root, older_than=args.older_than,
                      stale_lock_seconds=args.stale_lock_seconds, progress=progress)
     progress.close()
     if args.json:
-        _dump(out, {"root": args.root, **report.as_dict()})
+        _dump(out, {"root": args.root, **report.as_dict(),
+                    **({"repairs": [a.as_dict() for a in repairs]} if args.repair else {})})
     else:
         for p in report.problems:
             where = _rel(args.root, p.path) + (f":{p.line}" if p.line else "")
@@ -490,10 +508,13 @@ def cmd_check(args: argparse.Namespace, out: TextIO, err: TextIO, progress: Prog
     return EXIT_OK if report.ok else EXIT_PROBLEMS
 
 
-_DONE_VERB = {"remove-temp": "removed", "remove-trash": "removed",
+_DONE_VERB = {"recommit": "committed again", "remove": "removed", "close-gap": "closed a gap",
+             "repair": "repair", "remove-temp": "removed", "remove-trash": "removed",
               "remove-lock-recovery": "removed", "break-lock": "broke lock", "delete": "deleted",
               "compact": "compacted", "keep": "kept", "skip": "skipped"}
-_DRY_VERB = {"remove-temp": "would remove", "remove-trash": "would remove",
+_DRY_VERB = {"recommit": "would commit again", "remove": "would remove",
+             "close-gap": "would close a gap", "repair": "repair",
+             "remove-temp": "would remove", "remove-trash": "would remove",
              "remove-lock-recovery": "would remove", "break-lock": "would break lock",
              "delete": "would delete", "compact": "would compact", "keep": "kept",
              "skip": "skipped"}
@@ -524,6 +545,13 @@ def _actions(
                    else f"{what}: {done} done, {len(failed)} failed")
         out.write(summary + "\n")
     return EXIT_PROBLEMS if failed else EXIT_OK
+
+
+def cmd_migrate(args: argparse.Namespace, out: TextIO, err: TextIO, progress: Progress) -> int:
+    actions = _migrate.migrate(args.root, dry_run=args.dry_run,
+                               stale_lock_seconds=args.stale_lock_seconds, progress=progress)
+    progress.close()
+    return _actions(args, out, actions, "migrate")
 
 
 def cmd_gc(args: argparse.Namespace, out: TextIO, err: TextIO, progress: Progress) -> int:
@@ -622,6 +650,7 @@ def _transfers(
 
 HANDLERS: dict[str, Handler] = {
     "ls": cmd_ls, "cat": cmd_cat, "check": cmd_check, "gc": cmd_gc, "compact": cmd_compact,
+    "migrate": cmd_migrate,
     "prune": cmd_prune, "locks": cmd_locks, "import": cmd_import, "export": cmd_export,
 }
 

@@ -40,7 +40,7 @@ def _campaign(tmp_path: Path, figures: Any, odd: dict[str, dict[str, Any]], *, n
     root, work = tmp_path / "store", tmp_path / "work"
     work.mkdir()
     SyncStore(root).append(KEY, [{"uuid": f"seed-{j}", "b": "seed"} for j in range(_overlap.PER_BATCH)])
-    procs = [start_writer(root, work, f"w{k}", n, FAST, pause=0.002) for k in range(normal)]
+    procs = [start_writer(root, work, f"w{k}", n, FAST) for k in range(normal)]
     for name, how in odd.items():
         procs.append(start_writer(root, work, name, n, FAST, **how))
     readers = [start_reader(root, work, f"r{k}", seconds) for k in range(2)]
@@ -55,11 +55,15 @@ def _campaign(tmp_path: Path, figures: Any, odd: dict[str, dict[str, Any]], *, n
 
 @needs_faketime
 @pytest.mark.parametrize("offset", ["+35s", "+10m", "-10m"])
-def test_a_writer_with_a_skewed_clock_loses_nothing(tmp_path: Path, figures: Any, offset: str) -> None:
+@pytest.mark.parametrize("run", [0, pytest.param(1, marks=pytest.mark.soak), pytest.param(2, marks=pytest.mark.soak)])
+def test_a_writer_with_a_skewed_clock_loses_nothing(
+    tmp_path: Path, figures: Any, offset: str, run: int
+) -> None:
     """One writer's clock is off (ahead: it takes every held lock as stale; behind:
-    it keeps locks others take), three normal writers, a compactor, two readers."""
-    got = _campaign(tmp_path, figures, {"skewed": {"env": _overlap.faketime_env(offset)}}, n=60)
-    assert got["acked"] >= 4 * 60 - got["failed"]
+    it keeps locks others take), three normal writers, a compactor, two readers.
+    (Format 1 failed this about one run in two at +10m: CORRUPT for every reader.)"""
+    got = _campaign(tmp_path, figures, {"skewed": {"env": _overlap.faketime_env(offset)}}, n=100)
+    assert got["acked"] + got["failed"] == 4 * 100
 
 
 @needs_strace

@@ -1,0 +1,148 @@
+"""``fsstore migrate`` and ``fsstore check --repair``: bring transcripts written by
+format 1 (or damaged by hand) back to whole format-2 transcripts, losing nothing.
+
+Format 2 reads format-1 transcripts as they are: the part and segment names are the
+same. Two things need a command, both safe while writers run (each transcript is
+repaired under its lock, and every step is a link, a new segment or an unlink of a
+name whose bytes are elsewhere), idempotent, and reported by ``--dry-run`` first:
+
+* **Misplaced parts** (migrate and repair). When two format-1 lock holders
+  overlapped, a batch could be committed under a number inside a segment's range
+  (format 1 told it from a compaction's leftover by its later ctime; here, by its
+  bytes: a leftover is a piece of the segment that merged it); format 1 then
+  refused the whole transcript (CORRUPT) and format 2 would skip the part. Each
+  such part is committed again above the transcript's highest number, oldest
+  first (ctime order, the order they were committed in), then its old name is
+  removed.
+* **Gaps** (repair only). A part lost outside fsstore (moved aside by an operator)
+  leaves a hole that makes every load warn. The transcript is compacted across it
+  into one segment numbered from 1, which closes the hole; the missing numbers are
+  reported as lost (their bytes were already gone).
+
+``migrate`` also removes format 1's ``.state.spare``.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+
+from . import _compact, _fsio, _layout
+from ._errors import FsStoreError
+from ._maintenance import Action, Progress, TranscriptRef, Walker, _tick, walking
+from ._transcript import Item, commit, plan, scan, top
+
+
+def migrate(root: str, *, dry_run: bool = False, stale_lock_seconds: float = 30.0,
+            progress: Progress | None = None) -> list[Action]:
+    """Misplaced parts committed again above, ``.state.spare`` removed (see the module)."""
+    return _each_transcript(root, stale_lock_seconds, progress,
+                            lambda w, t: _migrate_one(w, t, dry_run, gaps=False))
+
+
+def repair(root: str, *, dry_run: bool = False, stale_lock_seconds: float = 30.0,
+           progress: Progress | None = None) -> list[Action]:
+    """Misplaced parts committed again above, gaps closed (see the module)."""
+    return _each_transcript(root, stale_lock_seconds, progress,
+                            lambda w, t: _migrate_one(w, t, dry_run, gaps=True))
+
+
+def _each_transcript(root: str, stale_lock_seconds: float, progress: Progress | None,
+                     one: Callable[[Walker, TranscriptRef], list[Action]]) -> list[Action]:
+    actions: list[Action] = []
+    with walking(root, stale_lock_seconds=stale_lock_seconds) as w:
+        refs = w.sessions()
+        for i, ref in enumerate(refs):
+            for tref in w.transcripts(ref):
+                actions += one(w, tref)
+            _tick(progress, i + 1, len(refs))
+    return actions
+
+
+def misplaced_parts(dir_fd: int, items: list[Item]) -> list[str]:
+    """Parts inside a segment's range whose batch that segment does not hold (format
+    1's late parts), in the order they were committed (ctime).
+
+    A compaction's leftover is byte for byte a piece of the segment that merged it;
+    a batch committed into the range after the segment was made is not. (Format 1
+    told them apart by ctime, which a backup and restore resets.)"""
+    segments = sorted((it for it in items if it[0] != it[1]), key=lambda it: it[0] - it[1])
+    blobs: dict[str, bytes] = {}
+    late: list[tuple[int, str]] = []
+    for first, last, name in items:
+        cover = next((s for s in segments if s[0] <= first <= s[1]), None)  # the widest
+        if first != last or cover is None:
+            continue
+        try:
+            if cover[2] not in blobs:
+                blobs[cover[2]] = _fsio.read_file(dir_fd, cover[2])
+            part = _fsio.read_file(dir_fd, name)
+            ctime = os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_ctime_ns
+        except FileNotFoundError:
+            continue
+        if part not in blobs[cover[2]]:
+            late.append((ctime, name))
+    return [name for _ctime, name in sorted(late)]
+
+
+def _migrate_one(w: Walker, tref: TranscriptRef, dry_run: bool, *, gaps: bool) -> list[Action]:
+    store = w.store
+    path = w.path(tref.comps)
+    with store.locked(tref.key()):
+        fd = w.open(tref.comps)
+        if fd is None:
+            return []
+        try:
+            return _fix(store._fs, fd, path, dry_run, gaps=gaps, spare=not gaps)
+        except (OSError, FsStoreError) as exc:
+            return [Action("repair", path, f"not repaired: {exc}", False, failed=True)]
+        finally:
+            os.close(fd)
+
+
+def _fix(fs: _fsio.Fs, fd: int, path: str, dry_run: bool, *, gaps: bool, spare: bool) -> list[Action]:
+    actions: list[Action] = []
+    items, _deleted = scan(fd)
+    for name in misplaced_parts(fd, items):
+        if dry_run:
+            actions.append(Action("recommit", f"{path}/{name}", "a batch inside a segment's range, "
+                                  "committed after it: would be committed again above", False))
+            continue
+        seq, items = commit(fs, fd, name, top(items) + 1)
+        _fsio.unlink_quiet(fd, name)
+        actions.append(Action("recommit", f"{path}/{name}",
+                              f"committed again as {_layout.part_name(seq)}", True))
+    if spare and _exists(fd, _layout.STATE_SPARE):
+        if not dry_run:
+            _fsio.unlink_quiet(fd, _layout.STATE_SPARE)
+        actions.append(Action("remove", f"{path}/{_layout.STATE_SPARE}", "format 1's spare state file",
+                              not dry_run))
+    items, _deleted = scan(fd)
+    chain, gap = plan(items)
+    if gaps and gap is not None:
+        present = {n for first, last, _n in chain for n in range(first, last + 1)}
+        lost = [n for n in range(1, top(items) + 1) if n not in present]
+        what = f"gap closed; lost (gone before the repair): parts {_ranges(lost)}"
+        if not dry_run:
+            _compact.close_gaps(fs, fd, path, chain)
+        actions.append(Action("close-gap", path, what if not dry_run else f"would be {what}",
+                              not dry_run))
+    return actions
+
+
+def _exists(fd: int, name: str) -> bool:
+    try:
+        os.stat(name, dir_fd=fd, follow_symlinks=False)
+    except FileNotFoundError:
+        return False
+    return True
+
+
+def _ranges(numbers: list[int]) -> str:
+    out: list[str] = []
+    for n in numbers:
+        if out and out[-1].split("..")[-1] == str(n - 1):
+            out[-1] = f"{out[-1].split('..')[0]}..{n}"
+        else:
+            out.append(str(n))
+    return ", ".join(out)
