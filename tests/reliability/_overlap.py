@@ -89,18 +89,18 @@ def start_writer(root: Path, work: Path, name: str, n: int, opts: dict[str, Any]
     code = WRITER.format(repo=REPO, root=str(root), opts=opts, key=KEY, log=str(work / f"{name}.acked"),
                          n=n, name=name, per=PER_BATCH, pause=pause)
     return subprocess.Popen([*(prefix or []), sys.executable, "-c", code], env=env,
-                            stderr=open(work / f"{name}.err", "w"), text=True)  # noqa: SIM115
+                            stderr=open(work / f"{name}.err", "w"), text=True)
 
 
 def start_reader(root: Path, work: Path, name: str, seconds: float) -> subprocess.Popen[str]:
     code = READER.format(repo=REPO, root=str(root), key=KEY, log=str(work / f"{name}.snaps"),
                          seconds=seconds)
-    return subprocess.Popen([sys.executable, "-c", code], stderr=open(work / f"{name}.err", "w"), text=True)  # noqa: SIM115
+    return subprocess.Popen([sys.executable, "-c", code], stderr=open(work / f"{name}.err", "w"), text=True)
 
 
 def start_compactor(root: Path, work: Path, seconds: float, opts: dict[str, Any]) -> subprocess.Popen[str]:
     code = COMPACTOR.format(repo=REPO, root=str(root), opts=opts, key=KEY, seconds=seconds)
-    return subprocess.Popen([sys.executable, "-c", code], stderr=open(work / "compactor.err", "w"), text=True)  # noqa: SIM115
+    return subprocess.Popen([sys.executable, "-c", code], stderr=open(work / "compactor.err", "w"), text=True)
 
 
 def wait_all(procs: list[subprocess.Popen[str]], timeout: float) -> None:
