@@ -88,19 +88,22 @@ def start_writer(root: Path, work: Path, name: str, n: int, opts: dict[str, Any]
                  pause: float = 0.0) -> subprocess.Popen[str]:
     code = WRITER.format(repo=REPO, root=str(root), opts=opts, key=KEY, log=str(work / f"{name}.acked"),
                          n=n, name=name, per=PER_BATCH, pause=pause)
-    return subprocess.Popen([*(prefix or []), sys.executable, "-c", code], env=env,
-                            stderr=open(work / f"{name}.err", "w"), text=True)
+    with open(work / f"{name}.err", "w") as err:  # the child keeps its own copy
+        return subprocess.Popen([*(prefix or []), sys.executable, "-c", code], env=env,
+                                stderr=err, text=True)
 
 
 def start_reader(root: Path, work: Path, name: str, seconds: float) -> subprocess.Popen[str]:
     code = READER.format(repo=REPO, root=str(root), key=KEY, log=str(work / f"{name}.snaps"),
                          seconds=seconds)
-    return subprocess.Popen([sys.executable, "-c", code], stderr=open(work / f"{name}.err", "w"), text=True)
+    with open(work / f"{name}.err", "w") as err:
+        return subprocess.Popen([sys.executable, "-c", code], stderr=err, text=True)
 
 
 def start_compactor(root: Path, work: Path, seconds: float, opts: dict[str, Any]) -> subprocess.Popen[str]:
     code = COMPACTOR.format(repo=REPO, root=str(root), opts=opts, key=KEY, seconds=seconds)
-    return subprocess.Popen([sys.executable, "-c", code], stderr=open(work / "compactor.err", "w"), text=True)
+    with open(work / "compactor.err", "w") as err:
+        return subprocess.Popen([sys.executable, "-c", code], stderr=err, text=True)
 
 
 def wait_all(procs: list[subprocess.Popen[str]], timeout: float) -> None:
