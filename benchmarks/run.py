@@ -154,8 +154,8 @@ def _append_round(n: int, base: str | None, seed: int) -> tuple[str, dict[str, f
     worker thread): p50 in µs of each operation, interleaved in a shuffled order."""
     with scratch(base) as d:
         kind = fs_type(str(d))
-        store = FsSessionStore(d / "store")
-        plain = FsSessionStore(d / "plain", summaries=False)
+        store = FsSessionStore(d / "store", create=True)
+        plain = FsSessionStore(d / "plain", create=True, summaries=False)
         floor, raw = Floor(d / "floor"), Floor(d / "raw", raw_lock=True)
         floor_t = Floor(d / "floor-in-thread")
         times: dict[str, list[float]] = {k: [] for k in ("store", "a", "b", "raw", "plain", "a_thread")}
@@ -222,7 +222,7 @@ def bench_append(n: int, base: str | None, where: str, rounds: int = 3) -> None:
 def bench_fsync(n: int, base: str | None) -> None:
     print("append with fsync on (sync API vs floor a with the same fsyncs)", flush=True)
     with scratch(base) as d:
-        store = SyncStore(d / "store", fsync=True)
+        store = SyncStore(d / "store", create=True, fsync=True)
         floor = Floor(d / "floor", fsync=True)
         t_s: list[float] = []
         t_a: list[float] = []
@@ -252,7 +252,7 @@ def _strace_counts(script: str, marks: tuple[str, str]) -> int:
 def bench_flat(n: int) -> None:
     print(f"flat append cost over {n} appends on tmpfs", flush=True)
     with scratch(_SHM) as d:
-        store = SyncStore(d / "store")
+        store = SyncStore(d / "store", create=True)
         times = []
         batches = [batch(i) for i in range(200)]
         for i in range(n - 200):
@@ -261,7 +261,7 @@ def bench_flat(n: int) -> None:
             times.append(time.perf_counter() - t0)
         # Appends #n-200..n of the long transcript, interleaved op by op with appends
         # #10..210 of a fresh one, so the machine's slow and fast moments hit both.
-        fresh = SyncStore(d / "fresh")
+        fresh = SyncStore(d / "fresh", create=True)
         for i in range(10):
             fresh.append(KEY, batches[i])
         late, early = [], []
@@ -284,7 +284,7 @@ def bench_flat(n: int) -> None:
 import os, sys
 sys.path.insert(0, {str(HERE.parent)!r})
 from fsstore._store import SyncStore
-s = SyncStore({str(d)!r} + "-strace")
+s = SyncStore({str(d)!r} + "-strace", create=True)
 b = [{{"type": "x", "uuid": str(i), "t": "y" * 300}} for i in range(5)]
 for i in range(1, {n} + 1):
     if i in (10, {n}):
@@ -311,7 +311,7 @@ for i in range(1, {n} + 1):
 
 
 def _build(root: Path, appends: int, compact_every: int) -> Path:
-    store = SyncStore(root, compact_every=compact_every)
+    store = SyncStore(root, create=True, compact_every=compact_every)
     for i in range(appends):
         store.append(KEY, batch(i))
     single = root.parent / f"{root.name}.jsonl"
@@ -342,7 +342,7 @@ def bench_load(sizes: list[int], chart: Path) -> None:
         for n in sizes:
             single = _build(d / f"c{n}", n, 64)
             _build(d / f"u{n}", n, 0)
-            comp, unc = SyncStore(d / f"c{n}"), SyncStore(d / f"u{n}")
+            comp, unc = SyncStore(d / f"c{n}", create=True), SyncStore(d / f"u{n}", create=True)
             assert comp.load(KEY) == unc.load(KEY) == _naive_load(single)
             repeat = 15 if n <= 3000 else 7
             t_naive, t_c, t_u = [], [], []
@@ -385,7 +385,7 @@ def bench_load(sizes: list[int], chart: Path) -> None:
 def bench_list(n: int) -> None:
     print(f"list_sessions over {n} sessions vs scandir + one stat each", flush=True)
     with scratch(_SHM) as d:
-        store = SyncStore(d / "store", summaries=False)
+        store = SyncStore(d / "store", create=True, summaries=False)
         b = batch(0)[:1]
         for i in range(n):
             store.append({**KEY, "session_id": f"{i:08d}-0000-4000-8000-000000000000"}, b)
@@ -405,7 +405,7 @@ def bench_list(n: int) -> None:
 
 
 def _contend(root: str, session: str, n: int, start: Any) -> None:
-    store = SyncStore(root)
+    store = SyncStore(root, create=True)
     b = batch(0)
     start.wait()
     pid = os.getpid()
@@ -439,7 +439,7 @@ def bench_contention(n: int) -> None:
             same = _throughput(str(d / f"b{r}"), ["s0"] * 8, n)
             diff = _throughput(str(d / f"c{r}"), [f"s{i}" for i in range(8)], n)
             after = _throughput(str(d / f"d{r}"), ["s0"], n)
-            assert len(SyncStore(d / f"b{r}").load({**KEY, "session_id": "s0"}) or []) == 8 * n * 5
+            assert len(SyncStore(d / f"b{r}", create=True).load({**KEY, "session_id": "s0"}) or []) == 8 * n * 5
             rounds.append(((before + after) / 2, same, diff))
     rounds.sort(key=lambda t: t[2] / t[0])
     base, _same, diff = rounds[1]  # the median round for the eight-transcript ratio
@@ -498,7 +498,7 @@ def bracket(fn, name):
 # Everything filelock does inside acquire()/release() is the lock's own cost.
 filelock.SoftFileLock.acquire = bracket(filelock.SoftFileLock.acquire, "lock")
 filelock.SoftFileLock.release = bracket(filelock.SoftFileLock.release, "lock")
-s = SyncStore({root!r}, fsync={fsync}, compact_every=0)
+s = SyncStore({root!r}, create=True, fsync={fsync}, compact_every=0)
 b = [{{"type": "x", "t": "y" * 300}} for _ in range(5)]
 for i in range(20):
     s.append({key!r}, b)

@@ -67,7 +67,7 @@ async def run_host(spec: dict[str, Any]) -> dict[str, Any]:
     """Run one SDK session; return its session id, reply and any mirror errors."""
     options = ClaudeAgentOptions(
         cwd=spec["cwd"],
-        session_store=FsSessionStore(spec["root"]),
+        session_store=FsSessionStore(spec["root"], create=True),
         resume=spec.get("resume"),
         env={**spec["env"], "CLAUDE_CONFIG_DIR": spec["config_dir"]},
         model=spec.get("model"),
@@ -137,7 +137,7 @@ def tree(top: Path, max_files: int = 6) -> list[str]:
 def describe(root: Path, cwd: Path, session_id: str) -> list[str]:
     from claude_agent_sdk import project_key_for_directory
 
-    store = FsSessionStore(root)
+    store = FsSessionStore(root, create=True)
     key = {"project_key": project_key_for_directory(str(cwd)), "session_id": session_id}
     entries = store.sync.load(key) or []
     kinds: dict[str, int] = {}

@@ -51,6 +51,7 @@ class FsSessionStore:
         file_mode: int = 0o600,
         summaries: bool | None = None,
         compact_every: int = 64,
+        create: bool = False,
     ) -> None:
         self.sync = SyncStore(
             root,
@@ -61,6 +62,7 @@ class FsSessionStore:
             file_mode=file_mode,
             summaries=summaries,
             compact_every=compact_every,
+            create=create,
         )
 
     @property

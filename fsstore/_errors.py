@@ -33,6 +33,8 @@ STORE_CODES: dict[str, str] = {
     "LOCK_EXPIRED": "the lock was held past half of stale_lock_seconds before publishing; "
     "nothing was written (retryable)",
     "UNSAFE_PATH": "something inside root is a symlink or not a directory where the store expects one",
+    "NOT_A_STORE": "root is not a store (no .fsstore marker): a share not mounted, or a store "
+    "never created (fsstore init, create=True); nothing was written",
     # logged only (the operation succeeded, or went on)
     "SUMMARY_BEHIND": "the session summary sidecar was not updated; readers fold it themselves",
     "RELOCATED": "an append's number had been compacted away under it (two lock holders "

@@ -334,17 +334,10 @@ class Fs:
         self.sync_dir(parent_fd)
         return True
 
-    def make_dirs(self, path: str) -> None:
-        """``mkdir -p`` where every directory created gets ``dir_mode`` (not 0777 & ~umask)."""
-        parent, _name = os.path.split(path)
-        if parent and parent != path and not os.path.isdir(parent):
-            self.make_dirs(parent)
-        try:
-            os.mkdir(path, self.dir_mode)
-        except FileExistsError:
-            return
+    def fix_mode(self, fd: int) -> None:
+        """Give a directory this store's mode where the umask narrowed it."""
         if self._fchmod_dirs:
-            os.chmod(path, self.dir_mode)
+            os.fchmod(fd, self.dir_mode)
 
     def _fix_dir_mode(self, parent_fd: int, name: str) -> None:
         if self._fchmod_dirs:

@@ -29,6 +29,7 @@ MAIN = "main"
 SUBKEYS = "subkeys"
 TRASH = ".trash"
 LOCKS = ".locks"
+MARKER = ".fsstore"  # in the root: this directory is a store (format, created when, by which host)
 STATE = "state.json"
 STATE_SPARE = ".state.spare"  # format 1's previous state.json: ignored, removed by gc/migrate
 DELETED = ".deleted"  # created in a transcript directory before a delete moves it away

@@ -295,7 +295,7 @@ def _changed_at(st: os.stat_result) -> float:
 
 
 #: What a store root holds once anything was written to it (``.fsstore``: a store marker).
-_STORE_NAMES = (_layout.PROJECTS, _layout.LOCKS, ".fsstore")
+_STORE_NAMES = (_layout.MARKER, _layout.PROJECTS, _layout.LOCKS)
 
 
 def is_store(root: str) -> bool:
@@ -569,9 +569,10 @@ class Walker:
         return [self._garbage("trash", comps, entry, st) for _fd, entry, st in self.entries(comps)]
 
     def root_entries(self) -> None:
-        """Note anything at the top level that is not ``projects``, ``.trash`` or ``.locks``."""
+        """Note anything at the top level that is not ``projects``, ``.trash``, ``.locks``
+        or the ``.fsstore`` marker."""
         for entry in self.scan(self.rfd, ()):
-            if entry.name in (_layout.PROJECTS, _layout.TRASH, _layout.LOCKS):
+            if entry.name in (_layout.PROJECTS, _layout.TRASH, _layout.LOCKS, _layout.MARKER):
                 continue
             self.problem("info", "unexpected", self.path((entry.name,)),
                          "not part of the store layout (left alone)")
@@ -1709,7 +1710,7 @@ def import_projects(
     require_store(root, create=create)
     projects_dir = os.path.abspath(projects_dir)
     files, problems = local_transcripts(projects_dir, project)
-    store = SyncStore(root)
+    store = SyncStore(root, create=create)
     out: list[Transfer] = []
     for i, path in enumerate(files):
         key = file_path_to_session_key(path, projects_dir)

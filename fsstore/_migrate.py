@@ -19,7 +19,8 @@ name whose bytes are elsewhere), idempotent, and reported by ``--dry-run`` first
   into one segment numbered from 1, which closes the hole; the missing numbers are
   reported as lost (their bytes were already gone).
 
-``migrate`` also removes format 1's ``.state.spare``.
+``migrate`` also removes format 1's ``.state.spare`` and gives a store made before
+the marker existed its ``.fsstore`` marker.
 """
 
 from __future__ import annotations
@@ -30,14 +31,29 @@ from collections.abc import Callable
 from . import _compact, _fsio, _layout
 from ._errors import FsStoreError
 from ._maintenance import Action, Progress, TranscriptRef, Walker, _tick, walking
+from ._store import SyncStore
 from ._transcript import Item, commit, plan, scan, top
+
+
+def init(root: str) -> None:
+    """Create a store at ``root`` (its parent must exist), or mark an existing one."""
+    store = SyncStore(root, create=True, summaries=False)
+    with store._open_root(create=True) as rfd:
+        assert rfd is not None
+        store.init_marker(rfd)
 
 
 def migrate(root: str, *, dry_run: bool = False, stale_lock_seconds: float = 30.0,
             progress: Progress | None = None) -> list[Action]:
-    """Misplaced parts committed again above, ``.state.spare`` removed (see the module)."""
-    return _each_transcript(root, stale_lock_seconds, progress,
-                            lambda w, t: _migrate_one(w, t, dry_run, gaps=False))
+    """Misplaced parts committed again above, ``.state.spare`` removed, the marker
+    written (see the module)."""
+    actions = _each_transcript(root, stale_lock_seconds, progress,
+                               lambda w, t: _migrate_one(w, t, dry_run, gaps=False))
+    if not os.path.lexists(os.path.join(root, _layout.MARKER)):
+        if not dry_run:
+            init(root)
+        actions.append(Action("mark", root, "a store made before .fsstore existed: marked", not dry_run))
+    return actions
 
 
 def repair(root: str, *, dry_run: bool = False, stale_lock_seconds: float = 30.0,

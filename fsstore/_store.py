@@ -10,7 +10,9 @@ import collections
 import contextlib
 import dataclasses
 import errno
+import json
 import os
+import socket
 import stat
 import threading
 import time
@@ -133,6 +135,7 @@ class SyncStore:
         file_mode: int = 0o600,
         summaries: bool | None = None,
         compact_every: int = 64,
+        create: bool = False,
     ) -> None:
         if compact_every < 0:
             raise ValueError("compact_every must be >= 0 (0 turns automatic compaction off)")
@@ -144,6 +147,7 @@ class SyncStore:
             if not 0 <= mode <= 0o7777:
                 raise ValueError(f"{name} must be a permission mode like 0o700, not {mode!r}")
         self.root = os.path.abspath(os.fspath(root))
+        self._create = create
         self._locks_path = f"{self.root}/{_layout.LOCKS}"
         self._compact_every = compact_every
         self._fs = Fs(fsync=fsync, dir_mode=dir_mode, file_mode=file_mode)
@@ -171,6 +175,8 @@ class SyncStore:
 
     @contextlib.contextmanager
     def _open_root(self, *, create: bool) -> Iterator[int | None]:
+        """The root, open; None if it does not exist. ``create``: for a write that makes
+        directories, which only a store may take (see :meth:`_require_store`)."""
         # The root path itself may be a symlink (the operator's choice); nothing
         # below it is followed.
         flags = os.O_RDONLY | os.O_DIRECTORY | getattr(os, "O_CLOEXEC", 0)
@@ -180,12 +186,58 @@ class SyncStore:
             if not create:
                 yield None
                 return
-            self._fs.make_dirs(self.root)
+            if not self._create:
+                raise self._not_a_store("does not exist") from None
+            # Only the root itself, never its parents: a missing parent is a missing
+            # mount more often than not.
+            try:
+                os.mkdir(self.root, self._fs.dir_mode)
+            except FileExistsError:
+                pass  # another writer made it first
+            except FileNotFoundError:
+                raise FsStoreError(
+                    "ENOENT", f"the parent of {self.root} does not exist; fsstore makes the root "
+                    "only, never its parents (is the share mounted?)", operation="append",
+                    path=os.path.dirname(self.root), errno=errno.ENOENT) from None
             fd = os.open(self.root, flags)
+            self._fs.fix_mode(fd)
         try:
+            if create:
+                self._require_store(fd)
             yield fd
         finally:
             os.close(fd)
+
+    def _require_store(self, rfd: int) -> None:
+        """Refuse (NOT_A_STORE) to make directories in a root that is not a store: no
+        ``.fsstore`` marker, and none of the directories of a store made before the
+        marker existed. An unmounted share's mount point is such a directory; writing
+        into it would split the store in two. With ``create``, write the marker."""
+        for name in (_layout.MARKER, _layout.PROJECTS, _layout.LOCKS):
+            try:
+                os.stat(name, dir_fd=rfd, follow_symlinks=False)
+                return
+            except FileNotFoundError:
+                continue
+        if not self._create:
+            raise self._not_a_store("has no .fsstore marker")
+        self.init_marker(rfd)
+
+    def init_marker(self, rfd: int) -> None:
+        """Write ``.fsstore`` (format, when, which host) unless it exists."""
+        doc = {"format": 2, "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+               "host": socket.gethostname()}
+        try:
+            self._fs.write_new(rfd, _layout.MARKER, (json.dumps(doc) + "\n").encode())
+        except FileExistsError:
+            pass
+
+    def _not_a_store(self, why: str) -> FsStoreError:
+        return FsStoreError(
+            "NOT_A_STORE",
+            f"{self.root} {why}: not an fsstore store (is the share mounted? create a store "
+            "with `fsstore init ROOT` or FsSessionStore(root, create=True))",
+            operation="append", path=self.root)
 
     def _open(
         self, rfd: int, comps: list[Component], operation: str, *, create: bool = False
@@ -287,21 +339,25 @@ class SyncStore:
 
     def _append_once(self, t: _Appending, payload: bytes) -> None:
         op = "append"
-        with self._open_root(create=True) as rfd:
-            assert rfd is not None
-            dfd = self._open(rfd, t.comps, op)
-            if dfd is None:
+        with self._open_root(create=False) as rfd:
+            dfd = self._open(rfd, t.comps, op) if rfd is not None else None
+        if dfd is None:
+            with self._open_root(create=True) as rfd:
+                assert rfd is not None
                 if self._first_commit(rfd, t, payload):
                     return
-                raise FileNotFoundError(errno.ENOENT, "created and deleted meanwhile", t.path)
+            raise FileNotFoundError(errno.ENOENT, "created and deleted meanwhile", t.path)
         try:
+            # The directory as it was: the temp file's creation can move its mtime back
+            # (a coarse clock behind the last commit's tick: see _tick_mtime).
+            before = os.fstat(dfd)
             tmp = _fsio.temp_name()
             self._fs.write_temp(dfd, tmp, payload)
             try:
                 self._locks_dir(op)
                 with self._locks.hold(t.lock_path, op) as held:
-                    before = os.fstat(dfd)
-                    seq = self._next_seq(t, dfd, before)
+                    now = os.fstat(dfd)  # after any commit that came before ours
+                    seq = self._next_seq(t, dfd, now)
                     held.check(op)
                     try:
                         seq, items = commit(self._fs, dfd, tmp, seq, t.session_marker)
@@ -312,7 +368,7 @@ class SyncStore:
                         raise
                     t.next_seq = top(items) + 1
                     tmp = self._drop_temp(dfd, tmp, t.path)
-                    self._after_commit(t, dfd, held, items, before.st_mtime_ns)
+                    self._after_commit(t, dfd, held, items, max(before.st_mtime_ns, now.st_mtime_ns))
             finally:
                 if tmp:
                     _fsio.unlink_quiet(dfd, tmp)

@@ -133,6 +133,8 @@ def build_parser() -> tuple[argparse.ArgumentParser, _Options]:
         p.add_argument("root", metavar="ROOT", type=_text, help="the store root directory")
         return p
 
+    command("init", "Create a store at ROOT (its parent must exist): writes ROOT/.fsstore.")
+
     p = command("ls", "List sessions: last-modified time, parts, bytes, subagent transcripts.")
     opts.add("ls", p, "--project", metavar="P", type=_key_part, help="only this project key")
 
@@ -508,11 +510,11 @@ def cmd_check(args: argparse.Namespace, out: TextIO, err: TextIO, progress: Prog
     return EXIT_OK if report.ok else EXIT_PROBLEMS
 
 
-_DONE_VERB = {"recommit": "committed again", "remove": "removed", "close-gap": "closed a gap",
+_DONE_VERB = {"mark": "marked", "recommit": "committed again", "remove": "removed", "close-gap": "closed a gap",
              "repair": "repair", "remove-temp": "removed", "remove-trash": "removed",
               "remove-lock-recovery": "removed", "break-lock": "broke lock", "delete": "deleted",
               "compact": "compacted", "keep": "kept", "skip": "skipped"}
-_DRY_VERB = {"recommit": "would commit again", "remove": "would remove",
+_DRY_VERB = {"mark": "would mark", "recommit": "would commit again", "remove": "would remove",
              "close-gap": "would close a gap", "repair": "repair",
              "remove-temp": "would remove", "remove-trash": "would remove",
              "remove-lock-recovery": "would remove", "break-lock": "would break lock",
@@ -545,6 +547,16 @@ def _actions(
                    else f"{what}: {done} done, {len(failed)} failed")
         out.write(summary + "\n")
     return EXIT_PROBLEMS if failed else EXIT_OK
+
+
+def cmd_init(args: argparse.Namespace, out: TextIO, err: TextIO, progress: Progress) -> int:
+    existed = m.is_store(args.root) if os.path.isdir(args.root) else False
+    _migrate.init(args.root)
+    if args.json:
+        _dump(out, {"root": args.root, "created": not existed})
+    else:
+        out.write(f"{clean(args.root)}: {'a store already' if existed else 'store created'}\n")
+    return EXIT_OK
 
 
 def cmd_migrate(args: argparse.Namespace, out: TextIO, err: TextIO, progress: Progress) -> int:
@@ -650,7 +662,7 @@ def _transfers(
 
 HANDLERS: dict[str, Handler] = {
     "ls": cmd_ls, "cat": cmd_cat, "check": cmd_check, "gc": cmd_gc, "compact": cmd_compact,
-    "migrate": cmd_migrate,
+    "migrate": cmd_migrate, "init": cmd_init,
     "prune": cmd_prune, "locks": cmd_locks, "import": cmd_import, "export": cmd_export,
 }
 

@@ -35,7 +35,7 @@ def root(tmp_path: Path) -> Path:
 
 @pytest.fixture
 def astore(root: Path) -> FsSessionStore:
-    return FsSessionStore(root)
+    return FsSessionStore(root, create=True)
 
 
 @pytest.fixture

@@ -23,7 +23,7 @@ _SCRIPT = """
 import os, sys
 sys.path.insert(0, {repo!r})
 from fsstore._store import SyncStore
-s = SyncStore({root!r}, compact_every={compact_every})
+s = SyncStore({root!r}, create=True, compact_every={compact_every})
 for i in range(1, {n} + 1):
     if i in {marks!r}:
         try: os.stat(f"/MARK-begin-{{i}}")
@@ -72,7 +72,7 @@ def test_automatic_compaction_comes_once_per_compact_every_appends(root: Path) -
 
 @pytest.mark.anyio
 async def test_cancelled_append_commits_whole_or_not_at_all(root: Path) -> None:
-    store = FsSessionStore(root)
+    store = FsSessionStore(root, create=True)
     for i in range(30):
         with anyio.move_on_after(0.0005 * (i % 5)):
             await store.append(KEY, [entry(2 * i), entry(2 * i + 1)])

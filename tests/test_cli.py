@@ -192,7 +192,7 @@ def _hold_lock_and_die(root: Path, key: dict[str, str]) -> int:
     """A writer on this host that takes the lock and is killed while holding it."""
     code = (
         "import sys, time; from fsstore._store import SyncStore\n"
-        f"s = SyncStore({str(root)!r}, summaries=False)\n"
+        f"s = SyncStore({str(root)!r}, create=True, summaries=False)\n"
         f"cm = s.locked({key!r}); cm.__enter__(); print('held', flush=True); time.sleep(60)\n"
     )
     child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
@@ -494,7 +494,7 @@ def test_import_is_idempotent_and_keys_match_the_sdk(root: Path, tmp_path: Path)
     for f in first["files"]:
         assert f["key"] == dict(file_path_to_session_key(f["path"], str(projects)) or {})
 
-    store = SyncStore(root)
+    store = SyncStore(root, create=True)
     assert store.load(KEY) == main_entries
     assert store.load({**KEY, "subpath": "subagents/agent-a"}) == [
         entry(10), {"agentType": "Explore", "type": "agent_metadata"}]
@@ -516,7 +516,7 @@ def test_import_is_idempotent_and_keys_match_the_sdk(root: Path, tmp_path: Path)
 
 
 def test_import_merges_a_diverged_transcript_once(root: Path, tmp_path: Path) -> None:
-    store = SyncStore(root)
+    store = SyncStore(root, create=True)
     store.append(KEY, [entry(1), entry(2), entry(99)])  # 99 came from another host
     projects = tmp_path / "projects"
     write_jsonl(projects / P / f"{S}.jsonl", [entry(1), entry(2), entry(3)])
@@ -612,7 +612,7 @@ WRITER = """
 import sys, time
 from fsstore._store import SyncStore
 root, sid, n = sys.argv[1], sys.argv[2], int(sys.argv[3])
-store = SyncStore(root, summaries=False, compact_every=4)
+store = SyncStore(root, create=True, summaries=False, compact_every=4)
 key = {"project_key": "-home-user-repo", "session_id": sid}
 sub = {**key, "subpath": "subagents/agent-1"}
 print("ready", flush=True)
@@ -631,7 +631,7 @@ print("done", flush=True)
 
 
 def test_every_command_is_safe_next_to_concurrent_writers(root: Path, tmp_path: Path) -> None:
-    SyncStore(root).append({"project_key": P, "session_id": "seed"}, [entry(0)])
+    SyncStore(root, create=True).append({"project_key": P, "session_id": "seed"}, [entry(0)])
     n = 150
     writers = [
         subprocess.Popen([sys.executable, "-c", WRITER, str(root), f"w{k}", str(n)],
@@ -662,7 +662,7 @@ def test_every_command_is_safe_next_to_concurrent_writers(root: Path, tmp_path: 
         for w in writers:
             w.wait(timeout=120)
     assert all(w.returncode == 0 for w in writers)
-    store = SyncStore(root, summaries=False)
+    store = SyncStore(root, create=True, summaries=False)
     for k in range(3):
         key = {"project_key": P, "session_id": f"w{k}"}
         got = store.load(key)

@@ -92,7 +92,7 @@ def actions(root: Path, older_than: float, **kw: object) -> list[tuple[str, bool
 
 def test_prune_skips_a_session_whose_transcript_it_cannot_read(shared: Path) -> None:
     root = shared / "store"
-    store = SyncStore(root, summaries=False)
+    store = SyncStore(root, create=True, summaries=False)
     store.append(KEY, [entry(1)])  # written just now
     session = tdir(root, KEY).parent
     chown_tree(shared, NOBODY)
@@ -182,7 +182,7 @@ def test_gc_ages_temp_files_by_ctime_too(root: Path, store: SyncStore) -> None:
 
 def test_gc_fails_on_a_lock_it_cannot_break(shared: Path) -> None:
     root = shared / "store"
-    SyncStore(root, summaries=False, dir_mode=0o755, file_mode=0o644).append(KEY, [entry(1)])
+    SyncStore(root, create=True, summaries=False, dir_mode=0o755, file_mode=0o644).append(KEY, [entry(1)])
     lock = lock_file(root, KEY)
     lock.write_text("999999\nother-host\n1\n")
     age(lock, 7200)
@@ -234,7 +234,7 @@ def test_import_root_must_exist_unless_create(tmp_path: Path) -> None:
     assert proc.returncode == 2 and "not a directory" in proc.stderr, proc.stdout + proc.stderr
     transfers, _ = m.import_projects(str(typo), str(projects), create=True)
     assert [t.status for t in transfers] == ["new"]
-    assert SyncStore(typo).load(KEY) == [entry(1)]
+    assert SyncStore(typo, create=True).load(KEY) == [entry(1)]
 
 
 # -- output ----------------------------------------------------------------------------

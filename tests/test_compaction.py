@@ -27,7 +27,7 @@ def files_of(root: Path) -> list[tuple[int, int]]:
 
 
 def test_automatic_compaction_keeps_load_identical_and_files_few(root: Path) -> None:
-    store = SyncStore(root, compact_every=8)
+    store = SyncStore(root, create=True, compact_every=8)
     expected = []
     for i in range(300):
         batch = [entry(i), {"type": "no-uuid", "i": i}]
@@ -45,7 +45,7 @@ def test_automatic_compaction_keeps_load_identical_and_files_few(root: Path) -> 
 
 
 def test_compact_on_demand_merges_everything_into_one_segment(root: Path) -> None:
-    store = SyncStore(root, compact_every=0)
+    store = SyncStore(root, create=True, compact_every=0)
     for i in range(20):
         store.append(KEY, [entry(i)])
     before = store.load(KEY)
@@ -70,7 +70,7 @@ def test_choose_behaves_like_a_binary_counter() -> None:
 
 
 def test_leftovers_of_a_compaction_killed_before_unlinking_are_skipped(root: Path) -> None:
-    store = SyncStore(root, compact_every=0)
+    store = SyncStore(root, create=True, compact_every=0)
     for i in range(6):
         store.append(KEY, [entry(i)])
     d = tdir(root, KEY)
@@ -84,7 +84,7 @@ def test_leftovers_of_a_compaction_killed_before_unlinking_are_skipped(root: Pat
 
 
 def test_compaction_never_copies_a_damaged_part(root: Path) -> None:
-    store = SyncStore(root, compact_every=0)
+    store = SyncStore(root, create=True, compact_every=0)
     for i in range(4):
         store.append(KEY, [entry(i)])
     bad = tdir(root, KEY) / _layout.part_name(3)
@@ -98,7 +98,7 @@ def test_compaction_never_copies_a_damaged_part(root: Path) -> None:
 def test_summary_heals_across_a_compaction(root: Path) -> None:
     from claude_agent_sdk import fold_session_summary
 
-    store = SyncStore(root, compact_every=0)
+    store = SyncStore(root, create=True, compact_every=0)
     batches = [[entry(i, message={"role": "user", "content": f"prompt {i}"}),
                 {"type": "t", "customTitle": f"title {i}"}] for i in range(5)]
     for b in batches:
@@ -117,7 +117,7 @@ def test_summary_heals_across_a_compaction(root: Path) -> None:
 
 
 def test_a_holder_past_half_its_lease_publishes_nothing(root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    store = SyncStore(root, stale_lock_seconds=0.2)
+    store = SyncStore(root, create=True, stale_lock_seconds=0.2)
     store.append(KEY, [entry(1)])
     real = SyncStore._next_seq
 
@@ -138,21 +138,21 @@ def test_a_holder_past_half_its_lease_publishes_nothing(root: Path, monkeypatch:
 
 
 def _writer(root: str, n: int, start: Any) -> None:
-    store = SyncStore(root, compact_every=3)
+    store = SyncStore(root, create=True, compact_every=3)
     start.wait()
     for i in range(n):
         store.append(KEY, [entry(2 * i), entry(2 * i + 1)])
 
 
 def _compactor(root: str, start: Any, stop: Any) -> None:
-    store = SyncStore(root, compact_every=0)
+    store = SyncStore(root, create=True, compact_every=0)
     start.wait()
     while not stop.is_set():
         store.compact(KEY)
 
 
 def _reader(root: str, start: Any, stop: Any, out: Any) -> None:
-    store = SyncStore(root)
+    store = SyncStore(root, create=True)
     snapshots = []
     start.wait()
     while not stop.is_set():
@@ -181,7 +181,7 @@ def race_root(request: pytest.FixtureRequest, root: Path) -> Iterator[Path]:
 def test_readers_racing_compaction_see_every_entry_exactly_once(race_root: Path) -> None:
     root = race_root
     ctx = mp.get_context("spawn")
-    SyncStore(root).append(KEY, [entry(-1)])
+    SyncStore(root, create=True).append(KEY, [entry(-1)])
     # Everyone starts together: a reader still starting up when the writer is done
     # would see nothing of the race.
     start, stop, out = ctx.Barrier(4), ctx.Event(), ctx.Queue()
@@ -197,7 +197,7 @@ def test_readers_racing_compaction_see_every_entry_exactly_once(race_root: Path)
     for p in others:
         p.join(60)
     assert [p.exitcode for p in (writer, *others)] == [0, 0, 0, 0]
-    final = [e["uuid"] for e in SyncStore(root).load(KEY) or []]
+    final = [e["uuid"] for e in SyncStore(root, create=True).load(KEY) or []]
     assert final == ["u--1"] + [f"u-{i}" for i in range(300)]
     assert len(snapshots) > 20
     assert any(1 < len(snap) < len(final) for snap in snapshots), "no load overlapped the writer"
@@ -206,7 +206,7 @@ def test_readers_racing_compaction_see_every_entry_exactly_once(race_root: Path)
 
 
 def test_compaction_keeps_the_session_mtime_and_file_ages(root: Path) -> None:
-    store = SyncStore(root, compact_every=0)
+    store = SyncStore(root, create=True, compact_every=0)
     for i in range(3):
         store.append(KEY, [entry(i)])
     old = time.time() - 10 * 86400
@@ -221,7 +221,7 @@ def test_compaction_keeps_the_session_mtime_and_file_ages(root: Path) -> None:
 
 
 def test_compaction_refuses_to_hide_a_sequence_gap(root: Path) -> None:
-    store = SyncStore(root, compact_every=0)
+    store = SyncStore(root, create=True, compact_every=0)
     for i in range(3):
         store.append(KEY, [entry(i)])
     (tdir(root, KEY) / _layout.part_name(2)).unlink()  # lost by hand
@@ -229,7 +229,7 @@ def test_compaction_refuses_to_hide_a_sequence_gap(root: Path) -> None:
         store.compact(KEY)
     assert info.value.code == "CORRUPT" and "gap" in info.value.message
     assert parts_of(root, KEY) == [_layout.part_name(1), _layout.part_name(3)]
-    auto = SyncStore(root, compact_every=2)
+    auto = SyncStore(root, create=True, compact_every=2)
     auto.append(KEY, [entry(3)])  # the automatic compaction fails, the append does not
     assert auto.load(KEY) == [entry(0), entry(2), entry(3)]
 
@@ -240,16 +240,16 @@ def test_a_writer_whose_number_was_compacted_away_commits_again_above(root: Path
     a's link of 3 succeeds (the name is free again), but its check finds 3 inside
     the segment's range, where readers do not look: a commits the batch again above
     the segment before it returns, and leaves nothing at 3."""
-    a = SyncStore(root, compact_every=0)
+    a = SyncStore(root, create=True, compact_every=0)
     a.append(KEY, [entry(1)])
     a.append(KEY, [entry(2)])
-    b = SyncStore(root, compact_every=0)
+    b = SyncStore(root, create=True, compact_every=0)
     for i in range(3, 7):
         b.append(KEY, [entry(i)])
     b.compact(KEY)
     assert files_of(root) == [(1, 6)]
     a.append(KEY, [entry(7)])
-    assert SyncStore(root).load(KEY) == [entry(i) for i in range(1, 8)]
+    assert SyncStore(root, create=True).load(KEY) == [entry(i) for i in range(1, 8)]
     assert files_of(root) == [(1, 6), (7, 7)]
     assert not [p for p in tdir(root, KEY).iterdir() if p.name.startswith(".tmp-")]
 
@@ -257,7 +257,7 @@ def test_a_writer_whose_number_was_compacted_away_commits_again_above(root: Path
 def test_a_part_inside_a_segment_range_is_not_part_of_the_transcript(root: Path) -> None:
     """A leftover of a compaction (or a stale writer's link before it commits again
     above) is skipped by readers and removed by the next compaction."""
-    store = SyncStore(root, compact_every=0)
+    store = SyncStore(root, create=True, compact_every=0)
     for i in range(4):
         store.append(KEY, [entry(i)])
     store.compact(KEY)  # segment 1-4
@@ -273,7 +273,7 @@ def test_overlapping_segments_of_two_compactions_keep_every_entry_once(root: Pat
     leave segments whose ranges cross: 1-4 over parts 1-4, and 3-6 over 3-6 whose
     parts are gone. Readers take the chain that reaches the end; compaction
     refuses a segment that crosses another, leaving its files."""
-    store = SyncStore(root, compact_every=0)
+    store = SyncStore(root, create=True, compact_every=0)
     for i in range(6):
         store.append(KEY, [entry(i)])
     d = tdir(root, KEY)
@@ -348,13 +348,13 @@ def test_a_listing_torn_by_racing_compactions_is_listed_again_until_whole(
     listings), load never returns a transcript with a hole: the listing after the
     read differs, and it reads again (under the lock after a few tries, where it
     may take it)."""
-    store = SyncStore(root, compact_every=0)
+    store = SyncStore(root, create=True, compact_every=0)
     for i in range(12):
         store.append(KEY, [entry(i)])
     taken = _spy_lock(monkeypatch, can_lock=can_lock)
     calls = _racing_listings(
         monkeypatch, lambda n, items: [it for it in items if it[2] != _layout.part_name(2 + n)],
-        6, SyncStore(root, compact_every=0), taken)
+        6, SyncStore(root, create=True, compact_every=0), taken)
     got = store.load(KEY)
     assert got == [entry(i) for i in range(12)] + [entry(100 + k) for k in range(1, len(calls) + 1)]
     assert calls == [1] * 6 and taken == []
@@ -380,7 +380,7 @@ def test_a_listing_torn_at_the_tail_is_listed_again(
     of it) a listing has no gap, only ends early: the listing after the read shows
     a segment beyond it, which may hold parts committed before the load began. Read
     again."""
-    store = SyncStore(root, compact_every=0)
+    store = SyncStore(root, create=True, compact_every=0)
     for i in range(6):
         store.append(KEY, [entry(i)])
     store.compact(KEY)
@@ -406,7 +406,7 @@ def test_a_stale_directory_cache_gives_a_prefix_not_an_error(
     """A stale directory cache (NFS, sshfs) lists a transcript as it was: without its
     newest parts. That is an older consistent view, returned as it is: a prefix, with
     no warning and no lock."""
-    store = SyncStore(root, compact_every=0)
+    store = SyncStore(root, create=True, compact_every=0)
     for i in range(5):
         store.append(KEY, [entry(i)])
     taken = _spy_lock(monkeypatch, can_lock=True)
@@ -423,12 +423,12 @@ def test_a_real_gap_is_loaded_with_a_warning_while_appends_go_on(
     """A part lost by hand is damage: load returns the rest with a GAP warning at
     once, also while another writer keeps appending (the listing after the read
     differs at the tail only: the damage stays)."""
-    store = SyncStore(root, compact_every=0)
+    store = SyncStore(root, create=True, compact_every=0)
     for i in range(6):
         store.append(KEY, [entry(i)])
     (tdir(root, KEY) / _layout.part_name(2)).unlink()
     taken = _spy_lock(monkeypatch, can_lock=can_lock)
-    calls = _racing_listings(monkeypatch, lambda _n, items: items, 10, SyncStore(root, compact_every=0), taken)
+    calls = _racing_listings(monkeypatch, lambda _n, items: items, 10, SyncStore(root, create=True, compact_every=0), taken)
     got = store.load(KEY)
     assert got == [entry(i) for i in range(6) if i != 1] + [entry(100 + k) for k in range(1, 2)]
     assert len(calls) == 2 and taken == []
@@ -436,7 +436,7 @@ def test_a_real_gap_is_loaded_with_a_warning_while_appends_go_on(
 
 
 def _fast_writer(root: str, stop: Any) -> None:
-    store = SyncStore(root, compact_every=4, summaries=False)
+    store = SyncStore(root, create=True, compact_every=4, summaries=False)
     i = 0
     while not stop.is_set():
         store.append(KEY, [entry(100_000 + i)])
@@ -450,7 +450,7 @@ def test_a_reader_outpaced_by_compaction_reads_under_the_lock(
     read; a reader that keeps losing reads under the lock instead of giving up."""
     from fsstore import _store
 
-    seed = SyncStore(root, compact_every=0, summaries=False)
+    seed = SyncStore(root, create=True, compact_every=0, summaries=False)
     for i in range(2000):
         seed.append(KEY, [entry(i)])
     monkeypatch.setattr(_store, "_LOAD_ATTEMPTS", 10)  # fewer chances, so losing is likely
@@ -479,7 +479,7 @@ _DIES_BEFORE_STATE = r'''
 import os, sys
 import fsstore._store as s
 s.write_state = lambda *a, **k: os._exit(9)  # killed right after its commit point
-s.SyncStore(sys.argv[1], compact_every=0, summaries=False).append(
+s.SyncStore(sys.argv[1], create=True, compact_every=0, summaries=False).append(
     {"project_key": "-home-user-repo", "session_id": sys.argv[2]}, [{"uuid": sys.argv[3]}])
 '''
 
@@ -489,7 +489,7 @@ def test_check_reports_the_leftovers_of_an_interrupted_compaction(
 ) -> None:
     from fsstore import _maintenance
 
-    store = SyncStore(root, compact_every=0)
+    store = SyncStore(root, create=True, compact_every=0)
     for i in range(4):
         store.append(KEY, [entry(i)])
     monkeypatch.setattr(_compact, "_remove_covered", lambda *a: None)  # killed before step 6
@@ -507,7 +507,7 @@ def test_check_next_to_a_writer_compacting_faster_than_it_reads_finds_nothing(ro
     20 and report a merged file as unreadable)."""
     from fsstore import _maintenance
 
-    seed = SyncStore(root, compact_every=0, summaries=False)
+    seed = SyncStore(root, create=True, compact_every=0, summaries=False)
     for i in range(1000):
         seed.append(KEY, [entry(i)])
     ctx = mp.get_context("fork")
@@ -553,7 +553,7 @@ def test_a_damaged_transcript_loaded_under_its_own_lock_does_not_wait_for_it(
 
     from fsstore import FsSessionStore
 
-    store = SyncStore(root, compact_every=0)
+    store = SyncStore(root, create=True, compact_every=0)
     for i in range(4):
         store.append(KEY, [entry(i)])
     (tdir(root, KEY) / _layout.part_name(2)).unlink()
@@ -562,7 +562,7 @@ def test_a_damaged_transcript_loaded_under_its_own_lock_does_not_wait_for_it(
         with store.locked(KEY):
             got = store.load(KEY)
     else:
-        astore = FsSessionStore(root=root)
+        astore = FsSessionStore(root=root, create=True)
 
         async def main() -> Any:
             async with astore.locked(KEY):
@@ -580,7 +580,7 @@ def test_prune_of_an_old_damaged_session_does_not_wait_for_its_own_locks(
     listing) must not make it ask for those locks again."""
     from fsstore import _maintenance
 
-    store = SyncStore(root, compact_every=0)
+    store = SyncStore(root, create=True, compact_every=0)
     for i in range(4):
         store.append(KEY, [entry(i)])
     (tdir(root, KEY) / _layout.part_name(2)).unlink()
@@ -601,7 +601,7 @@ def test_a_transcript_deleted_while_loaded_is_gone_not_damaged(
     its reads: the reader sees a delete, not damage: no GAP warning, no CORRUPT, None."""
     from fsstore import _transcript
 
-    store = SyncStore(root, compact_every=0)
+    store = SyncStore(root, create=True, compact_every=0)
     for i in range(4):
         store.append(KEY, [entry(i)])
     if compacted:
@@ -613,7 +613,7 @@ def test_a_transcript_deleted_while_loaded_is_gone_not_damaged(
         got = real_scan(dir_fd)
         calls.append(1)
         if len(calls) == 1:
-            SyncStore(root).delete(KEY)  # between this listing and the reads
+            SyncStore(root, create=True).delete(KEY)  # between this listing and the reads
         return got
 
     monkeypatch.setattr(_transcript, "scan", scan)

@@ -33,7 +33,7 @@ def _cli(*args: str) -> subprocess.CompletedProcess[str]:
 def test_a_format_1_store_loads_as_it_is_and_takes_appends(tmp_path: Path) -> None:
     root = _extract("format1-store.tar.gz", tmp_path)
     expected: dict[str, Any] = json.loads((root / "EXPECTED.json").read_text())
-    store = FsSessionStore(root).sync
+    store = FsSessionStore(root, create=True).sync
     for k, entries in expected.items():
         assert store.load(json.loads(k)) == entries
     assert len(store.list_sessions("-home-alice-repo")) == 2
@@ -56,7 +56,7 @@ def test_migrate_recovers_a_transcript_format_1_left_corrupt(tmp_path: Path) -> 
     key = {"project_key": "-overlap", "session_id": "s"}
 
     def batches() -> list[str]:
-        got = FsSessionStore(root).sync.load(key) or []
+        got = FsSessionStore(root, create=True).sync.load(key) or []
         return [e["b"] for e in got if e["uuid"].endswith("-0")]
 
     assert not acked <= set(batches())  # format 2 alone skips the misplaced batch
@@ -75,7 +75,7 @@ def test_migrate_recovers_a_transcript_format_1_left_corrupt(tmp_path: Path) -> 
 
 def test_check_repair_closes_a_gap_and_names_what_was_lost(tmp_path: Path) -> None:
     root = tmp_path / "store"
-    store = FsSessionStore(root).sync
+    store = FsSessionStore(root, create=True).sync
     key = {"project_key": "p", "session_id": "s"}
     for i in range(5):
         store.append(key, [{"uuid": f"u{i}"}])
@@ -93,7 +93,7 @@ def test_check_repair_closes_a_gap_and_names_what_was_lost(tmp_path: Path) -> No
 @pytest.mark.parametrize("args", [["migrate"], ["check", "--repair"]])
 def test_migrate_and_repair_of_a_healthy_format_2_store_change_nothing(tmp_path: Path, args: list[str]) -> None:
     root = tmp_path / "store"
-    store = FsSessionStore(root).sync
+    store = FsSessionStore(root, create=True).sync
     key = {"project_key": "p", "session_id": "s"}
     for i in range(20):
         store.append(key, [{"uuid": f"u{i}"}])

@@ -130,7 +130,7 @@ def test_check_of_a_directory_that_is_not_a_store_says_so(tmp_path: Path) -> Non
 
 def test_prune_keeps_a_session_with_an_unreadable_part(shared: Path) -> None:  # noqa: F811
     root = shared / "store"
-    store = SyncStore(root, summaries=False)
+    store = SyncStore(root, create=True, summaries=False)
     store.append(KEY, [entry(1)])
     store.append(KEY, [entry(2)])
     chown_tree(shared, NOBODY)
@@ -182,7 +182,7 @@ def test_a_writer_with_raised_limits_cannot_write_what_readers_fail_on(store: Sy
 
 @pytest.mark.anyio
 async def test_the_async_api_rejects_deep_entries_its_worker_could_encode(root: Path) -> None:
-    astore = FsSessionStore(root)
+    astore = FsSessionStore(root, create=True)
     with pytest.raises(FsStoreError) as err:
         await astore.append(KEY, [nested(991)])
     assert err.value.code == "INVALID_ENTRY"
@@ -210,7 +210,7 @@ def test_load_of_a_file_no_reader_can_parse_is_corrupt_with_file_and_line(
 
 @pytest.mark.parametrize("summaries", [False, None])
 def test_nothing_after_the_commit_point_raises_out_of_append(root: Path, summaries: bool | None) -> None:
-    store = SyncStore(root, compact_every=2, summaries=summaries)
+    store = SyncStore(root, create=True, compact_every=2, summaries=summaries)
     store.append(KEY, [entry(1)])
     (tdir(root, KEY) / _layout.part_name(2)).write_text(deep_line(5000))  # what an old writer left
     store.append(KEY, [entry(3)])  # commits; the compaction (and summary) after it fail, logged
@@ -248,7 +248,7 @@ def test_import_reports_a_file_with_an_unreadable_line_and_goes_on(
 
 def test_locks_says_when_it_cannot_read_the_lock_directory(shared: Path) -> None:  # noqa: F811
     root = shared / "store"
-    SyncStore(root, summaries=False, dir_mode=0o755, file_mode=0o644).append(KEY, [entry(1)])
+    SyncStore(root, create=True, summaries=False, dir_mode=0o755, file_mode=0o644).append(KEY, [entry(1)])
     (root / _layout.LOCKS).chmod(0o700)  # root's: the operator cannot list it
     rc, out = as_nobody("locks", root)
     assert rc == 1, out
@@ -258,7 +258,7 @@ def test_locks_says_when_it_cannot_read_the_lock_directory(shared: Path) -> None
 
 def test_list_sessions_lists_the_readable_sessions_and_names_the_other(shared: Path) -> None:  # noqa: F811
     root = shared / "store"
-    store = SyncStore(root, summaries=False, dir_mode=0o755, file_mode=0o644)
+    store = SyncStore(root, create=True, summaries=False, dir_mode=0o755, file_mode=0o644)
     hidden = {"project_key": P, "session_id": "hidden"}
     store.append(KEY, [entry(1)])
     store.append(hidden, [entry(2)])
@@ -272,7 +272,7 @@ def test_list_sessions_lists_the_readable_sessions_and_names_the_other(shared: P
                 seen.append(f"{getattr(record, 'code', '?')} {getattr(record, 'path', '')}")
 
         logging.getLogger("fsstore").addHandler(Keep())
-        sessions = SyncStore(root, summaries=False).list_sessions(P)
+        sessions = SyncStore(root, create=True, summaries=False).list_sessions(P)
         return [s["session_id"] for s in sessions], seen
 
     sessions, logged = as_nobody_call(listing)
@@ -284,7 +284,7 @@ def test_list_sessions_lists_the_readable_sessions_and_names_the_other(shared: P
 
 
 def test_append_and_compact_inside_locked_do_not_wait_for_themselves(root: Path) -> None:
-    store = SyncStore(root, lock_timeout_seconds=5)
+    store = SyncStore(root, create=True, lock_timeout_seconds=5)
     started = time.monotonic()
     with store.locked(KEY):
         store.append(KEY, [entry(1)])
@@ -299,7 +299,7 @@ def test_append_and_compact_inside_locked_do_not_wait_for_themselves(root: Path)
 
 
 def test_an_append_inside_locked_keeps_the_holders_lease(root: Path) -> None:
-    store = SyncStore(root, stale_lock_seconds=0.4)
+    store = SyncStore(root, create=True, stale_lock_seconds=0.4)
     with store.locked(KEY):
         time.sleep(0.3)  # past half of stale_lock_seconds: another host may reclaim it
         with pytest.raises(FsStoreError) as err:
@@ -309,7 +309,7 @@ def test_an_append_inside_locked_keeps_the_holders_lease(root: Path) -> None:
 
 
 def test_another_thread_still_waits_for_a_lock_held_by_locked(root: Path) -> None:
-    store = SyncStore(root, lock_timeout_seconds=0.3)
+    store = SyncStore(root, create=True, lock_timeout_seconds=0.3)
     errors: list[BaseException] = []
 
     def other() -> None:
@@ -328,7 +328,7 @@ def test_another_thread_still_waits_for_a_lock_held_by_locked(root: Path) -> Non
 
 @pytest.mark.anyio
 async def test_the_async_store_locks_with_async_with(root: Path) -> None:
-    astore = FsSessionStore(root, lock_timeout_seconds=5)
+    astore = FsSessionStore(root, create=True, lock_timeout_seconds=5)
     started = time.monotonic()
     async with astore.locked(KEY):
         assert lock_file(root, KEY).exists()
@@ -346,7 +346,7 @@ def test_lock_timeout_says_who_holds_the_lock(root: Path, store: SyncStore) -> N
     lock = lock_file(root, KEY)
     lock.write_text("4242\nbuild-host-7\n1\n")
     age(lock, 5)
-    waiter = SyncStore(root, lock_timeout_seconds=0.2, stale_lock_seconds=3600)
+    waiter = SyncStore(root, create=True, lock_timeout_seconds=0.2, stale_lock_seconds=3600)
     with pytest.raises(FsStoreError) as err:
         waiter.append(KEY, [entry(2)])
     message = str(err.value)
@@ -365,7 +365,7 @@ def test_the_library_prints_nothing_when_logging_is_not_configured(root: Path) -
     script = f"""
 import json, logging
 from fsstore import FsSessionStore, FsStoreError
-store = FsSessionStore({str(root)!r}).sync
+store = FsSessionStore({str(root)!r}, create=True).sync
 key = {json.dumps(KEY)}
 store.append(key, [{{"uuid": "a"}}])
 with open({str(tdir(root, KEY) / _layout.part_name(2))!r}, "w") as fh:
@@ -382,3 +382,68 @@ assert any(isinstance(h, logging.NullHandler) for h in logging.getLogger("fsstor
                           timeout=60, check=False)
     assert proc.returncode == 0, proc.stderr
     assert proc.stderr == ""
+
+
+# -- 1. a missing mount never becomes a local store ------------------------------------
+
+
+def test_a_missing_mount_is_refused_not_made_a_local_store(tmp_path: Path) -> None:
+    """The mount point exists while the share is not mounted: an empty directory.
+    Nothing is written there, and nothing above a root that does not exist is made."""
+    from fsstore import FsSessionStore, FsStoreError
+
+    key = {"project_key": "p", "session_id": "s"}
+    mount_point = tmp_path / "mnt"
+    mount_point.mkdir()
+    for root in (mount_point, mount_point / "agent-sessions", tmp_path / "gone" / "agent-sessions"):
+        store = FsSessionStore(root).sync
+        with pytest.raises(FsStoreError) as info:
+            store.append(key, [{"uuid": "u"}])
+        assert info.value.code == "NOT_A_STORE" and info.value.path == str(root)
+        assert "mounted" in info.value.message
+        assert store.load(key) is None and store.list_sessions("p") == []
+    assert list(mount_point.iterdir()) == [] and not (tmp_path / "gone").exists()
+
+
+def test_create_makes_the_root_and_its_marker_but_never_its_parents(tmp_path: Path) -> None:
+    import json as json_mod
+    import socket
+
+    from fsstore import FsSessionStore, FsStoreError
+
+    key = {"project_key": "p", "session_id": "s"}
+    store = FsSessionStore(tmp_path / "store", create=True).sync
+    assert not (tmp_path / "store").exists()  # nothing before the first write
+    store.append(key, [{"uuid": "u"}])
+    marker = json_mod.loads((tmp_path / "store" / ".fsstore").read_text())
+    assert marker["format"] == 2 and marker["host"] == socket.gethostname() and marker["created"]
+    deep = FsSessionStore(tmp_path / "no" / "such" / "store", create=True).sync
+    with pytest.raises(FsStoreError) as info:
+        deep.append(key, [{"uuid": "u"}])
+    assert info.value.code == "ENOENT" and not (tmp_path / "no").exists()
+
+
+def test_fsstore_init_creates_a_store_that_opens_without_create(tmp_path: Path) -> None:
+    from fsstore import FsSessionStore
+
+    r = subprocess.run([sys.executable, "-m", "fsstore", "init", str(tmp_path / "store")],
+                       capture_output=True, text=True, timeout=60, check=False)
+    assert r.returncode == 0 and "store created" in r.stdout, r.stdout + r.stderr
+    FsSessionStore(tmp_path / "store").sync.append({"project_key": "p", "session_id": "s"}, [{"u": 1}])
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    r = subprocess.run([sys.executable, "-m", "fsstore", "check", str(empty)],
+                       capture_output=True, text=True, timeout=60, check=False)
+    assert r.returncode != 0 and "not an fsstore store" in r.stdout + r.stderr
+
+
+def test_a_store_made_before_the_marker_is_recognized_and_migrate_marks_it(tmp_path: Path) -> None:
+    from fsstore import FsSessionStore
+
+    root = tmp_path / "store"
+    FsSessionStore(root, create=True).sync.append({"project_key": "p", "session_id": "s"}, [{"u": 1}])
+    (root / ".fsstore").unlink()  # as fsstore before the marker left it: projects/, .locks/
+    FsSessionStore(root).sync.append({"project_key": "p", "session_id": "t"}, [{"u": 2}])
+    r = subprocess.run([sys.executable, "-m", "fsstore", "migrate", str(root)],
+                       capture_output=True, text=True, timeout=60, check=False)
+    assert r.returncode == 0 and (root / ".fsstore").exists(), r.stdout + r.stderr

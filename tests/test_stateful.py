@@ -67,7 +67,7 @@ class StoreMatchesModel(RuleBasedStateMachine):
         from claude_agent_sdk import InMemorySessionStore
 
         self.dir = tempfile.mkdtemp(prefix="fsstore-stateful-")
-        self.store = SyncStore(self.dir)
+        self.store = SyncStore(self.dir, create=True)
         self.model = InMemorySessionStore()
         self.keys: set[tuple[str, str, str | None]] = set()
 

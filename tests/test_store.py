@@ -103,7 +103,7 @@ json_values = st.recursive(
 @settings(max_examples=60, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(batch=st.lists(st.dictionaries(st.text(max_size=8), json_values, max_size=5), min_size=1, max_size=4))
 def test_entries_round_trip_deep_equal(tmp_path: Path, batch: list[dict[str, Any]]) -> None:
-    store = SyncStore(tmp_path / f"s{time.monotonic_ns()}")
+    store = SyncStore(tmp_path / f"s{time.monotonic_ns()}", create=True)
     batch = [{"type": "x", **e} for e in batch]
     store.append(KEY, batch)
     loaded = store.load(KEY)
@@ -137,7 +137,7 @@ sys.path.insert(0, {str(Path(__file__).parent.parent)!r})
 from fsstore import FsStoreError
 from fsstore._store import SyncStore
 sys.setrecursionlimit(100_000)
-s = SyncStore({str(tmp_path / "s")!r})
+s = SyncStore({str(tmp_path / "s")!r}, create=True)
 e = {{"type": "user"}}
 e["self"] = e
 try:
@@ -244,7 +244,7 @@ def test_unparseable_part_is_corruption_naming_file_and_line(
 
 def test_commit_never_overwrites_when_a_writer_view_is_behind(root: Path) -> None:
     """A writer whose remembered next number was taken by another takes the next free one."""
-    a, b = SyncStore(root), SyncStore(root)
+    a, b = SyncStore(root, create=True), SyncStore(root, create=True)
     a.append(KEY, [entry(1)])
     a.append(KEY, [entry(2)])  # a now remembers 3 as its next number
     b.append(KEY, [entry(3)])  # b takes 3
@@ -376,7 +376,7 @@ def test_summary_mtime_uses_the_list_sessions_clock(store: SyncStore, root: Path
 
 
 def test_summaries_off_without_claude_sdk_leaves_sessions_out(root: Path) -> None:
-    store = SyncStore(root, summaries=False)
+    store = SyncStore(root, create=True, summaries=False)
     store.append(KEY, BATCHES[0])
     assert store.list_session_summaries(KEY["project_key"]) == []
     assert [s["session_id"] for s in store.list_sessions(KEY["project_key"])] == [KEY["session_id"]]
@@ -520,7 +520,7 @@ def test_threads_appending_one_transcript_are_serialized(store: SyncStore) -> No
 
 
 def _hold_lock(root: str, ready: Any, release: Any) -> None:
-    with SyncStore(root).locked(KEY):
+    with SyncStore(root, create=True).locked(KEY):
         ready.set()
         release.wait(30)
 
@@ -534,7 +534,7 @@ def test_lock_timeout_is_retryable_not_a_timeout_error(root: Path) -> None:
     holder.start()
     try:
         assert ready.wait(30)
-        store = SyncStore(root, lock_timeout_seconds=0.5)
+        store = SyncStore(root, create=True, lock_timeout_seconds=0.5)
         with pytest.raises(FsStoreError) as info:
             store.append(KEY, [entry(1)])
         assert info.value.code == "LOCK_TIMEOUT" and info.value.operation == "append"
@@ -548,7 +548,7 @@ def test_lock_timeout_is_retryable_not_a_timeout_error(root: Path) -> None:
 
 
 def test_lock_of_a_dead_holder_on_another_host_is_reclaimed_by_age(root: Path) -> None:
-    store = SyncStore(root, stale_lock_seconds=1.0, lock_timeout_seconds=10)
+    store = SyncStore(root, create=True, stale_lock_seconds=1.0, lock_timeout_seconds=10)
     store.append(KEY, [entry(1)])
     lock = lock_file(root, KEY)
     lock.write_text("4242\nsome-other-host\n")
@@ -575,13 +575,13 @@ def test_fsync_syncs_part_and_directory(root: Path, monkeypatch: pytest.MonkeyPa
         real(fd)
 
     monkeypatch.setattr(os, "fsync", spy)
-    store = SyncStore(root, fsync=True)
+    store = SyncStore(root, create=True, fsync=True)
     store.append(KEY, [entry(1)])
     synced.clear()
     store.append(KEY, [entry(2)])
     assert synced == ["file", "dir"]  # the part before it is visible, then its directory
     synced.clear()
-    SyncStore(root, fsync=False).append(KEY, [entry(3)])
+    SyncStore(root, create=True, fsync=False).append(KEY, [entry(3)])
     assert synced == []
 
 
@@ -601,12 +601,12 @@ def test_directory_fsync_refused_by_the_mount_degrades_once(
         real(fd)
 
     monkeypatch.setattr(os, "fsync", fuse_like)
-    store = SyncStore(root, fsync=True)
+    store = SyncStore(root, create=True, fsync=True)
     with caplog.at_level(logging.WARNING, logger="fsstore"):
         for i in range(3):
             store.append(KEY, [entry(i)])
     assert store.load(KEY) == [entry(i) for i in range(3)]
-    assert calls.count("dir") == 1 and calls.count("file") == 3
+    assert calls.count("dir") == 1 and calls.count("file") == 4  # the .fsstore marker, 3 parts
     assert len([r for r in caplog.records if "directory fsync" in r.getMessage()]) == 1
 
 
@@ -621,7 +621,7 @@ def test_default_modes_are_0700_and_0600(store: SyncStore, root: Path) -> None:
 def test_modes_are_configurable_for_group_sharing(root: Path) -> None:
     old = os.umask(0o022)
     try:
-        store = SyncStore(root, dir_mode=0o770, file_mode=0o660)
+        store = SyncStore(root, create=True, dir_mode=0o770, file_mode=0o660)
         store.append(KEY, [entry(1)])
     finally:
         os.umask(old)
@@ -687,7 +687,7 @@ def test_failure_after_the_commit_point_does_not_fail_the_append(
             raise OSError(errno.EIO, "Input/output error")
         real(fd)
 
-    store = SyncStore(root, fsync=True)
+    store = SyncStore(root, create=True, fsync=True)
     store.append(KEY, [entry(1)])
     monkeypatch.setattr(os, "fsync", dir_fsync_eio)
     with caplog.at_level(logging.ERROR, logger="fsstore"):
@@ -710,7 +710,7 @@ def test_a_fifo_named_like_a_part_is_corruption_not_a_hang(store: SyncStore, roo
 
 def test_two_writers_alternating_keep_sequence_and_summary_right(root: Path) -> None:
     """Each store object remembers the state it wrote; another writer's write must win."""
-    a, b = SyncStore(root), SyncStore(root)
+    a, b = SyncStore(root, create=True), SyncStore(root, create=True)
     batches = [[entry(i, message={"role": "user", "content": f"p{i}"}),
                 {"type": "t", "customTitle": f"title {i}"}] for i in range(6)]
     for i, batch in enumerate(batches):
@@ -729,7 +729,7 @@ def test_two_writers_alternating_keep_sequence_and_summary_right(root: Path) -> 
                                     {"compact_every": -1}, {"file_mode": 0o70000}])
 def test_bad_options_are_refused_up_front(root: Path, option: dict[str, Any]) -> None:
     with pytest.raises(ValueError):
-        FsSessionStore(root, **option)
+        FsSessionStore(root, create=True, **option)
     assert not root.exists()
 
 
@@ -772,7 +772,7 @@ def _open_fds() -> int:
 
 @pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="counts /proc/self/fd")
 def test_kept_descriptors_are_bounded_and_given_back_on_delete(root: Path) -> None:
-    store = SyncStore(root, summaries=False)
+    store = SyncStore(root, create=True, summaries=False)
     store.append(KEY, [entry(0)])
     before = _open_fds()
     keys = [{**KEY, "session_id": f"s{i}"} for i in range(200)]
@@ -787,7 +787,7 @@ def test_kept_descriptors_are_bounded_and_given_back_on_delete(root: Path) -> No
 
 
 def test_append_after_another_process_deleted_goes_to_the_new_transcript(root: Path) -> None:
-    a, b = SyncStore(root), SyncStore(root)
+    a, b = SyncStore(root, create=True), SyncStore(root, create=True)
     a.append(KEY, [entry(1)])
     a.append(SUB, [entry(2)])
     b.delete(KEY)  # a remembers the old states (and keeps an old spare open)
@@ -798,7 +798,7 @@ def test_append_after_another_process_deleted_goes_to_the_new_transcript(root: P
 
 
 def test_append_after_the_directory_was_moved_by_hand_goes_to_the_path(root: Path, tmp_path: Path) -> None:
-    store = SyncStore(root)
+    store = SyncStore(root, create=True)
     store.append(KEY, [entry(1)])
     moved = tmp_path / "backup-main"
     tdir(root, KEY).rename(moved)  # an operator moves it away while the writer runs
@@ -809,7 +809,7 @@ def test_append_after_the_directory_was_moved_by_hand_goes_to_the_path(root: Pat
 
 
 def test_a_directory_moved_and_replaced_by_a_symlink_to_it_is_refused(root: Path, tmp_path: Path) -> None:
-    store = SyncStore(root)
+    store = SyncStore(root, create=True)
     store.append(KEY, [entry(1)])
     main = tdir(root, KEY)
     moved = tmp_path / "elsewhere"
@@ -830,12 +830,12 @@ def test_append_after_a_directory_was_replaced_by_hand_goes_to_the_path(root: Pa
     into the new directory made the old one look current."""
     import subprocess
 
-    store = SyncStore(root, compact_every=0)
+    store = SyncStore(root, create=True, compact_every=0)
     for i in range(3):
         store.append(KEY, [entry(i)])
     subprocess.run(["sh", "-c", how], cwd=tdir(root, KEY).parent, check=True)
     store.append(KEY, [entry(3)])
-    assert SyncStore(root).load(KEY) == [entry(i) for i in range(4)]
+    assert SyncStore(root, create=True).load(KEY) == [entry(i) for i in range(4)]
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="counts /proc/self/fd")
@@ -846,7 +846,7 @@ def test_first_appends_racing_in_threads_leave_no_descriptor_behind(root: Path) 
     old = sys.getswitchinterval()
     sys.setswitchinterval(1e-6)  # make the threads interleave as much as they can
     try:
-        stores = [SyncStore(root, compact_every=0)]
+        stores = [SyncStore(root, create=True, compact_every=0)]
         for i in range(100):
             key = {**KEY, "session_id": f"s{i}"}
             barrier = threading.Barrier(6)
@@ -902,7 +902,7 @@ def test_a_store_used_before_a_fork_works_in_the_child_and_the_parent(root: Path
     # made and used at import time is then used by every child. filelock refuses a
     # lock object inherited across a fork, and the held state files are the parent's
     # descriptors: the child must start from nothing of either (found by review).
-    store = SyncStore(root, compact_every=0)
+    store = SyncStore(root, create=True, compact_every=0)
     store.append(KEY, [entry(1)])
     store.append(KEY, [entry(2)])  # the state files are held open from here on
     pid = os.fork()
@@ -916,4 +916,4 @@ def test_a_store_used_before_a_fork_works_in_the_child_and_the_parent(root: Path
     _, status = os.waitpid(pid, 0)
     assert os.waitstatus_to_exitcode(status) == 0
     store.append(KEY, [entry(4)])
-    assert SyncStore(root).load(KEY) == [entry(i) for i in range(1, 5)]
+    assert SyncStore(root, create=True).load(KEY) == [entry(i) for i in range(1, 5)]

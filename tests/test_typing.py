@@ -17,7 +17,7 @@ from claude_agent_sdk import ClaudeAgentOptions
 from qoder_agent_sdk import QoderAgentOptions
 from fsstore import FsSessionStore, FsStoreError
 
-store = FsSessionStore("/tmp/fsstore-typing")
+store = FsSessionStore("/tmp/fsstore-typing", create=True)
 ClaudeAgentOptions(session_store=store)
 QoderAgentOptions(session_store=store)
 

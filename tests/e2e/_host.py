@@ -47,8 +47,8 @@ from fsstore import FsSessionStore
 class RecordingStore(FsSessionStore):
     """``FsSessionStore`` that also notes which protocol calls the SDK made."""
 
-    def __init__(self, root: str) -> None:
-        super().__init__(root)
+    def __init__(self, root: str, *, create: bool = False) -> None:
+        super().__init__(root, create=create)
         self.calls: list[list[Any]] = []
 
     async def append(self, key: Any, entries: list[dict[str, Any]]) -> None:
@@ -103,7 +103,7 @@ async def run_session(spec: dict[str, Any]) -> dict[str, Any]:
         tempfile.tempdir = spec["tmpdir"]  # the SDK materializes resumes under here
     os.makedirs(spec["config_dir"], exist_ok=True)
     os.makedirs(spec["cwd"], exist_ok=True)
-    store = RecordingStore(spec["root"])
+    store = RecordingStore(spec["root"], create=True)
     options = ClaudeAgentOptions(
         cwd=spec["cwd"],
         session_store=store,

@@ -26,7 +26,7 @@ RECALL = "What number did I ask you to remember?"
 
 
 async def test_concurrent_sessions_from_several_processes(hosts: Any) -> None:
-    store = FsSessionStore(hosts.root)
+    store = FsSessionStore(hosts.root, create=True)
     numbers = [100 + i for i in range(N)]
 
     started = [hosts.start(f"w{i}", f"Remember the number {n}.") for i, n in enumerate(numbers)]

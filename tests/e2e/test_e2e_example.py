@@ -50,7 +50,7 @@ def test_quickstart_runs_offline(tmp_path: Path) -> None:
     assert "state.json" in out
     [line] = [ln for ln in out.splitlines() if ln.startswith(f"main transcript of {sid}: ")]
     count = int(line.split(": ")[1].split()[0])
-    store = FsSessionStore(tmp_path / "store")
+    store = FsSessionStore(tmp_path / "store", create=True)
     project_key = project_key_for_directory(str(tmp_path.resolve() / "project"))
     assert [s["session_id"] for s in store.sync.list_sessions(project_key)] == [sid]
     loaded = store.sync.load({"project_key": project_key, "session_id": sid})

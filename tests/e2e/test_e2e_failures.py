@@ -80,7 +80,7 @@ async def test_full_store_reports_enospc_and_recovers(
     from claude_agent_sdk import import_session_to_store
 
     hosts.root = small_tmpfs / "store"
-    store = FsSessionStore(hosts.root)
+    store = FsSessionStore(hosts.root, create=True)
     filler = small_tmpfs / "filler"
     fill(filler)
 

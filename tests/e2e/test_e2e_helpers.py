@@ -138,8 +138,8 @@ async def test_import_session_to_store_from_a_hosts_local_transcripts(
         "a", "Delegate: Say hello from the subagent.", root=str(tmp_path / "old-store")
     )
     sid = a["session_id"]
-    old = FsSessionStore(tmp_path / "old-store")
-    new = FsSessionStore(hosts.root)
+    old = FsSessionStore(tmp_path / "old-store", create=True)
+    new = FsSessionStore(hosts.root, create=True)
     assert new.sync.load(hosts.key(sid)) is None
 
     monkeypatch.setenv("CLAUDE_CONFIG_DIR", str(hosts.config_dir("a")))  # whose local disk

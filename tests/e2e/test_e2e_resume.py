@@ -1,6 +1,6 @@
 """A session crosses hosts only through the store: resume, continue, and subagents.
 
-Through the real SDK and bundled CLI, with ``session_store=FsSessionStore(root)``:
+Through the real SDK and bundled CLI, with ``session_store=FsSessionStore(root, create=True)``:
 
 * the quick start: host A is told "Remember the number 42."; host B (another
   process, another ``CLAUDE_CONFIG_DIR``) resumes by session id, and the request
@@ -41,7 +41,7 @@ def conversation(body: dict[str, Any]) -> list[tuple[str, str]]:
 
 
 async def test_quick_start_resume_on_another_host(hosts: Any) -> None:
-    store = FsSessionStore(hosts.root)
+    store = FsSessionStore(hosts.root, create=True)
 
     a = await hosts.run_here("a", "Remember the number 42.")
     assert a["result"] == "OK, I will remember 42."
@@ -88,7 +88,7 @@ async def test_continue_conversation_picks_the_most_recent_session_in_the_store(
 ) -> None:
     from claude_agent_sdk import tag_session_via_store
 
-    store = FsSessionStore(hosts.root)
+    store = FsSessionStore(hosts.root, create=True)
     first = await hosts.run_here("a", "Remember the number 1.")
     second = await hosts.run_here("a", "Remember the number 2.")
     assert first["session_id"] != second["session_id"]
@@ -111,7 +111,7 @@ async def test_subagent_transcript_is_mirrored_and_materialized_on_resume(
 ) -> None:
     from claude_agent_sdk import get_subagent_messages_from_store, list_subagents_from_store
 
-    store = FsSessionStore(hosts.root)
+    store = FsSessionStore(hosts.root, create=True)
     a = await hosts.run_here("a", "Delegate: Say hello from the subagent.")
     sid = a["session_id"]
     assert a["mirror_errors"] == []

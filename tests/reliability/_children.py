@@ -54,7 +54,7 @@ def writer(
     stop: Any = None,
 ) -> None:
     try:
-        store = SyncStore(root, **opts)
+        store = SyncStore(root, create=True, **opts)
         rng = random.Random(seed)
         start.wait(60)
         done = entries = 0
@@ -85,7 +85,7 @@ def reader(
     transcript (checked by the parent) makes every snapshot a prefix of it.
     """
     try:
-        store = SyncStore(root, **opts)
+        store = SyncStore(root, create=True, **opts)
         prev: dict[int, list[tuple[Any, int, int]]] = {}
         loads = 0
         problems: list[str] = []
@@ -368,7 +368,7 @@ def crash_child(root: str, spec: dict[str, Any], conn: Any) -> None:
         tracer.pause = spec.get("pause")
         install(tracer)
         _hook_fold(tracer)
-        store = SyncStore(root, **spec["opts"])
+        store = SyncStore(root, create=True, **spec["opts"])
         key = spec["key"]
         tracer.armed = True
         op = spec["op"]
@@ -409,7 +409,7 @@ def _hook_fold(tracer: Tracer) -> None:
 def hold_lock(root: str, key: dict[str, str], opts: dict[str, Any], conn: Any) -> None:
     """Take the transcript lock and keep it, alive, until killed."""
     try:
-        with SyncStore(root, **opts).locked(key):
+        with SyncStore(root, create=True, **opts).locked(key):
             conn.send(("locked", os.getpid()))
             while True:
                 time.sleep(3600)
@@ -424,11 +424,11 @@ def _dead_holder(root: str, key: dict[str, str], opts: dict[str, Any]) -> None:
 
     from ._check import lock_files
 
-    SyncStore(root, **opts).append(key, batch("first", 0, 1))
+    SyncStore(root, create=True, **opts).append(key, batch("first", 0, 1))
     r, w = os.pipe()
     pid = os.fork()
     if pid == 0:  # the holder
-        with SyncStore(root, **opts).locked(key):
+        with SyncStore(root, create=True, **opts).locked(key):
             os.write(w, b"x")
             time.sleep(3600)
     os.read(r, 1)
@@ -438,7 +438,7 @@ def _dead_holder(root: str, key: dict[str, str], opts: dict[str, Any]) -> None:
     t0 = time.monotonic()
     error = None
     try:
-        SyncStore(root, **{**opts, "lock_timeout_seconds": 5}).append(key, batch("second", 1, 1))
+        SyncStore(root, create=True, **{**opts, "lock_timeout_seconds": 5}).append(key, batch("second", 1, 1))
     except FsStoreError as exc:
         error = exc.code
     print(json.dumps({"marker_host": marker[1], "elapsed": time.monotonic() - t0, "error": error}))
@@ -451,7 +451,7 @@ def _main(argv: list[str]) -> None:
         return
     if cmd != "hold-lock":  # pragma: no cover
         raise SystemExit(f"unknown command {cmd}")
-    with SyncStore(root, **opts).locked(key):
+    with SyncStore(root, create=True, **opts).locked(key):
         print(f"locked {os.getpid()} {os.uname().nodename}", flush=True)
         while True:
             time.sleep(3600)

@@ -27,7 +27,7 @@ import json, sys, time
 sys.path.insert(0, {repo!r})
 from fsstore._store import SyncStore
 from fsstore import FsStoreError
-s = SyncStore({root!r}, **{opts!r})
+s = SyncStore({root!r}, create=True, **{opts!r})
 key = {key!r}
 with open({log!r}, "a") as log:
     for i in range({n}):
@@ -46,7 +46,7 @@ READER = """
 import json, sys, time
 sys.path.insert(0, {repo!r})
 from fsstore._store import SyncStore
-s = SyncStore({root!r})
+s = SyncStore({root!r}, create=True)
 key = {key!r}
 deadline = time.monotonic() + {seconds}
 with open({log!r}, "a") as log:
@@ -65,7 +65,7 @@ import sys, time
 sys.path.insert(0, {repo!r})
 from fsstore._store import SyncStore
 from fsstore import FsStoreError
-s = SyncStore({root!r}, **{opts!r})
+s = SyncStore({root!r}, create=True, **{opts!r})
 deadline = time.monotonic() + {seconds}
 while time.monotonic() < deadline:
     try:
@@ -122,7 +122,7 @@ def verify(root: Path, work: Path) -> dict[str, int]:
     snapshot a prefix of it; no error output but failed appends. Returns figures."""
     from fsstore._store import SyncStore
 
-    got = SyncStore(root).load(KEY) or []
+    got = SyncStore(root, create=True).load(KEY) or []
     order: list[str] = []
     count: dict[str, int] = {}
     for e in got:

@@ -35,7 +35,7 @@ ENTRY = {"type": "user", "message": {"role": "user", "content": "hi"}}
 
 def populated(tmp_path: Path) -> tuple[SyncStore, Path]:
     root = tmp_path / "store"
-    store = SyncStore(root)
+    store = SyncStore(root, create=True)
     store.append(GOOD, [ENTRY])
     store.append({**GOOD, "subpath": "agents/a"}, [ENTRY])
     return store, root
@@ -124,7 +124,7 @@ def test_malformed_project_key_in_listings_is_invalid_key(tmp_path: Path, projec
 
 
 def test_rejected_key_on_an_empty_root_creates_nothing(tmp_path: Path) -> None:
-    store = SyncStore(tmp_path / "store")
+    store = SyncStore(tmp_path / "store", create=True)
     for key in BAD_KEYS.values():
         with pytest.raises(FsStoreError):
             store.append(key, [ENTRY])
@@ -133,7 +133,7 @@ def test_rejected_key_on_an_empty_root_creates_nothing(tmp_path: Path) -> None:
 
 def test_empty_or_none_subpath_is_the_main_transcript(tmp_path: Path) -> None:
     """Documented: subpath absent, None or "" all name the main transcript."""
-    store = SyncStore(tmp_path / "store")
+    store = SyncStore(tmp_path / "store", create=True)
     store.append({**GOOD, "subpath": ""}, [{"n": 1}])
     store.append({**GOOD, "subpath": None}, [{"n": 2}])
     assert store.load(GOOD) == [{"n": 1}, {"n": 2}]
@@ -165,7 +165,7 @@ def test_strange_but_valid_keys_round_trip_inside_root(tmp_path: Path) -> None:
     stay inside root, and list back exactly."""
     outside = tmp_path
     root = tmp_path / "store"
-    store = SyncStore(root)
+    store = SyncStore(root, create=True)
     before_outside = {p for p in os.listdir(outside)}
     for i, (label, part) in enumerate(STRANGE_BUT_VALID.items()):
         for key in (
@@ -193,7 +193,7 @@ def test_strange_but_valid_keys_round_trip_inside_root(tmp_path: Path) -> None:
 
 
 def test_keys_differing_only_in_case_or_normalization_are_different_transcripts(tmp_path: Path) -> None:
-    store = SyncStore(tmp_path / "store")
+    store = SyncStore(tmp_path / "store", create=True)
     variants = ["Session", "session", "SESSION", "sESSION",
                 unicodedata.normalize("NFC", "é"), unicodedata.normalize("NFD", "é")]
     for v in variants:
@@ -214,7 +214,7 @@ key_text = st.text(st.characters(blacklist_categories=("Cs",), blacklist_charact
 @given(parts=st.lists(st.tuples(key_text, key_text), min_size=1, max_size=6, unique=True))
 def test_any_valid_keys_round_trip_and_never_share_a_transcript(parts: list[tuple[str, str]]) -> None:
     with tempfile.TemporaryDirectory() as tmp:
-        store = SyncStore(Path(tmp) / "store", summaries=False)
+        store = SyncStore(Path(tmp) / "store", create=True, summaries=False)
         for i, (pk, sid) in enumerate(parts):
             store.append({"project_key": pk, "session_id": sid}, [{"i": i}])
         for i, (pk, sid) in enumerate(parts):
@@ -293,7 +293,8 @@ def test_rejected_batch_for_a_new_session_creates_no_directory(tmp_path: Path) -
 
 
 def round_trip(tmp_path: Path, entry: dict[str, Any]) -> dict[str, Any]:
-    store = SyncStore(tmp_path / "store")
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    store = SyncStore(tmp_path / "store", create=True)
     store.append(GOOD, [entry])
     loaded = store.load(GOOD)
     assert loaded is not None and len(loaded) == 1
@@ -344,7 +345,7 @@ def test_dict_subclasses_are_accepted(tmp_path: Path) -> None:
 
 def test_fifty_megabyte_entry_round_trips_and_is_summarised(tmp_path: Path, figures: Any) -> None:
     big = "x" * (50 * 1024 * 1024)
-    store = SyncStore(tmp_path / "store")
+    store = SyncStore(tmp_path / "store", create=True)
     entry = {"type": "user", "message": {"role": "user", "content": big}, "lastPrompt": big[:20_000_000]}
     store.append(GOOD, [entry])
     store.append(GOOD, [ENTRY])
@@ -357,7 +358,7 @@ def test_fifty_megabyte_entry_round_trips_and_is_summarised(tmp_path: Path, figu
 
 
 def test_entries_are_stored_as_ascii_json_lines(tmp_path: Path) -> None:
-    store = SyncStore(tmp_path / "store")
+    store = SyncStore(tmp_path / "store", create=True)
     store.append(GOOD, [{"t": "é\n🦀", "u": "\u2028"}])
     data = next(Path(tmp_path, "store").rglob("0*.jsonl")).read_bytes()
     assert data.isascii() and data.count(b"\n") == 1

@@ -88,7 +88,7 @@ def run_workload(
     figures.add("writer processes", len(plan))
     figures.add("reader processes", len(rdrs))
 
-    store = SyncStore(root, **opts)
+    store = SyncStore(root, create=True, **opts)
     written = {wid: r[2] for wid, r in results}
     final = {}
     for key, writers in ((SHARED, [w for w, k in plan if k is SHARED]), (SUB_A, ["sub-a"]), (SUB_B, ["sub-b"]), (OTHER, ["other"])):
@@ -146,7 +146,7 @@ def test_reader_never_sees_a_later_batch_without_an_earlier_one_in_a_big_directo
     one is seen. load() must notice the hole and list again (found by this test; fixed in
     97fda66)."""
     root = str(tmp_path / "store")
-    store = SyncStore(root)
+    store = SyncStore(root, create=True)
     store.append(SHARED, [{"w": "seed", "b": 0, "i": 0, "n": 1}])
     tdir = Path(root, "projects", PROJECT, "sessions", "shared", "main")
     for i in range(4000):  # what killed writers leave behind until `fsstore gc` runs
@@ -198,7 +198,7 @@ def test_append_racing_a_delete_of_a_long_session_id_keeps_it_listed(
     was never listed again; fixed in ac24c9e)."""
     root = tmp_path / "store"
     key = {"project_key": PROJECT, "session_id": "L" * 300}
-    store = SyncStore(root)
+    store = SyncStore(root, create=True)
     store.append(key, [{"n": 0}])
     real_open = os.open
     fired = []
@@ -207,7 +207,7 @@ def test_append_racing_a_delete_of_a_long_session_id_keeps_it_listed(
         fd = real_open(path, flags, *args, **kwargs)
         if not fired and os.path.basename(os.fsdecode(path)).startswith(".tmp-"):
             fired.append(path)  # another process deletes the session right now
-            SyncStore(root).delete(key)
+            SyncStore(root, create=True).delete(key)
         return fd
 
     monkeypatch.setattr(os, "open", open_then_delete)

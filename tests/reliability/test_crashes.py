@@ -59,7 +59,7 @@ class Model:
     rounds: int = 0
 
     def store(self, **over: Any) -> SyncStore:
-        return SyncStore(self.root, **{**self.opts, **over})
+        return SyncStore(self.root, create=True, **{**self.opts, **over})
 
     def append(self, key: dict[str, str], w: Any, b: int, n: int) -> None:
         self.store().append(key, batch(w, b, n))

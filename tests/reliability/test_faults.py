@@ -155,7 +155,7 @@ class Scene:
         self.rel = "/" + name.replace(" ", "-").replace("/", "-").replace("(", "").replace(")", "")
         self.root = ffs.mountpoint + self.rel
         self.opts = {"fsync": case.fsync, "compact_every": case.compact_every}
-        self.store = SyncStore(self.root, **self.opts)
+        self.store = SyncStore(self.root, create=True, **self.opts)
         self.expected: dict[str, list[tuple[Any, int]]] = {"main": [], "sub": [], "new": []}
         self.keys = {"main": KEY, "sub": SUB, "new": NEW}
         self.n = 0
@@ -175,7 +175,7 @@ class Scene:
         self.expected[which].append((which, self.n))
 
     def check(self) -> None:
-        store = SyncStore(self.root, **self.opts)
+        store = SyncStore(self.root, create=True, **self.opts)
         for which, key in self.keys.items():
             loaded = store.load(key)
             if self.expected[which]:
@@ -268,21 +268,21 @@ def test_eacces_from_a_process_without_privileges(tmp_path: Path, figures: Any) 
     if os.geteuid() != 0:
         pytest.skip("needs root to drop privileges")
     root = tmp_path / "store"
-    SyncStore(root).append(KEY, batch("w", 0, 1))
+    SyncStore(root, create=True).append(KEY, batch("w", 0, 1))
     os.chmod(tmp_path, 0o755)
     code = f"""
 import os, sys, json, tempfile
 from fsstore import FsStoreError
 from fsstore._store import SyncStore
 # everything imported lazily is imported now, while the interpreter's files are readable
-warm = SyncStore(tempfile.mkdtemp())
+warm = SyncStore(tempfile.mkdtemp(), create=True)
 k = {{"project_key": "p", "session_id": "s"}}
 warm.append(k, [{{"a": 1}}]); warm.load(k); warm.list_sessions("p"); warm.delete(k)
 os.setgid(65534); os.setuid(65534)
 out = []
 for op in ("append", "load", "list_sessions", "delete"):
     try:
-        s = SyncStore({str(root)!r})
+        s = SyncStore({str(root)!r}, create=True)
         key = {KEY!r}
         if op == "append": s.append(key, [{{"a": 1}}])
         elif op == "load": s.load(key)
@@ -303,4 +303,4 @@ print(json.dumps(out))
         assert errno_ == errno.EACCES and operation == op
         assert path == str(root), (op, path)  # the directory it could not open
         figures.fault("EACCES (unprivileged process)")
-    assert SyncStore(root).load(KEY) == batch("w", 0, 1)  # untouched
+    assert SyncStore(root, create=True).load(KEY) == batch("w", 0, 1)  # untouched

@@ -70,7 +70,7 @@ class Book:
 
     def __init__(self, root: str, **opts: Any) -> None:
         self.root = root
-        self.store = SyncStore(root, **opts)
+        self.store = SyncStore(root, create=True, **opts)
         self.expected: dict[str, list[tuple[Any, int]]] = {"main": [], "sub": []}
         self.sizes: dict[tuple[Any, int], int] = {}
         self.keys = {"main": KEY, "sub": SUB}
@@ -122,7 +122,7 @@ def test_append_on_full_disk_fails_cleanly_and_recovers(tmpfs_dir: Path, figures
 def test_new_session_on_full_disk_is_enospc_and_invisible(tmpfs_dir: Path, figures: Any) -> None:
     with _mounts.tmpfs(tmpfs_dir / "mnt", "size=512k") as mnt:
         root = f"{mnt}/store"
-        store = SyncStore(root)
+        store = SyncStore(root, create=True)
         store.append(KEY, batch("w", 0, 1))
         fill(Path(mnt) / "filler")
         for sid in ("new-session", "N" * 300):  # a plain and a hashed directory name

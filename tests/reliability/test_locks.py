@@ -101,7 +101,7 @@ def base(request: pytest.FixtureRequest, tmp_path: Path) -> Path:
 
 
 def contend(root: str, timeout: float, b: int) -> tuple[float, FsStoreError | None]:
-    store = SyncStore(root, stale_lock_seconds=STALE, lock_timeout_seconds=timeout)
+    store = SyncStore(root, create=True, stale_lock_seconds=STALE, lock_timeout_seconds=timeout)
     t0 = time.monotonic()
     try:
         store.append(KEY, batch("contender", b, 1))
@@ -123,7 +123,7 @@ def test_dead_holder_on_this_host_is_reclaimed_at_once(procs: Any, base: Path, f
     p.kill()
     p.join(10)
     figures.crash_point("lock_holder_idle")
-    store = SyncStore(root, stale_lock_seconds=30, lock_timeout_seconds=5)
+    store = SyncStore(root, create=True, stale_lock_seconds=30, lock_timeout_seconds=5)
     t0 = time.monotonic()
     store.append(KEY, batch("contender", 0, 1))
     elapsed = time.monotonic() - t0
@@ -139,6 +139,7 @@ def test_dead_holder_in_the_same_container_is_reclaimed_at_once_on_bindfs(bindfs
     if reason := _mounts.unshare_uts_unavailable():
         pytest.skip(reason)
     root = bindfs_mount / f"pidns-{time.monotonic_ns()}" / "store"
+    root.parent.mkdir()
     cmd = ["unshare", "--pid", "--fork", "--mount-proc", sys.executable, "-m", "tests.reliability._children",
            "dead-holder", str(root), json.dumps(KEY), json.dumps({"stale_lock_seconds": 30})]
     env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
@@ -151,7 +152,7 @@ def test_dead_holder_in_the_same_container_is_reclaimed_at_once_on_bindfs(bindfs
 
 def test_live_holder_is_never_broken_before_stale_lock_seconds(procs: Any, base: Path, figures: Any) -> None:
     root = str(base / "store")
-    SyncStore(root).append(KEY, batch("first", 0, 1))
+    SyncStore(root, create=True).append(KEY, batch("first", 0, 1))
     parent, child = procs.Pipe(duplex=False)
     p = procs.Process(target=_children.hold_lock, args=(root, KEY, {"stale_lock_seconds": STALE}, child))
     p.start()
@@ -172,7 +173,7 @@ def test_live_holder_is_never_broken_before_stale_lock_seconds(procs: Any, base:
         assert broken_after >= STALE - SLACK, f"live holder's lock broken {broken_after:.2f}s after it was taken"
         assert watch.first_gone is not None and watch.first_gone - watch.mtime < STALE + MARGIN
         figures.add("appends", 2)
-        loaded = SyncStore(root).load(KEY)
+        loaded = SyncStore(root, create=True).load(KEY)
         assert [e["w"] for e in loaded or []] == ["first", "contender"]  # the timed-out batch is absent
     finally:
         p.kill()
@@ -183,7 +184,7 @@ def test_holder_on_another_host_is_reclaimed_by_age_only(base: Path, figures: An
     if reason := _mounts.unshare_uts_unavailable():
         pytest.skip(reason)
     root = str(base / "store")
-    SyncStore(root).append(KEY, batch("first", 0, 1))
+    SyncStore(root, create=True).append(KEY, batch("first", 0, 1))
     other = "fsstore-other-host"
     cmd = [
         "unshare", "--uts", "sh", "-c", f'hostname {other} && exec "$0" "$@"',
@@ -235,8 +236,9 @@ def test_reclaiming_a_stale_marker_never_breaks_a_live_holders_lock(
     import socket
 
     root = bindfs_mount / f"reclaim-race-{time.monotonic_ns()}" / "store"
+    root.parent.mkdir()
     # the waiter gives up before the third writer's (never refreshed) marker ages out
-    store = SyncStore(root, stale_lock_seconds=STALE, lock_timeout_seconds=STALE * 0.75)
+    store = SyncStore(root, create=True, stale_lock_seconds=STALE, lock_timeout_seconds=STALE * 0.75)
     store.append(KEY, batch("first", 0, 1))
     with store.locked(KEY):
         path = lock_file(str(root))
@@ -280,7 +282,7 @@ def _stall(root: str, procs: Any, point: str) -> tuple[Any, FsStoreError | None]
     """A writer stalls at ``point`` under the lock for longer than stale_lock_seconds while
     another writer takes the lock by age and commits; returns (the staller's last message,
     the contender's error)."""
-    SyncStore(root).append(KEY, batch("first", 0, 1))
+    SyncStore(root, create=True).append(KEY, batch("first", 0, 1))
     parent, child = procs.Pipe(duplex=False)
     spec = {"op": "append", "key": KEY, "batch": batch("stalled", 1, 2), "point": point,
             "pause": STALE + 1.0, "opts": {"stale_lock_seconds": STALE}}
@@ -311,7 +313,7 @@ def test_stalled_holder_past_half_its_lifetime_publishes_nothing(base: Path, pro
     assert err is None, err
     assert msg[0] == "fsstore_error" and msg[1] == "LOCK_EXPIRED" and msg[2] == "append", msg[:3]
     figures.add("appends", 3)
-    assert_transcript(SyncStore(root).load(KEY), [("first", 0), ("contender", 2)], 2)
+    assert_transcript(SyncStore(root, create=True).load(KEY), [("first", 0), ("contender", 2)], 2)
     assert temp_files(root) == []
 
 
@@ -324,9 +326,9 @@ def test_holder_stalled_inside_its_commit_move_loses_nothing(base: Path, procs: 
     assert err is None, err
     assert msg[0] == "completed", msg[:3]
     figures.add("appends", 3)
-    v = assert_transcript(SyncStore(root).load(KEY), [("first", 0), ("contender", 2), ("stalled", 1)], 4)
+    v = assert_transcript(SyncStore(root, create=True).load(KEY), [("first", 0), ("contender", 2), ("stalled", 1)], 4)
     assert v.batches == [("first", 0), ("contender", 2), ("stalled", 1)]
-    assert_summaries_consistent(SyncStore(root), KEY["project_key"])
+    assert_summaries_consistent(SyncStore(root, create=True), KEY["project_key"])
 
 
 def test_kept_lock_objects_are_bounded_and_one_in_use_is_never_dropped(tmp_path: Path) -> None:

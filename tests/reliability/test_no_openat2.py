@@ -28,7 +28,7 @@ import ctypes
 assert _syscall(_SYS_OPENAT2, -100, b"/", None, 24) == -1
 assert ctypes.get_errno() == getattr(errno, sys.argv[2]), ctypes.get_errno()
 from fsstore._store import SyncStore
-s = SyncStore(sys.argv[1])
+s = SyncStore(sys.argv[1], create=True)
 key = {"project_key": "p", "session_id": "s", "subpath": "agents/a"}
 for k in ({"project_key": "p", "session_id": "s"}, key):
     s.append(k, [{"type": "user", "uuid": "u1"}])

@@ -39,7 +39,7 @@ def _campaign(tmp_path: Path, figures: Any, odd: dict[str, dict[str, Any]], *, n
               seconds: float = 6.0, compactor: bool = True) -> dict[str, int]:
     root, work = tmp_path / "store", tmp_path / "work"
     work.mkdir()
-    SyncStore(root).append(KEY, [{"uuid": f"seed-{j}", "b": "seed"} for j in range(_overlap.PER_BATCH)])
+    SyncStore(root, create=True).append(KEY, [{"uuid": f"seed-{j}", "b": "seed"} for j in range(_overlap.PER_BATCH)])
     procs = [start_writer(root, work, f"w{k}", n, FAST) for k in range(normal)]
     for name, how in odd.items():
         procs.append(start_writer(root, work, name, n, FAST, **how))
@@ -92,7 +92,7 @@ def test_prune_stalled_inside_its_move_never_deletes_a_batch_acknowledged_meanwh
     a session made anew. When prune's rename goes through, it moves that new session:
     it finds no mark of its own there and moves it back. The batch stays."""
     root = tmp_path / "store"
-    old = SyncStore(root)
+    old = SyncStore(root, create=True)
     old.append(KEY, [{"uuid": "old", "b": "old"}])
     ancient = time.time() - 40 * 86400
     for p in [*root.rglob("*")]:
@@ -105,9 +105,9 @@ def test_prune_stalled_inside_its_move_never_deletes_a_batch_acknowledged_meanwh
         cwd=_overlap.REPO, env={**os.environ, "PYTHONPATH": _overlap.REPO},
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     time.sleep(1.5)  # prune holds the lock, marked the session, and is inside its rename
-    writer = SyncStore(root, stale_lock_seconds=1.0)
+    writer = SyncStore(root, create=True, stale_lock_seconds=1.0)
     writer.append(KEY, [{"uuid": "new", "b": "new"}])  # acknowledged
     out, _ = prune.communicate(timeout=60)
     assert writer.load(KEY) == [{"uuid": "new", "b": "new"}], out
-    assert SyncStore(root).load(KEY) == [{"uuid": "new", "b": "new"}]
+    assert SyncStore(root, create=True).load(KEY) == [{"uuid": "new", "b": "new"}]
     figures.fault("prune stalled 3 s inside its move")

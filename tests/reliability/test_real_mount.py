@@ -44,7 +44,7 @@ def test_claude_conformance_suite_on_bindfs(bindfs_mount: Path) -> None:
 
     base = fresh(bindfs_mount, "claude")
     n = itertools.count()
-    anyio.run(run_session_store_conformance, lambda: FsSessionStore(base / f"store-{next(n)}"))
+    anyio.run(run_session_store_conformance, lambda: FsSessionStore(base / f"store-{next(n)}", create=True))
 
 
 def test_qoder_conformance_suite_on_bindfs(bindfs_mount: Path) -> None:
@@ -52,7 +52,7 @@ def test_qoder_conformance_suite_on_bindfs(bindfs_mount: Path) -> None:
 
     base = fresh(bindfs_mount, "qoder")
     n = itertools.count()
-    anyio.run(run_session_store_conformance, lambda: FsSessionStore(base / f"store-{next(n)}"))
+    anyio.run(run_session_store_conformance, lambda: FsSessionStore(base / f"store-{next(n)}", create=True))
 
 
 def test_concurrent_writers_on_bindfs(bindfs_mount: Path, procs: Any, figures: Any) -> None:
@@ -80,7 +80,7 @@ def test_dead_holder_lock_is_reclaimed_on_bindfs(bindfs_mount: Path, procs: Any)
     p.kill()
     p.join(10)
     # dead on this host: at once; and in any case after stale_lock_seconds (1 s)
-    SyncStore(root, stale_lock_seconds=1.0, lock_timeout_seconds=3.0).append(key, [{"n": 1}])
+    SyncStore(root, create=True, stale_lock_seconds=1.0, lock_timeout_seconds=3.0).append(key, [{"n": 1}])
 
 
 @pytest.mark.soak

@@ -75,7 +75,7 @@ SWAPPABLE = {
 def build(tmp_path: Path) -> tuple[Path, Path, SyncStore]:
     """A real store with main + subpath transcripts, and a decoy copy of it outside root."""
     root = tmp_path / "store"
-    store = SyncStore(root, stale_lock_seconds=1.0, lock_timeout_seconds=5.0)
+    store = SyncStore(root, create=True, stale_lock_seconds=1.0, lock_timeout_seconds=5.0)
     for key in (KEY, SUB):
         store.append(key, [REAL])
         store.append(key, [REAL])
@@ -361,7 +361,7 @@ def test_lock_file_replaced_by_a_symlink_while_held_is_not_followed_on_release(t
         lock.unlink()
         lock.symlink_to(victim)
     assert snapshot(victim) == before
-    store2 = SyncStore(root, stale_lock_seconds=1.0, lock_timeout_seconds=5.0)
+    store2 = SyncStore(root, create=True, stale_lock_seconds=1.0, lock_timeout_seconds=5.0)
     try:
         store2.append(KEY, [REAL])
     except FsStoreError as exc:
@@ -376,7 +376,7 @@ import json, os, sys
 os.umask(int(sys.argv[2], 8))
 from fsstore._store import SyncStore
 root = sys.argv[1]
-s = SyncStore(root, compact_every=3, fsync=True)
+s = SyncStore(root, create=True, compact_every=3, fsync=True)
 k = {"project_key": "p", "session_id": "s"}
 for i in range(4):
     s.append(k, [{"i": i}])                                      # parts, state, a segment
@@ -408,24 +408,30 @@ def test_everything_the_store_creates_is_0700_or_0600(tmp_path: Path, umask: str
     assert not wrong, wrong
 
 
-def test_missing_parents_of_root_are_created_0700_too(tmp_path: Path) -> None:
-    root = tmp_path / "a" / "b" / "store"
-    out = subprocess.run(
-        [sys.executable, "-c", ("import os,sys; os.umask(0o022); from fsstore._store import SyncStore; "
-         "SyncStore(sys.argv[1]).append({'project_key':'p','session_id':'s'}, [{}])"), str(root)],
-        capture_output=True, text=True, timeout=60, check=False)
+def test_missing_parents_of_root_are_never_created_and_the_root_is_0700(tmp_path: Path) -> None:
+    """A missing parent is a missing mount more often than not (issue 15): create=True
+    makes the root itself, 0700 whatever the umask, and nothing above it."""
+    script = ("import os,sys; os.umask(0o022); from fsstore._store import SyncStore; "
+              "SyncStore(sys.argv[1], create=True).append({'project_key':'p','session_id':'s'}, [{}])")
+    deep = tmp_path / "a" / "b" / "store"
+    out = subprocess.run([sys.executable, "-c", script, str(deep)],
+                         capture_output=True, text=True, timeout=60, check=False)
+    assert out.returncode != 0 and "ENOENT" in out.stderr, out.stderr
+    assert not (tmp_path / "a").exists()
+    root = tmp_path / "store"
+    out = subprocess.run([sys.executable, "-c", script, str(root)],
+                         capture_output=True, text=True, timeout=60, check=False)
     assert out.returncode == 0, out.stderr
-    for p in (tmp_path / "a", tmp_path / "a" / "b", root):
-        assert p.stat().st_mode & 0o777 == 0o700, (p, oct(p.stat().st_mode & 0o777))
+    assert root.stat().st_mode & 0o777 == 0o700
 
 
 def test_append_racing_a_delete_keeps_every_directory_0700(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     root = tmp_path / "store"
-    store = SyncStore(root)
+    store = SyncStore(root, create=True)
     store.append(KEY, [REAL])
     old = os.umask(0o022)
     try:
-        with swap_when(monkeypatch, is_temp_open, lambda: SyncStore(root).delete(KEY)) as fired:
+        with swap_when(monkeypatch, is_temp_open, lambda: SyncStore(root, create=True).delete(KEY)) as fired:
             store.append(KEY, [REAL])
     finally:
         os.umask(old)
