@@ -124,7 +124,7 @@ def _fix(fs: _fsio.Fs, fd: int, path: str, dry_run: bool, *, gaps: bool, spare: 
             actions.append(Action("recommit", f"{path}/{name}", "a batch inside a segment's range, "
                                   "committed after it: would be committed again above", False))
             continue
-        seq, items = commit(fs, fd, name, top(items) + 1)
+        seq, items = commit(fs, fd, name, top(items) + 1, _fsio.read_file(fd, name))
         _fsio.unlink_quiet(fd, name)
         actions.append(Action("recommit", f"{path}/{name}",
                               f"committed again as {_layout.part_name(seq)}", True))

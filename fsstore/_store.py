@@ -39,7 +39,6 @@ from ._transcript import (
     read_state,
     scan,
     scan_items,
-    top,
     warn_gap,
 )
 
@@ -66,11 +65,12 @@ class _Appending:
     lock_path: str  # <root>/.locks/<lock name>
     sdk_key: dict[str, str]  # the key as the SDK's summary fold takes it
     session_marker: str | None  # see _layout.session_marker
-    # One above the highest number this process saw in the directory ``dir_id``
-    # (st_dev, st_ino) at its last commit: a directory deleted and made again is
-    # another inode, and its numbers start over.
+    # One above the highest number this process saw at its last commit, and the name
+    # of the file that held it: while that file is still there, no compaction merged
+    # it and no delete took the directory (a directory made anew can even reuse the
+    # inode), so the number is still the next one or a link to it finds EEXIST.
     next_seq: int = 0
-    dir_id: tuple[int, int] | None = None
+    last_name: str | None = None
 
 
 def decode_entry(parent_fd: int, entry: os.DirEntry[str]) -> str | None:
@@ -98,6 +98,12 @@ def decode_entry(parent_fd: int, entry: os.DirEntry[str]) -> str | None:
             return None  # a symlink: never ours
         raise
     return original if _keys.matches(name, original) else None
+
+
+def _last_of(items: list[Item]) -> tuple[int, str | None]:
+    """One above the highest number of a listing, and the name of a file holding it."""
+    last = max(items, key=lambda it: it[1], default=None)
+    return (1, None) if last is None else (last[1] + 1, last[2])
 
 
 def _marked(parent: int, name: str, below: str) -> bool:
@@ -327,7 +333,7 @@ class SyncStore:
                         raise
                     # NFS: a directory another host replaced (deleted and made anew)
                     # since this client looked it up; looked up again next time.
-                t.dir_id = None
+                t.last_name = None
                 time.sleep(min(0.001 * attempt, 0.05))
             raise FsStoreError(
                 "ENOENT",
@@ -357,16 +363,16 @@ class SyncStore:
                 self._locks_dir(op)
                 with self._locks.hold(t.lock_path, op) as held:
                     now = os.fstat(dfd)  # after any commit that came before ours
-                    seq = self._next_seq(t, dfd, now)
+                    seq = self._next_seq(t, dfd)
                     held.check(op)
                     try:
-                        seq, items = commit(self._fs, dfd, tmp, seq, t.session_marker)
+                        seq, items = commit(self._fs, dfd, tmp, seq, payload, t.session_marker)
                     except Deleted as exc:
                         # A delete is committed once marked: finish it (its deleter
                         # may have died) and start over in a new directory.
                         self._finish_delete(t.comps, t.path, session=exc.session)
                         raise
-                    t.next_seq = top(items) + 1
+                    t.next_seq, t.last_name = _last_of(items)
                     tmp = self._drop_temp(dfd, tmp, t.path)
                     self._after_commit(t, dfd, held, items, max(before.st_mtime_ns, now.st_mtime_ns))
             finally:
@@ -403,11 +409,15 @@ class SyncStore:
         finally:
             os.close(parent)
 
-    def _next_seq(self, t: _Appending, dfd: int, st: os.stat_result) -> int:
+    def _next_seq(self, t: _Appending, dfd: int) -> int:
         """Where this process's next part goes (step 4 of the commit)."""
-        ident = (st.st_dev, st.st_ino)
-        if t.dir_id != ident:
-            t.dir_id, t.next_seq = ident, top(scan_items(dfd)) + 1
+        if t.last_name is not None:
+            try:
+                os.stat(t.last_name, dir_fd=dfd, follow_symlinks=False)
+                return t.next_seq
+            except FileNotFoundError:
+                pass
+        t.next_seq, t.last_name = _last_of(scan_items(dfd))
         return t.next_seq
 
     def _after_commit(
@@ -829,10 +839,17 @@ class SyncStore:
                 return 0
             try:
                 with self._locks.hold(self._lock_path(_layout.lock_name(comps), op), op) as held:
-                    return _compact.compact(self._fs, dfd, path, held, everything=True,
-                                            operation=op, summary=self._summary_of(tk))
+                    for _attempt in range(_LOAD_ATTEMPTS):
+                        try:
+                            return _compact.compact(self._fs, dfd, path, held, everything=True,
+                                                    operation=op, summary=self._summary_of(tk))
+                        except Vanished:
+                            continue  # a file merged by an overlapping compaction: look again
             finally:
                 os.close(dfd)
+            raise FsStoreError("EAGAIN", f"files kept vanishing under {_LOAD_ATTEMPTS} compactions "
+                               "(overlapping lock holders compacting)", operation=op, path=path,
+                               errno=errno.EAGAIN)
 
     @contextlib.contextmanager
     def locked(self, key: Mapping[str, Any]) -> Iterator[None]:

@@ -316,10 +316,12 @@ def plan(items: list[Item]) -> tuple[list[Item], int | None]:
 
 
 def commit(
-    fs: _fsio.Fs, dir_fd: int, tmp: str, seq: int, session_marker: str | None = None
+    fs: _fsio.Fs, dir_fd: int, tmp: str, seq: int, payload: bytes,
+    session_marker: str | None = None,
 ) -> tuple[int, list[Item]]:
-    """Give the temp file ``tmp`` a part name from ``seq`` on (steps 5 and 6 of the
-    module docstring); return its number and the listing that checked it.
+    """Give the temp file ``tmp`` (holding ``payload``) a part name from ``seq`` on
+    (steps 5 and 6 of the module docstring); return its number and the listing that
+    checked it.
 
     Raises :class:`Deleted` (nothing left behind) when the directory is being
     deleted, FileNotFoundError when the directory or the batch vanished under us
@@ -337,14 +339,15 @@ def commit(
             if not linked:
                 src = name  # moved, not linked (a mount without hard links)
             try:
-                items, deleted = scan(dir_fd)
-                if deleted:
-                    raise Deleted(name)
-                check_session_marker(dir_fd, session_marker)
+                items, cover = check(dir_fd, seq, session_marker)
+                if cover is not None and payload in _fsio.read_file(dir_fd, cover):
+                    # A compaction that listed our part after we linked it merged it:
+                    # the batch is in the chain, in that segment.
+                    return seq, items
             except BaseException:
                 misplaced.append(name)  # not committed: the check did not pass
                 raise
-            if covering_segment(items, seq) is None:
+            if cover is None:
                 return seq, items
             log.warning("part %s landed inside a compacted range (two lock holders "
                         "overlapped); committing it again above", name, extra={
@@ -355,6 +358,25 @@ def commit(
     finally:
         for name in misplaced:
             _fsio.unlink_quiet(dir_fd, name)
+
+
+def check(dir_fd: int, seq: int, session_marker: str | None) -> tuple[list[Item], str | None]:
+    """The commit's check of part ``seq``: the listing, and a segment whose range holds
+    ``seq`` (None: the part is in the chain); :class:`Deleted` if marked.
+
+    Two listings, and a segment in either counts: one listing that takes several
+    ``getdents`` calls can miss a segment that a compaction made behind its cursor
+    while removing, ahead of it, the segment it replaced (found by review: a stale
+    writer then took its misplaced part for committed). A segment made over ``seq``
+    exists for the whole of the second listing unless yet another compaction
+    replaces it during it."""
+    first, deleted = scan(dir_fd)
+    again, deleted_again = scan(dir_fd)
+    if deleted or deleted_again:
+        raise Deleted(_layout.part_name(seq))
+    check_session_marker(dir_fd, session_marker)
+    cover = covering_segment(first, seq) or covering_segment(again, seq)
+    return again, cover
 
 
 # -- reading ---------------------------------------------------------------------

@@ -254,6 +254,84 @@ def test_a_writer_whose_number_was_compacted_away_commits_again_above(root: Path
     assert not [p for p in tdir(root, KEY).iterdir() if p.name.startswith(".tmp-")]
 
 
+def test_a_part_merged_by_an_overlapping_compaction_before_its_check_is_committed_once(
+    root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found by review: writer a links its part, and before its check a compaction by
+    an overlapping holder merges that very part into a segment. The check finds the
+    number inside a segment's range; the segment holds a's bytes, so the batch is
+    committed there, once (it used to be committed again above: twice)."""
+    from fsstore import _transcript
+
+    a = SyncStore(root, create=True, compact_every=0)
+    for i in range(3):
+        a.append(KEY, [entry(i)])
+    real = _transcript.check
+    merged: list[int] = []
+
+    def compaction_first(dir_fd: int, seq: int, marker: Any) -> Any:
+        if not merged:
+            merged.append(seq)
+            time.sleep(0.1)  # a's lock is past b's stale_lock_seconds: b takes it over
+            SyncStore(root, compact_every=0, stale_lock_seconds=0.05).compact(KEY)
+        return real(dir_fd, seq, marker)
+
+    monkeypatch.setattr(_transcript, "check", compaction_first)
+    a.append(KEY, [{"type": "no-uuid", "n": 3}])  # no uuid: a copy would show
+    monkeypatch.undo()
+    assert merged == [4] and files_of(root) == [(1, 4)]
+    assert a.load(KEY) == [entry(0), entry(1), entry(2), {"type": "no-uuid", "n": 3}]
+
+
+def test_a_check_listing_torn_by_a_compaction_still_sees_the_segment(
+    root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found by review: a stale writer's check listing, taking several getdents calls,
+    missed both the segment a compaction made behind its cursor and the one it removed
+    ahead of it, and took its misplaced part for committed (lost). The check lists
+    twice; a segment in either listing counts."""
+    from fsstore import _transcript
+
+    a = SyncStore(root, create=True, compact_every=0)
+    a.append(KEY, [entry(0)])
+    a.append(KEY, [entry(1)])  # a remembers 3 as next
+    b = SyncStore(root, compact_every=0)
+    for i in range(2, 6):
+        b.append(KEY, [entry(i)])
+    b.compact(KEY)  # segment 1-6: a's number 3 is inside it
+    real_scan = _transcript.scan
+    calls: list[int] = []
+
+    def torn_once(dir_fd: int) -> Any:
+        items, deleted = real_scan(dir_fd)
+        calls.append(1)
+        if len(calls) == 1:  # the check's first listing misses every segment
+            items = [it for it in items if it[0] == it[1]]
+        return items, deleted
+
+    monkeypatch.setattr(_transcript, "scan", torn_once)
+    a.append(KEY, [entry(6)])
+    monkeypatch.undo()
+    assert SyncStore(root).load(KEY) == [entry(i) for i in range(7)]
+
+
+def test_a_writer_remembering_a_deleted_session_starts_the_new_one_without_a_hole(root: Path) -> None:
+    """Found by review: the next number was trusted while the directory had the same
+    inode, and a session deleted and made anew can reuse it: a stale writer then wrote
+    part 21 into a session of 3 parts (a hole, and compaction refused forever). Now it
+    is trusted while the file that held the highest number is still there."""
+    a = SyncStore(root, create=True, compact_every=0)
+    for i in range(20):
+        a.append(KEY, [entry(i)])
+    b = SyncStore(root, compact_every=0)
+    b.delete(KEY)
+    for i in range(3):
+        b.append(KEY, [entry(100 + i)])
+    a.append(KEY, [entry(103)])
+    assert files_of(root) == [(n, n) for n in range(1, 5)]
+    assert b.load(KEY) == [entry(100 + i) for i in range(4)]
+
+
 def test_a_part_inside_a_segment_range_is_not_part_of_the_transcript(root: Path) -> None:
     """A leftover of a compaction (or a stale writer's link before it commits again
     above) is skipped by readers and removed by the next compaction."""
