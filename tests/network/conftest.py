@@ -1,0 +1,77 @@
+"""Fixtures of the network tests: GlusterFS and sshfs, each mounted twice.
+
+Session-scoped: a mount pair is made when the first test asks for it and torn down
+at the end of the run (a session-end finalizer unmounts and stops whatever is
+left, also after a failure). Each skips with the reason where it cannot run here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from . import _netmounts
+from ._netmounts import Pair
+
+PAIRS = ("gluster", "sshfs", "sshfs_nocache")
+
+
+@pytest.fixture(scope="session")
+def gluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pair]:
+    if reason := _netmounts.gluster_unavailable():
+        pytest.skip(reason)
+    try:
+        ctx = _netmounts.gluster_pair(tmp_path_factory.mktemp("gluster"))
+        pair = ctx.__enter__()
+    except RuntimeError as exc:
+        pytest.skip(f"GlusterFS cannot run here: {exc}")
+    try:
+        yield pair
+    finally:
+        ctx.__exit__(None, None, None)
+
+
+@pytest.fixture(scope="session")
+def sshd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[int, Path]]:
+    if reason := _netmounts.sshfs_unavailable():
+        pytest.skip(reason)
+    try:
+        ctx = _netmounts.sshd(tmp_path_factory.mktemp("sshd"))
+        out = ctx.__enter__()
+    except RuntimeError as exc:
+        pytest.skip(f"sshd cannot run here: {exc}")
+    try:
+        yield out
+    finally:
+        ctx.__exit__(None, None, None)
+
+
+def _sshfs(tmp_path_factory: pytest.TempPathFactory, sshd: tuple[int, Path], cached: bool) -> Iterator[Pair]:
+    try:
+        ctx = _netmounts.sshfs_pair(tmp_path_factory.mktemp("sshfs"), *sshd, cached=cached)
+        pair = ctx.__enter__()
+    except RuntimeError as exc:
+        pytest.skip(f"sshfs cannot mount here: {exc}")
+    try:
+        yield pair
+    finally:
+        ctx.__exit__(None, None, None)
+
+
+@pytest.fixture(scope="session")
+def sshfs(tmp_path_factory: pytest.TempPathFactory, sshd: tuple[int, Path]) -> Iterator[Pair]:
+    yield from _sshfs(tmp_path_factory, sshd, True)
+
+
+@pytest.fixture(scope="session")
+def sshfs_nocache(tmp_path_factory: pytest.TempPathFactory, sshd: tuple[int, Path]) -> Iterator[Pair]:
+    yield from _sshfs(tmp_path_factory, sshd, False)
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    _netmounts.cleanup_all()
+
+
+from tests.reliability.conftest import figures  # noqa: E402,F401 - the run's figures, shared
