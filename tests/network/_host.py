@@ -17,6 +17,8 @@ Roles:
 * ``lister``: ``list_sessions`` in a loop; counts codes.
 * ``deleter``: delete ``keys`` one by one, ``pause`` seconds apart.
 * ``compactor``: append and ``compact`` ``key`` in turn.
+* ``stall``: append one batch (or delete ``key``: ``op``), stopping at a named point of the commit (the
+  parent SIGSTOPs it there).
 """
 
 from __future__ import annotations
@@ -165,7 +167,37 @@ def compactor(spec: dict[str, Any]) -> dict[str, Any]:
     return {"acked": acked, "compactions": compactions, "codes": dict(codes)}
 
 
-ROLES = {"writer": writer, "reader": reader, "lister": lister, "deleter": deleter, "compactor": compactor}
+class _Say:
+    """The tracer's pipe, as JSON lines on stdout."""
+
+    def send(self, msg: Any) -> None:
+        print(json.dumps(["paused" if msg[0] == "paused" else msg[0], *msg[1:4]]), flush=True)
+
+
+def stall(spec: dict[str, Any]) -> dict[str, Any]:
+    """Append one batch and stop at ``point`` (tests/reliability/_children.POINTS) for
+    ``pause`` seconds, after saying so: the parent SIGSTOPs us there."""
+    from tests.reliability import _children
+
+    tracer = _children.Tracer(_Say(), _children.POINTS[spec["point"]][2])
+    tracer.pause = spec["pause"]
+    _children.install(tracer)
+    store = FsSessionStore(spec["root"], **spec.get("opts", {})).sync
+    _wait_start(spec)
+    tracer.armed = True
+    try:
+        if spec.get("op") == "delete":
+            store.delete(spec["key"])
+            return {"deleted": 1, "codes": {}}
+        store.append(spec["key"], batch(spec["wid"], 0, 3))
+    except FsStoreError as exc:
+        return {"acked": [], "codes": {exc.code: 1}, "message": str(exc)}
+    finally:
+        tracer.armed = False
+    return {"acked": [[0, 3]], "codes": {}}
+
+
+ROLES = {"stall": stall, "writer": writer, "reader": reader, "lister": lister, "deleter": deleter, "compactor": compactor}
 
 
 def main(argv: list[str]) -> None:
