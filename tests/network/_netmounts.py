@@ -49,6 +49,9 @@ class Pair:
     #: how long a mount may show another client's change late (its cache timeouts)
     cache_window: float
     volume: str | None = None
+    #: sshfs: the exported directory, and how to mount it once more (port, key, options)
+    export: Path | None = None
+    sshfs_args: tuple[int, Path, str] | None = None
 
     def mount(self, host: int) -> Path:
         return self.m1 if host == 1 else self.m2
@@ -298,6 +301,50 @@ def sshfs_mount(port: int, key: Path, export: Path, mnt: Path, options: str = ""
         raise RuntimeError(f"sshfs: {r.stdout}{r.stderr}")
 
 
+class ThirdMount:
+    """The sshfs export of a pair mounted once more, by an sshfs process of our own
+    (foreground), so that the test can kill it: a host whose client died."""
+
+    def __init__(self, pair: Pair, mnt: Path) -> None:
+        assert pair.export is not None and pair.sshfs_args is not None
+        port, key, options = pair.sshfs_args
+        mnt.mkdir(parents=True, exist_ok=True)
+        opts = (f"IdentityFile={key},StrictHostKeyChecking=no,UserKnownHostsFile=/dev/null,"
+                f"port={port},LogLevel=ERROR" + ("," + options if options else ""))
+        self.mnt = mnt
+        self.proc = subprocess.Popen(["sshfs", "-f", f"root@127.0.0.1:{pair.export}", str(mnt), "-o", opts],
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + 20
+        while not os.path.ismount(mnt):
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.close()
+                raise RuntimeError("sshfs (third mount) did not mount")
+            time.sleep(0.05)
+
+    def crash(self) -> None:
+        """kill -9 the client: nothing it hid is ever removed (then detach the mount)."""
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait(10)
+        _unmount_all(self.mnt)
+
+    def close(self) -> None:
+        self.crash()
+
+
+@contextlib.contextmanager
+def third_mount(pair: Pair, mnt: Path) -> Iterator[ThirdMount]:
+    """The sshfs export of ``pair`` mounted once more (a third host); gone on exit."""
+    m = ThirdMount(pair, mnt)
+    CLEANUPS.append(m.close)
+    try:
+        yield m
+    finally:
+        m.close()
+        with contextlib.suppress(ValueError):
+            CLEANUPS.remove(m.close)
+
+
 @contextlib.contextmanager
 def sshfs_pair(base: Path, port: int, key: Path, *, cached: bool) -> Iterator[Pair]:
     export = base / "export"
@@ -312,7 +359,8 @@ def sshfs_pair(base: Path, port: int, key: Path, *, cached: bool) -> Iterator[Pa
         for m in (m1, m2):
             sshfs_mount(port, key, export, m, "" if cached else SSHFS_NOCACHE)
         # sshfs's default: 20 s attribute, directory and name caches
-        yield Pair("sshfs" if cached else "sshfs-nocache", m1, m2, cache_window=21.0 if cached else 1.0)
+        yield Pair("sshfs" if cached else "sshfs-nocache", m1, m2, cache_window=21.0 if cached else 1.0,
+                   export=export, sshfs_args=(port, key, "" if cached else SSHFS_NOCACHE))
     finally:
         teardown()
         with contextlib.suppress(ValueError):
