@@ -149,7 +149,7 @@ def _appends_failed(outs: list[dict[str, Any]]) -> collections.Counter[str]:
     return codes
 
 
-@pytest.mark.parametrize("kind", params(sshfs=xfail(SSHFS_EPERM, AppendsFailed),
+@pytest.mark.parametrize("kind", params(sshfs=xfail(SSHFS_EPERM + "; " + SSHFS_CACHE),
                                         sshfs_nocache=xfail(SSHFS_EPERM, AppendsFailed)))
 def test_writers_on_two_hosts_lose_nothing(request: pytest.FixtureRequest, kind: str, tmp_path: Path, figures: Any) -> None:
     """4 writers on each host append to one transcript; a reader loads on each host.
@@ -176,11 +176,18 @@ def test_writers_on_two_hosts_lose_nothing(request: pytest.FixtureRequest, kind:
     figures.add(f"{kind}: appends", len(acked) + sum(failed.values()))
     figures.add(f"{kind}: failed appends", sum(failed.values()))
     finals = []
+    load_errors: collections.Counter[str] = collections.Counter()
     for when in ("now", "after the cache window"):
         if when != "now":
             time.sleep(pair.cache_window)
         for root in roots.values():
-            loaded = FsSessionStore(root).sync.load(KEY)
+            try:
+                loaded = FsSessionStore(root).sync.load(KEY)
+            except FsStoreError as exc:  # a defect (sshfs's caches) now; never after the window
+                if when != "now":
+                    raise
+                load_errors[exc.code] += 1
+                continue
             assert_transcript(loaded, acked, nentries)  # failed batches absent, acked ones once
             finals.append(ids(loaded or []))
     assert all(f == finals[0] for f in finals), "the mounts disagree on the order"
@@ -197,7 +204,7 @@ def test_writers_on_two_hosts_lose_nothing(request: pytest.FixtureRequest, kind:
         assert set(failed) <= {"ESTALE"}, failed
     elif failed:
         raise AppendsFailed(f"{sum(failed.values())} of {len(acked) + sum(failed.values())} appends failed: {dict(failed)}")
-    load_errors = _appends_failed(routs)
+    load_errors.update(_appends_failed(routs))
     if load_errors:
         raise LoadsFailed(f"loads failed: {dict(load_errors)}")
 
