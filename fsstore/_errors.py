@@ -24,6 +24,9 @@ STORE_CODES: dict[str, str] = {
     "LOCK_EXPIRED": "the lock was held past half of stale_lock_seconds before publishing; "
     "nothing was written (retryable)",
     "UNSAFE_PATH": "something inside root is a symlink or not a directory where the store expects one",
+    "UNSUPPORTED_FS": "the mount cannot host a store: it has neither renameat2(RENAME_NOREPLACE) "
+    "nor hard links (link() fails), so a part cannot be committed without replacing; nothing "
+    "was committed",
 }
 
 

@@ -12,6 +12,9 @@ from pathlib import Path
 
 import pytest
 
+# the run's figures, and faultfs (test_unsupported): the reliability tests' fixtures
+from tests.reliability.conftest import fault_mount, figures  # noqa: F401
+
 from . import _netmounts
 from ._netmounts import Pair
 
@@ -74,4 +77,3 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     _netmounts.cleanup_all()
 
 
-from tests.reliability.conftest import figures  # noqa: E402,F401 - the run's figures, shared

@@ -312,7 +312,7 @@ def test_a_writer_stopped_past_its_lease_on_one_host(
         time.sleep(stale + 0.5)
         other = _one(2, "writer", {"root": root2, "key": KEY, "wid": "h2", "batches": 3, "opts": opts}, tmp_path)
         os.kill(stalled.pid, signal.SIGCONT)
-        out, err = stalled.communicate(timeout=60)
+        out, _err = stalled.communicate(timeout=60)
     finally:
         if stalled.poll() is None:
             stalled.kill()
