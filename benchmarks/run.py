@@ -4,7 +4,7 @@
     python benchmarks/run.py --quick        # smaller sizes, for a smoke run
     python benchmarks/run.py --only load    # one section: append, fsync, flat, load,
                                             # list, contention, syscalls, network
-    python benchmarks/run.py --network-delay-us 0   # the GlusterFS section without delay-gen
+    python benchmarks/run.py --network-delay-us 1000   # the GlusterFS section with delay-gen on
 
 The ``network`` section (benchmarks/network.py: a GlusterFS volume on loopback,
 mounted twice) runs where the mounts can be made (root, /dev/fuse, glusterfs) and
@@ -592,7 +592,7 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--only", action="append")
     ap.add_argument("--out", default=str(HERE / "results"))
-    ap.add_argument("--network-delay-us", type=int, default=1000,
+    ap.add_argument("--network-delay-us", type=int, default=0,
                     help="network section: GlusterFS delay-gen per brick operation (0: none)")
     ap.add_argument("--disk-dir", "--fsync-dir", default=str(HERE.parent),
                     help="a directory on a real disk, for the fsync section and the disk run of append")

@@ -169,6 +169,7 @@ def gluster_pair(base: Path) -> Iterator[Pair]:
                 if started.poll() is not None or time.monotonic() > deadline:
                     raise RuntimeError(f"glusterd did not start: {(base / 'glusterd.log').read_text()[-2000:]}")
                 time.sleep(0.3)
+        _remove_orphan_volumes()
         r = _gluster("volume", "create", vol, f"{host}:{brick}", "force")
         if r.returncode != 0:
             raise RuntimeError(f"gluster volume create: {r.stdout}{r.stderr}")
@@ -190,6 +191,17 @@ def gluster_pair(base: Path) -> Iterator[Pair]:
         teardown()
         with contextlib.suppress(ValueError):
             CLEANUPS.remove(teardown)
+
+
+def _remove_orphan_volumes() -> None:
+    """Volumes an earlier run (fsstore<pid>, that pid gone) could not remove: killed
+    before its teardown."""
+    r = _gluster("volume", "list")
+    for name in r.stdout.split():
+        pid = name[len("fsstore"):]
+        if name.startswith("fsstore") and pid.isdigit() and not os.path.exists(f"/proc/{pid}"):
+            _gluster("volume", "stop", name, "force")
+            _gluster("volume", "delete", name)
 
 
 def profile_start(vol: str) -> None:

@@ -22,6 +22,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -538,3 +539,44 @@ def test_fuse_leftovers_are_recognized_and_collected(request: pytest.FixtureRequ
         problems.append(f"gc left {left}: {gc.stdout[-500:]}")
     if problems:
         raise Defect("; ".join(problems))
+
+
+# -- how long the other host sees the old state --------------------------------------
+
+
+def _until(fn: Callable[[], bool], limit: float) -> tuple[float, collections.Counter[str]]:
+    """Seconds until ``fn()`` holds (polled every 50 ms), and the store errors meanwhile."""
+    errors: collections.Counter[str] = collections.Counter()
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < limit:
+        try:
+            if fn():
+                return time.monotonic() - t0, errors
+        except FsStoreError as exc:
+            errors[exc.code] += 1
+        time.sleep(0.05)
+    raise AssertionError(f"not within {limit} s; errors meanwhile: {dict(errors)}")
+
+
+@pytest.mark.parametrize("kind", params())
+def test_how_long_the_other_host_sees_a_deleted_or_compacted_transcript(
+    request: pytest.FixtureRequest, kind: str, figures: Any
+) -> None:
+    """Measured, bounded by the mount's cache window (docs/operations.md quotes it):
+    after host 1 deletes a transcript host 2 had loaded, until host 2 loads None; after
+    host 1 appends and compacts, until host 2 loads the new batch."""
+    pair = pair_of(request, kind)
+    r1, r2 = pair.fresh("visibility")
+    root1, root2 = str(r1 / "store"), str(r2 / "store")
+    a, b = _sessions(root1, 2, batches=3)
+    s1, s2 = FsSessionStore(root1, compact_every=0).sync, FsSessionStore(root2).sync
+    assert len(s2.load(a) or []) == 12 and len(s2.load(b) or []) == 12
+    s1.delete(a)
+    gone, gone_errors = _until(lambda: s2.load(a) is None, pair.cache_window + 10)
+    s1.append(b, batch("b", 3, 4))
+    s1.compact(b)
+    seen, seen_errors = _until(lambda: len(s2.load(b) or []) == 16, pair.cache_window + 10)
+    figures.add(f"{kind}: ms until a remote delete shows", int(gone * 1000))
+    figures.add(f"{kind}: ms until a remote append+compaction shows", int(seen * 1000))
+    print(f"{kind}: delete visible after {gone:.2f} s (errors meanwhile {dict(gone_errors)}); "
+          f"append+compaction after {seen:.2f} s (errors {dict(seen_errors)})")
