@@ -60,6 +60,9 @@ def xfail(reason: str, raises: type[Defect] = Defect) -> Any:
 GLUSTER_ESTALE = "GlusterFS: another host replaced state.json (every commit does); the open by a cached name reads a stale handle: ESTALE"
 SSHFS_EPERM = "sshfs (SFTP v3 has no EEXIST): a lost O_EXCL race on the lock marker comes back as EPERM and fails the append"
 SSHFS_CACHE = "sshfs default caching (20 s): a load after another host's change reads a cached listing: EAGAIN/ENOENT"
+FUSE_HIDDEN = ("fsstore check reports a FUSE leftover (.fuse_hidden*: a file unlinked while open on "
+               "that mount) in a transcript directory as an unexpected entry (exit 1), and gc never "
+               "removes one whose mount is gone")
 GLUSTER_HOLES = "GlusterFS: a load on host 2 while host 1's delete is midway returns the transcript with holes (32 of 40 entries)"
 GLUSTER_DELETED = ("GlusterFS: an append on host 2 to a session host 1 just deleted fails with ESTALE "
                    "(host 2's cached handle of the transcript directory; found by this test)")
@@ -150,8 +153,8 @@ def _appends_failed(outs: list[dict[str, Any]]) -> collections.Counter[str]:
     return codes
 
 
-@pytest.mark.parametrize("kind", params(sshfs=xfail(SSHFS_EPERM + "; " + SSHFS_CACHE),
-                                        sshfs_nocache=xfail(SSHFS_EPERM, AppendsFailed)))
+@pytest.mark.parametrize("kind", params(sshfs=xfail(f"{SSHFS_EPERM}; {SSHFS_CACHE}; {FUSE_HIDDEN}"),
+                                        sshfs_nocache=xfail(f"{SSHFS_EPERM}; {FUSE_HIDDEN}")))
 def test_writers_on_two_hosts_lose_nothing(request: pytest.FixtureRequest, kind: str, tmp_path: Path, figures: Any) -> None:
     """4 writers on each host append to one transcript; a reader loads on each host.
 
@@ -165,8 +168,8 @@ def test_writers_on_two_hosts_lose_nothing(request: pytest.FixtureRequest, kind:
     r1, r2 = pair.fresh("writers")
     roots = {1: str(r1 / "store"), 2: str(r2 / "store")}
     opts = {"compact_every": 16}
-    writers = [Role(h, "writer", {"root": roots[h], "key": KEY, "wid": f"h{h}w{i}", "batches": 15,
-                                  "seconds": 10, "opts": opts}) for h in (1, 2) for i in range(4)]
+    writers = [Role(h, "writer", {"root": roots[h], "key": KEY, "wid": f"h{h}w{i}", "batches": 10,
+                                  "seconds": 8, "opts": opts}) for h in (1, 2) for i in range(4)]
     readers = [Role(h, "reader", {"root": roots[h], "keys": [KEY], "opts": opts, "errors_are_problems": False})
                for h in (1, 2)]
     outs = run_roles(writers + readers, tmp_path, timeout=120, stop_after=list(range(len(writers))))
@@ -198,16 +201,23 @@ def test_writers_on_two_hosts_lose_nothing(request: pytest.FixtureRequest, kind:
         last = [tuple(e) for e in o["last"].get("0", [])]
         assert finals[0][: len(last)] == last, "a reader snapshot is not a prefix of the final order"
     figures.add(f"{kind}: reader loads", sum(o["loads"] for o in routs))
+    defects = []
     for root in roots.values():  # fsstore check through both mounts: nothing wrong
         r = _cli("check", root)
-        assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+        findings = [line for line in r.stdout.splitlines() if line.startswith(("ERROR", "WARNING"))]
+        if r.returncode != 0 and findings and all(".fuse_hidden" in line for line in findings):
+            defects.append(f"check: {findings[:3]}")  # FUSE_HIDDEN: a reader had a compacted part open
+        else:
+            assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     if kind == "gluster":  # only the known ESTALE (see the docstring)
         assert set(failed) <= {"ESTALE"}, failed
     elif failed:
-        raise AppendsFailed(f"{sum(failed.values())} of {len(acked) + sum(failed.values())} appends failed: {dict(failed)}")
+        defects.append(f"{sum(failed.values())} of {len(acked) + sum(failed.values())} appends failed: {dict(failed)}")
     load_errors.update(_appends_failed(routs))
     if load_errors:
-        raise LoadsFailed(f"loads failed: {dict(load_errors)}")
+        defects.append(f"loads failed: {dict(load_errors)}")
+    if defects:
+        raise Defect("; ".join(defects))
 
 
 @pytest.mark.parametrize("kind", params(gluster=xfail(GLUSTER_ESTALE, AppendsFailed)))
@@ -278,9 +288,9 @@ def test_lock_excludes_the_other_host_and_a_killed_holder_is_reclaimed_by_age(
 
 
 STALL_POINTS = [
-    "holding_lock_before_move", "compaction_after_segment_move",
+    "holding_lock_before_move",
     *(pytest.param(p, marks=pytest.mark.soak) for p in (
-        "state_temp_written", "after_state_before_lock_release", "compaction_segment_temp_written",
+        "compaction_after_segment_move", "state_temp_written", "after_state_before_lock_release", "compaction_segment_temp_written",
         "compaction_midway_unlinking_parts")),
 ]
 
@@ -440,12 +450,12 @@ def test_an_append_after_a_remote_delete_starts_a_new_session(request: pytest.Fi
             reborn.append(key)
         except FsStoreError as exc:
             codes[exc.code] += 1
+    if codes:
+        raise AppendsFailed(f"{sum(codes.values())} of {len(keys)} appends after a remote delete failed: {dict(codes)}")
     time.sleep(pair.cache_window)
     for key in keys:
         for s in (s1, s2):
-            assert_transcript(s.load(key), [("new", 0)] if key in reborn else [], 2 if key in reborn else 0)
-    if codes:
-        raise AppendsFailed(f"{sum(codes.values())} of {len(keys)} appends after a remote delete failed: {dict(codes)}")
+            assert_transcript(s.load(key), [("new", 0)], 2)
 
 
 @pytest.mark.parametrize("kind", params(sshfs=xfail(SSHFS_CACHE, LoadsFailed)))
@@ -488,10 +498,6 @@ def test_soak_loads_and_lists_racing_deletes_on_the_other_host(
 
 # -- fsstore check and gc after FUSE leftovers ----------------------------------------
 
-FUSE_HIDDEN = ("fsstore check reports a FUSE leftover (.fuse_hidden*: a file unlinked while open on "
-               "that mount) in a transcript directory as an unexpected entry (exit 1), and gc never "
-               "removes one whose mount is gone")
-
 
 def _cli(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "fsstore", *args], capture_output=True, text=True,
@@ -502,7 +508,7 @@ def _hidden(root: str) -> list[str]:
     return [os.path.join(d, f) for d, _ds, fs in os.walk(root) for f in fs if f.startswith(".fuse_hidden")]
 
 
-@pytest.mark.parametrize("kind", [pytest.param(k, marks=xfail(FUSE_HIDDEN), id=k) for k in ("sshfs", "sshfs_nocache")])
+@pytest.mark.parametrize("kind", [pytest.param("sshfs_nocache", marks=xfail(FUSE_HIDDEN), id="sshfs_nocache")])
 def test_fuse_leftovers_are_recognized_and_collected(request: pytest.FixtureRequest, kind: str, tmp_path: Path) -> None:
     """A third mount (host 3) has a part open when it compacts the transcript: FUSE
     renames the unlinked part to .fuse_hidden*; host 3's mount then goes away with the
@@ -558,7 +564,8 @@ def _until(fn: Callable[[], bool], limit: float) -> tuple[float, collections.Cou
     raise AssertionError(f"not within {limit} s; errors meanwhile: {dict(errors)}")
 
 
-@pytest.mark.parametrize("kind", params())
+@pytest.mark.parametrize("kind", [pytest.param("gluster", id="gluster"), pytest.param("sshfs", marks=pytest.mark.soak, id="sshfs"),
+                                  pytest.param("sshfs_nocache", id="sshfs_nocache")])
 def test_how_long_the_other_host_sees_a_deleted_or_compacted_transcript(
     request: pytest.FixtureRequest, kind: str, figures: Any
 ) -> None:
