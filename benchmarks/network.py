@@ -73,6 +73,27 @@ def _delay(vol: str, us: int) -> None:
     time.sleep(3)  # the clients switch to the new graph
 
 
+def _cold_ops(vol: str, fn: Callable[[], Any]) -> dict[str, int]:
+    """The brick operations of one ``fn()`` with the client's 1 s caches expired, delay off."""
+    _delay(vol, 0)
+    time.sleep(1.5)
+    _netmounts.profile_ops(vol)  # reset the interval
+    fn()
+    return _netmounts.profile_ops(vol)
+
+
+def _interleaved(a: Callable[[], Any], b: Callable[[], Any], n: int) -> tuple[list[float], list[float]]:
+    t_a, t_b = [], []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        a()
+        t1 = time.perf_counter()
+        b()
+        t_b.append(time.perf_counter() - t1)
+        t_a.append(t1 - t0)
+    return t_a, t_b
+
+
 def _per(ops: dict[str, int], n: int) -> dict[str, float]:
     return {k: v / n for k, v in sorted(ops.items(), key=lambda kv: -kv[1])}
 
@@ -157,24 +178,9 @@ def bench_network(row: Callable[..., None], floor_cls: Any, batch: Callable[[int
                 return [json.loads(line) for line in fh]
 
         assert reader.load(key) == naive_load()
-        _delay(vol, 0)
-        time.sleep(1.5)  # md-cache's 1 s: both start cold
-        _netmounts.profile_ops(vol)
-        reader.load(key)
-        load_ops = _netmounts.profile_ops(vol)
-        time.sleep(1.5)
-        _netmounts.profile_ops(vol)
-        naive_load()
-        naive_ops = _netmounts.profile_ops(vol)
+        load_ops, naive_ops = _cold_ops(vol, lambda: reader.load(key)), _cold_ops(vol, naive_load)
         _delay(vol, delay_us)
-        t_s, t_f = [], []
-        for _ in range(7 if quick else 15):
-            t0 = time.perf_counter()
-            reader.load(key)
-            t1 = time.perf_counter()
-            naive_load()
-            t_f.append(time.perf_counter() - t1)
-            t_s.append(t1 - t0)
+        t_s, t_f = _interleaved(lambda: reader.load(key), naive_load, 7 if quick else 15)
         row(f"network load {n_big} appends: brick ops / one JSONL file", sum(load_ops.values()),
             sum(naive_ops.values()), float("inf"), unit="ops",
             note=f"informational; cold caches; fsstore: {_fmt(_per(load_ops, 1))}; file: {_fmt(_per(naive_ops, 1))}")
@@ -198,24 +204,10 @@ def bench_network(row: Callable[..., None], floor_cls: Any, batch: Callable[[int
             return [{"session_id": e.name, "mtime": e.stat().st_mtime_ns // 1_000_000} for e in os.scandir(sessions)]
 
         assert len(lister.list_sessions(key["project_key"])) == n_big == len(naive_list())
-        _delay(vol, 0)
-        time.sleep(1.5)  # md-cache's 1 s: both start cold
-        _netmounts.profile_ops(vol)
-        lister.list_sessions(key["project_key"])
-        list_ops = _netmounts.profile_ops(vol)
-        time.sleep(1.5)
-        _netmounts.profile_ops(vol)
-        naive_list()
-        nlist_ops = _netmounts.profile_ops(vol)
+        list_ops = _cold_ops(vol, lambda: lister.list_sessions(key["project_key"]))
+        nlist_ops = _cold_ops(vol, naive_list)
         _delay(vol, delay_us)
-        t_s, t_f = [], []
-        for _ in range(5 if quick else 9):
-            t0 = time.perf_counter()
-            lister.list_sessions(key["project_key"])
-            t1 = time.perf_counter()
-            naive_list()
-            t_f.append(time.perf_counter() - t1)
-            t_s.append(t1 - t0)
+        t_s, t_f = _interleaved(lambda: lister.list_sessions(key["project_key"]), naive_list, 5 if quick else 9)
         row(f"network list_sessions({n_big}): brick ops per session / scandir + stat",
             sum(list_ops.values()) / n_big, sum(nlist_ops.values()) / n_big, float("inf"), unit="ops",
             note=f"informational; cold caches; fsstore: {_fmt(_per(list_ops, n_big))}; "

@@ -29,6 +29,7 @@ import tempfile
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 from tests.reliability._mounts import _fuse_missing, _run, unmount, unshare_uts_unavailable
 
@@ -86,6 +87,17 @@ def _common_missing() -> str | None:
     if reason := _fuse_missing():
         return reason
     return unshare_uts_unavailable()
+
+
+def _stop(proc: subprocess.Popen[Any]) -> None:
+    """SIGTERM a daemon we started, SIGKILL it if it does not go within 20 s."""
+    if proc.poll() is None:
+        proc.terminate()
+    try:
+        proc.wait(20)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(10)
 
 
 def _unmount_all(*paths: Path) -> None:
@@ -148,12 +160,7 @@ def gluster_pair(base: Path) -> Iterator[Pair]:
             _gluster("volume", "delete", vol)
             created = False
         if started is not None:
-            started.terminate()
-            try:
-                started.wait(20)
-            except subprocess.TimeoutExpired:
-                started.kill()
-                started.wait(10)
+            _stop(started)
             started = None
         shutil.rmtree(brick, ignore_errors=True)
 
@@ -274,13 +281,7 @@ def sshd(base: Path) -> Iterator[tuple[int, Path]]:
     )
 
     def stop() -> None:
-        if proc.poll() is None:
-            proc.terminate()
-            try:
-                proc.wait(10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(10)
+        _stop(proc)
 
     CLEANUPS.append(stop)
     try:

@@ -7,8 +7,10 @@ left, also after a failure). Each skips with the reason where it cannot run here
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
 from pathlib import Path
+from typing import TypeVar
 
 import pytest
 
@@ -19,48 +21,39 @@ from . import _netmounts
 from ._netmounts import Pair
 
 PAIRS = ("gluster", "sshfs", "sshfs_nocache")
+T = TypeVar("T")
+
+
+def _made(make: Callable[[], AbstractContextManager[T]], what: str) -> Iterator[T]:
+    """Enter what ``make`` returns for the session (skip, saying why, if it cannot run)."""
+    try:
+        ctx = make()
+        value = ctx.__enter__()
+    except RuntimeError as exc:
+        pytest.skip(f"{what} cannot run here: {exc}")
+    try:
+        yield value
+    finally:
+        ctx.__exit__(None, None, None)
 
 
 @pytest.fixture(scope="session")
 def gluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pair]:
     if reason := _netmounts.gluster_unavailable():
         pytest.skip(reason)
-    try:
-        ctx = _netmounts.gluster_pair(tmp_path_factory.mktemp("gluster"))
-        pair = ctx.__enter__()
-    except RuntimeError as exc:
-        pytest.skip(f"GlusterFS cannot run here: {exc}")
-    try:
-        yield pair
-    finally:
-        ctx.__exit__(None, None, None)
+    yield from _made(lambda: _netmounts.gluster_pair(tmp_path_factory.mktemp("gluster")), "GlusterFS")
 
 
 @pytest.fixture(scope="session")
 def sshd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[int, Path]]:
     if reason := _netmounts.sshfs_unavailable():
         pytest.skip(reason)
-    try:
-        ctx = _netmounts.sshd(tmp_path_factory.mktemp("sshd"))
-        out = ctx.__enter__()
-    except RuntimeError as exc:
-        pytest.skip(f"sshd cannot run here: {exc}")
-    try:
-        yield out
-    finally:
-        ctx.__exit__(None, None, None)
+    yield from _made(lambda: _netmounts.sshd(tmp_path_factory.mktemp("sshd")), "sshd")
 
 
 def _sshfs(tmp_path_factory: pytest.TempPathFactory, sshd: tuple[int, Path], cached: bool) -> Iterator[Pair]:
-    try:
-        ctx = _netmounts.sshfs_pair(tmp_path_factory.mktemp("sshfs"), *sshd, cached=cached)
-        pair = ctx.__enter__()
-    except RuntimeError as exc:
-        pytest.skip(f"sshfs cannot mount here: {exc}")
-    try:
-        yield pair
-    finally:
-        ctx.__exit__(None, None, None)
+    yield from _made(
+        lambda: _netmounts.sshfs_pair(tmp_path_factory.mktemp("sshfs"), *sshd, cached=cached), "sshfs")
 
 
 @pytest.fixture(scope="session")
