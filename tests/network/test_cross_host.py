@@ -153,8 +153,13 @@ def _appends_failed(outs: list[dict[str, Any]]) -> collections.Counter[str]:
     return codes
 
 
-@pytest.mark.parametrize("kind", params(sshfs=xfail(f"{SSHFS_EPERM}; {SSHFS_CACHE}; {FUSE_HIDDEN}"),
-                                        sshfs_nocache=xfail(f"{SSHFS_EPERM}; {FUSE_HIDDEN}")))
+@pytest.mark.parametrize("kind", [
+    pytest.param("gluster", id="gluster"),
+    # 40 s (the 21 s cache window): soak; its EPERM shows on sshfs_nocache in every run
+    pytest.param("sshfs", id="sshfs", marks=[
+        pytest.mark.soak, xfail(f"{SSHFS_EPERM}; {SSHFS_CACHE}; {FUSE_HIDDEN}")]),
+    pytest.param("sshfs_nocache", id="sshfs_nocache", marks=xfail(f"{SSHFS_EPERM}; {FUSE_HIDDEN}")),
+])
 def test_writers_on_two_hosts_lose_nothing(request: pytest.FixtureRequest, kind: str, tmp_path: Path, figures: Any) -> None:
     """4 writers on each host append to one transcript; a reader loads on each host.
 
@@ -259,7 +264,7 @@ def test_lock_excludes_the_other_host_and_a_killed_holder_is_reclaimed_by_age(
     r1, r2 = pair_of(request, kind).fresh("lock")
     root1, root2 = str(r1 / "store"), str(r2 / "store")
     FsSessionStore(root1).sync.append(KEY, batch("seed", 0, 1))
-    stale = 4.0
+    stale = 4.0  # longer than the LOCK_TIMEOUT step takes: the reclaim has to wait for the age
     holder = subprocess.Popen(
         child(1, "tests.reliability._children", "hold-lock", root1, json.dumps(KEY), json.dumps({})),
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=child_env())
@@ -305,7 +310,7 @@ def test_a_writer_stopped_past_its_lease_on_one_host(
     refused (LOCK_EXPIRED), the transcript readable through both mounts."""
     r1, r2 = pair_of(request, kind).fresh("stall")
     root1, root2 = str(r1 / "store"), str(r2 / "store")
-    stale = 3.0
+    stale = 2.0
     opts = {"stale_lock_seconds": stale, "lock_timeout_seconds": 30.0, "compact_every": 0}
     seeds = 3 if point.startswith("compaction") else 1  # the stalled append is the 4th: compacts
     for b in range(seeds):
