@@ -3,7 +3,12 @@
     python benchmarks/run.py                # everything (a few minutes on 2 cores)
     python benchmarks/run.py --quick        # smaller sizes, for a smoke run
     python benchmarks/run.py --only load    # one section: append, fsync, flat, load,
-                                            # list, contention, syscalls
+                                            # list, contention, syscalls, network
+    python benchmarks/run.py --network-delay-us 1000   # the GlusterFS section with delay-gen on
+
+The ``network`` section (benchmarks/network.py: a GlusterFS volume on loopback,
+mounted twice) runs where the mounts can be made (root, /dev/fuse, glusterfs) and
+says why it is skipped elsewhere.
 
 Prints a table (figure, baseline, ratio, target, pass/fail), writes
 ``benchmarks/results/results.json`` and ``benchmarks/results/load.png`` (the chart
@@ -576,11 +581,19 @@ def bench_syscalls(n: int) -> None:
             row(f"directory reads per append, {label}", dirreads, 1, 0.0, unit="reads")
 
 
+def _network(quick: bool, delay_us: int) -> None:
+    from network import bench_network  # benchmarks/network.py
+
+    bench_network(row, Floor, batch, quick=quick, delay_us=delay_us, extra=EXTRA)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--only", action="append")
     ap.add_argument("--out", default=str(HERE / "results"))
+    ap.add_argument("--network-delay-us", type=int, default=0,
+                    help="network section: GlusterFS delay-gen per brick operation (0: none)")
     ap.add_argument("--disk-dir", "--fsync-dir", default=str(HERE.parent),
                     help="a directory on a real disk, for the fsync section and the disk run of append")
     args = ap.parse_args()
@@ -597,6 +610,7 @@ def main() -> None:
         "list": lambda: bench_list(1000 if q else 10000),
         "contention": lambda: bench_contention(100 if q else 300),
         "syscalls": lambda: bench_syscalls(100 if q else 500),
+        "network": lambda: _network(q, args.network_delay_us),
     }
     for name, fn in sections.items():
         if not args.only or name in args.only:

@@ -35,6 +35,9 @@ STORE_CODES: dict[str, str] = {
     "UNSAFE_PATH": "something inside root is a symlink or not a directory where the store expects one",
     "NOT_A_STORE": "root is not a store (no .fsstore marker): a share not mounted, or a store "
     "never created (fsstore init, create=True); nothing was written",
+    "UNSUPPORTED_FS": "the mount cannot host a store: it has neither renameat2(RENAME_NOREPLACE) "
+    "nor hard links (link() fails), so a part cannot be committed without replacing; nothing "
+    "was committed",
     # logged only (the operation succeeded, or went on)
     "SUMMARY_BEHIND": "the session summary sidecar was not updated; readers fold it themselves",
     "RELOCATED": "an append's number had been compacted away under it (two lock holders "

@@ -8,6 +8,7 @@ so a directory swapped for a symlink between two operations is refused
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
 import errno
@@ -484,14 +485,15 @@ def link_noreplace(fs: Fs, dir_fd: int, src: str, dst: str) -> bool | None:
             # for a link that did happen: it is ours if dst is the same inode as src.
             return True if _same_inode(dir_fd, src, dst) else None
         except OSError as exc:
-            if exc.errno not in _NO_LINKS:
+            if exc.errno not in _NO_LINK:
                 raise
-            fs.link_ok = False
+            # SFTP v3 (sshfs) has no EEXIST: a link onto an existing name is EPERM there.
+            if _exists(dir_fd, dst):
+                return True if _same_inode(dir_fd, src, dst) else None
+            if _can_link(dir_fd, src):
+                raise  # links work: a real error of this one
+            fs.link_ok = False  # a mount without hard links: moves from now on
     return False if move_noreplace(fs, dir_fd, src, dst) else None
-
-
-# What a mount without hard links answers to link().
-_NO_LINKS = {errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.ENOSYS, errno.EMLINK}
 
 
 def move_noreplace(fs: Fs, dir_fd: int, src: str, dst: str) -> bool:
@@ -519,6 +521,17 @@ def move_noreplace(fs: Fs, dir_fd: int, src: str, dst: str) -> bool:
         # if dst is the same inode as src.
         if not _same_inode(dir_fd, src, dst):
             return False
+    except OSError as exc:
+        if exc.errno not in _NO_LINK:
+            raise
+        # SFTP v3 (sshfs) has no EEXIST: a link onto an existing name is EPERM there.
+        if _exists(dir_fd, dst):
+            if not _same_inode(dir_fd, src, dst):
+                return False
+        elif not _can_link(dir_fd, src):  # no RENAME_NOREPLACE, no hard links (rclone: EIO)
+            raise unsupported_fs(exc, _dir_path(dir_fd, dst)) from exc
+        else:  # links work: a real error of this one
+            raise
     try:
         os.unlink(src, dir_fd=dir_fd)
     except FileNotFoundError:
@@ -529,6 +542,47 @@ def move_noreplace(fs: Fs, dir_fd: int, src: str, dst: str) -> bool:
         # retry a committed batch.
         log.warning("temp link left after commit: %s", exc, extra={
             "code": "TEMP_LEFT", "operation": "append", "path": src})
+    return True
+
+
+#: link() errors of a mount without hard links (after RENAME_NOREPLACE was refused)
+_NO_LINK = {errno.EPERM, errno.EIO, errno.ENOTSUP, errno.EOPNOTSUPP, errno.ENOSYS}
+
+
+def unsupported_fs(exc: OSError, path: str) -> FsStoreError:
+    name = errno.errorcode.get(exc.errno or 0, str(exc.errno))
+    return FsStoreError(
+        "UNSUPPORTED_FS",
+        f"this mount cannot host a store: it refuses renameat2(RENAME_NOREPLACE) and "
+        f"link() ({name}: {exc.strerror}), so nothing can be committed without replacing",
+        operation="append", path=path, errno=exc.errno,
+    )
+
+
+def _can_link(dir_fd: int, src: str) -> bool:
+    """Whether this mount makes hard links at all: link ``src`` to a temp name and back."""
+    probe = temp_name("-probe")
+    try:
+        os.link(src, probe, src_dir_fd=dir_fd, dst_dir_fd=dir_fd, follow_symlinks=False)
+    except OSError as exc:
+        return exc.errno not in _NO_LINK
+    with contextlib.suppress(OSError):
+        os.unlink(probe, dir_fd=dir_fd)
+    return True
+
+
+def _dir_path(dir_fd: int, name: str) -> str:
+    try:
+        return os.path.join(os.readlink(f"/proc/self/fd/{dir_fd}"), name)
+    except OSError:
+        return name
+
+
+def _exists(dir_fd: int, name: str) -> bool:
+    try:
+        os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+    except FileNotFoundError:
+        return False
     return True
 
 

@@ -1,0 +1,594 @@
+"""The store on real network filesystems, each mounted twice: two hosts, one storage.
+
+Pairs: GlusterFS (one brick on loopback, default options), sshfs with its default
+caching, sshfs with every cache off (see _netmounts.py). Processes of host 1 work
+through mount 1, those of host 2 through mount 2, each in its own UTS namespace.
+
+What the store must do on every pair: keep every acknowledged batch exactly once
+and whole, never show a reader a hole or a non-prefix. Where the current code
+fails in a way the issue (12) lists, the test is a strict ``xfail`` that raises a
+:class:`Defect` subclass (``raises=``): a broken guarantee (lost batch, hole) is
+an ordinary assertion and fails the test even where a defect is expected.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import itertools
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import anyio
+import pytest
+
+from fsstore import FsSessionStore, FsStoreError
+from tests.reliability._check import assert_transcript, batch, ids
+
+from ._netmounts import HOSTS, Pair, Role, child, child_env, run_roles, third_mount
+
+KEY = {"project_key": "-net", "session_id": "shared"}
+
+
+class Defect(AssertionError):
+    """A shortcoming the issue lists (the store loses nothing, but fails or misreports)."""
+
+
+class AppendsFailed(Defect):
+    pass
+
+
+class LoadsFailed(Defect):
+    pass
+
+
+class Holes(Defect):
+    """A load returned part of a transcript (a broken guarantee the issue lists as a defect)."""
+
+
+def xfail(reason: str, raises: type[Defect] = Defect) -> Any:
+    return pytest.mark.xfail(strict=True, raises=raises, reason=reason)
+
+
+GLUSTER_ESTALE = "GlusterFS: another host replaced state.json (every commit does); the open by a cached name reads a stale handle: ESTALE"
+SSHFS_EPERM = "sshfs (SFTP v3 has no EEXIST): a lost O_EXCL race on the lock marker comes back as EPERM and fails the append"
+SSHFS_CACHE = "sshfs default caching (20 s): a load after another host's change reads a cached listing: EAGAIN/ENOENT"
+FUSE_HIDDEN = ("fsstore check reports a FUSE leftover (.fuse_hidden*: a file unlinked while open on "
+               "that mount) in a transcript directory as an unexpected entry (exit 1), and gc never "
+               "removes one whose mount is gone")
+GLUSTER_HOLES = "GlusterFS: a load on host 2 while host 1's delete is midway returns the transcript with holes (32 of 40 entries)"
+GLUSTER_DELETED = ("GlusterFS: an append on host 2 to a session host 1 just deleted fails with ESTALE "
+                   "(host 2's cached handle of the transcript directory; found by this test)")
+SSHFS_DELETED = "sshfs default caching: an append to a session another host just deleted fails with ENOENT"
+
+
+def pair_of(request: pytest.FixtureRequest, kind: str) -> Pair:
+    return request.getfixturevalue(kind)  # type: ignore[no-any-return]
+
+
+def params(**marks: Any) -> list[Any]:
+    """The three pairs, with ``marks[kind]`` (an xfail) where a defect shows."""
+    out = []
+    for kind in ("gluster", "sshfs", "sshfs_nocache"):
+        m = marks.get(kind)
+        out.append(pytest.param(kind, marks=[m] if m else [], id=kind))
+    return out
+
+
+# -- the SDK conformance suites -------------------------------------------------------
+
+
+class SplitStore:
+    """Writes through one mount, reads through the other: the store as two hosts see it."""
+
+    def __init__(self, writes: FsSessionStore, reads: FsSessionStore) -> None:
+        self.w, self.r = writes, reads
+
+    async def append(self, key: Any, entries: Any) -> None:
+        await self.w.append(key, entries)
+
+    async def delete(self, key: Any) -> None:
+        await self.w.delete(key)
+
+    async def load(self, key: Any) -> Any:
+        return await self.r.load(key)
+
+    async def list_sessions(self, project_key: str) -> Any:
+        return await self.r.list_sessions(project_key)
+
+    async def list_session_summaries(self, project_key: str) -> Any:
+        return await self.r.list_session_summaries(project_key)
+
+    async def list_subkeys(self, key: Any) -> Any:
+        return await self.r.list_subkeys(key)
+
+
+def _suite(sdk: str) -> Any:
+    if sdk == "claude":
+        from claude_agent_sdk.testing import run_session_store_conformance
+    else:
+        from qoder_agent_sdk.testing import run_session_store_conformance
+    return run_session_store_conformance
+
+
+@pytest.mark.parametrize("backend", ["asyncio", "trio"])
+@pytest.mark.parametrize("sdk", ["claude", "qoder"])
+@pytest.mark.parametrize("kind", params())
+def test_conformance_on_mount_1(request: pytest.FixtureRequest, kind: str, sdk: str, backend: str) -> None:
+    base, _ = pair_of(request, kind).fresh(f"conf-{sdk}")
+    n = itertools.count()
+    anyio.run(_suite(sdk), lambda: FsSessionStore(base / f"store-{next(n)}", create=True), backend=backend)
+
+
+@pytest.mark.parametrize("backend", ["asyncio", "trio"])
+@pytest.mark.parametrize("sdk", ["claude", "qoder"])
+@pytest.mark.parametrize("kind", params())
+def test_conformance_split_writes_mount_1_reads_mount_2(
+    request: pytest.FixtureRequest, kind: str, sdk: str, backend: str
+) -> None:
+    b1, b2 = pair_of(request, kind).fresh(f"split-{sdk}")
+    n = itertools.count()
+
+    def factory() -> SplitStore:
+        name = f"store-{next(n)}"
+        return SplitStore(FsSessionStore(b1 / name, create=True), FsSessionStore(b2 / name, create=True))
+
+    anyio.run(_suite(sdk), factory, backend=backend)
+
+
+# -- cross-host concurrency ---------------------------------------------------------
+
+
+def _appends_failed(outs: list[dict[str, Any]]) -> collections.Counter[str]:
+    codes: collections.Counter[str] = collections.Counter()
+    for o in outs:
+        codes.update(o["codes"])
+    return codes
+
+
+@pytest.mark.parametrize("kind", [
+    pytest.param("gluster", id="gluster"),
+    # 40 s (the 21 s cache window): soak; its EPERM shows on sshfs_nocache in every run
+    pytest.param("sshfs", id="sshfs", marks=[
+        pytest.mark.soak, xfail(f"{SSHFS_EPERM}; {SSHFS_CACHE}; {FUSE_HIDDEN}")]),
+    pytest.param("sshfs_nocache", id="sshfs_nocache", marks=xfail(f"{SSHFS_EPERM}; {FUSE_HIDDEN}")),
+])
+def test_writers_on_two_hosts_lose_nothing(request: pytest.FixtureRequest, kind: str, tmp_path: Path, figures: Any) -> None:
+    """4 writers on each host append to one transcript; a reader loads on each host.
+
+    Every acknowledged batch is there exactly once and whole through both mounts,
+    immediately and after the mounts' cache window; every failed one is absent;
+    every reader snapshot is a prefix of the final order. Then: no append failed.
+    (GlusterFS's ESTALE shows here too, a few in a thousand appends, too rarely to
+    fail reliably: test_alternating_hosts_append_without_error shows it every time.)
+    """
+    pair = pair_of(request, kind)
+    r1, r2 = pair.fresh("writers")
+    roots = {1: str(r1 / "store"), 2: str(r2 / "store")}
+    opts = {"compact_every": 16}
+    writers = [Role(h, "writer", {"root": roots[h], "key": KEY, "wid": f"h{h}w{i}", "batches": 10,
+                                  "seconds": 8, "opts": opts}) for h in (1, 2) for i in range(4)]
+    readers = [Role(h, "reader", {"root": roots[h], "keys": [KEY], "opts": opts, "errors_are_problems": False})
+               for h in (1, 2)]
+    outs = run_roles(writers + readers, tmp_path, timeout=120, stop_after=list(range(len(writers))))
+    wouts, routs = outs[: len(writers)], outs[len(writers):]
+    acked = [(r.spec["wid"], b) for r, o in zip(writers, wouts) for b, _n in o["acked"]]
+    nentries = sum(n for o in wouts for _b, n in o["acked"])
+    failed = _appends_failed(wouts)
+    figures.add(f"{kind}: appends", len(acked) + sum(failed.values()))
+    figures.add(f"{kind}: failed appends", sum(failed.values()))
+    finals = []
+    load_errors: collections.Counter[str] = collections.Counter()
+    for when in ("now", "after the cache window"):
+        if when != "now":
+            time.sleep(pair.cache_window)
+        for root in roots.values():
+            try:
+                loaded = FsSessionStore(root, create=True).sync.load(KEY)
+            except FsStoreError as exc:  # a defect (sshfs's caches) now; never after the window
+                if when != "now":
+                    raise
+                load_errors[exc.code] += 1
+                continue
+            assert_transcript(loaded, acked, nentries)  # failed batches absent, acked ones once
+            finals.append(ids(loaded or []))
+    assert all(f == finals[0] for f in finals), "the mounts disagree on the order"
+    for o in routs:
+        assert o["problems"] == [], o["problems"][:5]
+        assert o["loads"] >= 5, f"a reader hardly ran: {o}"
+        last = [tuple(e) for e in o["last"].get("0", [])]
+        assert finals[0][: len(last)] == last, "a reader snapshot is not a prefix of the final order"
+    figures.add(f"{kind}: reader loads", sum(o["loads"] for o in routs))
+    defects = []
+    for root in roots.values():  # fsstore check through both mounts: nothing wrong
+        r = _cli("check", root)
+        findings = [line for line in r.stdout.splitlines() if line.startswith(("ERROR", "WARNING"))]
+        if r.returncode != 0 and findings and all(".fuse_hidden" in line for line in findings):
+            defects.append(f"check: {findings[:3]}")  # FUSE_HIDDEN: a reader had a compacted part open
+        else:
+            assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    if kind == "gluster":  # only the known ESTALE (see the docstring)
+        assert set(failed) <= {"ESTALE"}, failed
+    elif failed:
+        defects.append(f"{sum(failed.values())} of {len(acked) + sum(failed.values())} appends failed: {dict(failed)}")
+    load_errors.update(_appends_failed(routs))
+    if load_errors:
+        defects.append(f"loads failed: {dict(load_errors)}")
+    if defects:
+        raise Defect("; ".join(defects))
+
+
+@pytest.mark.parametrize("kind", params(gluster=xfail(GLUSTER_ESTALE, AppendsFailed)))
+def test_alternating_hosts_append_without_error(request: pytest.FixtureRequest, kind: str) -> None:
+    """One append through mount 1, one through mount 2, in turn: each replaces state.json
+    that the other mount has cached (deterministic; GlusterFS fails about every other)."""
+    r1, r2 = pair_of(request, kind).fresh("alternate")
+    stores = [FsSessionStore(r / "store", create=True).sync for r in (r1, r2)]
+    codes: collections.Counter[str] = collections.Counter()
+    acked = []
+    for b in range(30):
+        try:
+            stores[b % 2].append(KEY, batch(f"m{b % 2 + 1}", b, 2))
+            acked.append((f"m{b % 2 + 1}", b))
+        except FsStoreError as exc:
+            codes[exc.code] += 1
+    for s in stores:
+        assert_transcript(s.load(KEY), acked, 2 * len(acked))
+    if codes:
+        raise AppendsFailed(f"{sum(codes.values())} of 30 appends failed: {dict(codes)}")
+
+
+# -- locks across hosts -------------------------------------------------------------
+
+
+def _start(pair_host: int, role: str, spec: dict[str, Any]) -> subprocess.Popen[str]:
+    return subprocess.Popen(child(pair_host, "tests.network._host", role, json.dumps(spec)),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=child_env())
+
+
+def _one(host: int, role: str, spec: dict[str, Any], tmp_path: Path, timeout: float = 60) -> dict[str, Any]:
+    return run_roles([Role(host, role, spec)], tmp_path, timeout=timeout)[0]
+
+
+@pytest.mark.parametrize("kind", params())
+def test_lock_excludes_the_other_host_and_a_killed_holder_is_reclaimed_by_age(
+    request: pytest.FixtureRequest, kind: str, tmp_path: Path
+) -> None:
+    r1, r2 = pair_of(request, kind).fresh("lock")
+    root1, root2 = str(r1 / "store"), str(r2 / "store")
+    FsSessionStore(root1, create=True).sync.append(KEY, batch("seed", 0, 1))
+    stale = 4.0  # longer than the LOCK_TIMEOUT step takes: the reclaim has to wait for the age
+    holder = subprocess.Popen(
+        child(1, "tests.reliability._children", "hold-lock", root1, json.dumps(KEY), json.dumps({})),
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=child_env())
+    try:
+        line = holder.stdout.readline() if holder.stdout else ""
+        t_locked = time.monotonic()
+        assert line.startswith("locked"), (line, holder.stderr.read() if holder.stderr else "")
+        assert line.split()[2] == HOSTS[0]
+        # host 2, short timeout, long lease: LOCK_TIMEOUT
+        out = _one(2, "writer", {"root": root2, "key": KEY, "wid": "h2", "batches": 1,
+                                 "opts": {"lock_timeout_seconds": 1.0, "stale_lock_seconds": 600}}, tmp_path)
+        assert out["codes"] == {"LOCK_TIMEOUT": 1}, out
+        holder.kill()  # kill -9: the marker stays; host 2 may not know the pid is gone
+        holder.wait(10)
+        out = _one(2, "writer", {"root": root2, "key": KEY, "wid": "h2", "batches": 1, "sizes": [1],
+                                 "opts": {"lock_timeout_seconds": 30.0, "stale_lock_seconds": stale}}, tmp_path)
+        waited = time.monotonic() - t_locked
+    finally:
+        if holder.poll() is None:
+            holder.kill()
+        holder.wait(10)
+    assert out["codes"] == {} and out["acked"] == [[0, 1]], out
+    assert waited >= stale - 1.0, f"reclaimed after {waited:.1f} s: not by age"
+    for root in (root1, root2):
+        assert_transcript(FsSessionStore(root, create=True).sync.load(KEY), [("seed", 0), ("h2", 0)], 2)
+
+
+STALL_POINTS = [
+    "holding_lock_before_move",
+    *(pytest.param(p, marks=pytest.mark.soak) for p in (
+        "compaction_after_segment_move", "state_temp_written", "after_state_before_lock_release", "compaction_segment_temp_written",
+        "compaction_midway_unlinking_parts")),
+]
+
+
+@pytest.mark.parametrize("point", STALL_POINTS)
+@pytest.mark.parametrize("kind", params())
+def test_a_writer_stopped_past_its_lease_on_one_host(
+    request: pytest.FixtureRequest, kind: str, point: str, tmp_path: Path
+) -> None:
+    """SIGSTOP a writer of host 1 inside its commit, past stale_lock_seconds; host 2 takes
+    the lock over by age and appends; SIGCONT. Both batches whole or the stopped one
+    refused (LOCK_EXPIRED), the transcript readable through both mounts."""
+    r1, r2 = pair_of(request, kind).fresh("stall")
+    root1, root2 = str(r1 / "store"), str(r2 / "store")
+    stale = 2.0
+    opts = {"stale_lock_seconds": stale, "lock_timeout_seconds": 30.0, "compact_every": 0}
+    seeds = 3 if point.startswith("compaction") else 1  # the stalled append is the 4th: compacts
+    for b in range(seeds):
+        FsSessionStore(root1, create=True, **opts).sync.append(KEY, batch("seed", b, 1))
+    if point.startswith("compaction"):
+        opts["compact_every"] = 4
+    start = tmp_path / "go"
+    start.touch()
+    stalled = _start(1, "stall", {"root": root1, "key": KEY, "wid": "h1", "point": point, "pause": 0.5,
+                                  "opts": opts, "start": str(start)})
+    try:
+        line = stalled.stdout.readline() if stalled.stdout else ""
+        assert json.loads(line)[0] == "paused", (line, stalled.stderr.read() if stalled.stderr else "")
+        os.kill(stalled.pid, signal.SIGSTOP)
+        time.sleep(stale + 0.5)
+        other = _one(2, "writer", {"root": root2, "key": KEY, "wid": "h2", "batches": 3, "opts": opts}, tmp_path)
+        os.kill(stalled.pid, signal.SIGCONT)
+        out, _err = stalled.communicate(timeout=60)
+    finally:
+        if stalled.poll() is None:
+            stalled.kill()
+        stalled.wait(10)
+    mine = json.loads(out.strip().splitlines()[-1])
+    assert "error" not in mine, mine["error"]
+    assert other["codes"] == {}, other
+    assert set(mine["codes"]) <= {"LOCK_EXPIRED"}, mine
+    acked = [("seed", b) for b in range(seeds)] + [("h2", b) for b, _n in other["acked"]] \
+        + [("h1", b) for b, _n in mine["acked"]]
+    nentries = seeds + sum(n for _b, n in other["acked"]) + 3 * len(mine["acked"])
+    for root in (root1, root2):
+        assert_transcript(FsSessionStore(root, create=True).sync.load(KEY), acked, nentries)
+
+
+# -- deletes and compactions seen from the other host -------------------------------
+
+
+def _sessions(root: str, n: int, batches: int = 10) -> list[dict[str, str]]:
+    """``n`` sessions of ``batches`` batches of 4 entries, each batch its own part."""
+    store = FsSessionStore(root, create=True, compact_every=0).sync
+    keys = [{"project_key": "-net", "session_id": f"s{i:03d}"} for i in range(n)]
+    for key in keys:
+        for b in range(batches):
+            store.append(key, batch(key["session_id"], b, 4))
+    return keys
+
+
+def delete_race(pair: Pair, tmp_path: Path, *, sessions: int, readers: int, pause: float) -> dict[str, Any]:
+    r1, r2 = pair.fresh("delete")
+    root1, root2 = str(r1 / "store"), str(r2 / "store")
+    keys = _sessions(root1, sessions)
+    time.sleep(pair.cache_window)  # host 2 sees them all
+    roles = [Role(1, "deleter", {"root": root1, "keys": keys, "pause": pause})]
+    roles += [Role(2, "reader", {"root": root2, "keys": keys[i::readers], "full": 40, "errors_are_problems": False})
+              for i in range(readers)]
+    roles += [Role(2, "lister", {"root": root2, "project": "-net"})]
+    outs = run_roles(roles, tmp_path, timeout=240, stop_after=[0])
+    loads = [o for o in outs[1:] if "loads" in o]
+    return {
+        "deleter": outs[0],
+        "loads": sum(o["loads"] for o in loads),
+        "nones": sum(o["nones"] for o in loads),
+        "problems": [p for o in loads for p in o["problems"]],
+        "load_codes": _appends_failed(loads),
+        "list_codes": _appends_failed([outs[-1]]),
+        "lists": outs[-1]["lists"],
+    }
+
+
+def _loads_for(store: Any, key: dict[str, str], seconds: float) -> collections.Counter[Any]:
+    """Load ``key`` again and again for ``seconds``: how many returned None, n entries, or a code."""
+    seen: collections.Counter[Any] = collections.Counter()
+    t = time.monotonic()
+    while time.monotonic() - t < seconds:
+        try:
+            got = store.load(key)
+        except FsStoreError as exc:
+            seen[exc.code] += 1
+        else:
+            seen["None" if got is None else len(got)] += 1
+    return seen
+
+
+def _judge(seen: collections.Counter[Any], full: int) -> None:
+    holes = {k: v for k, v in seen.items() if isinstance(k, int) and k != full}
+    if holes:
+        raise Holes(f"loads with holes (entries: loads): {holes}; all: {dict(seen)}")
+    errors = {k: v for k, v in seen.items() if isinstance(k, str) and k != "None"}
+    if errors:
+        raise LoadsFailed(f"loads failed: {errors}; all: {dict(seen)}")
+
+
+@pytest.mark.parametrize("kind", params(gluster=xfail(GLUSTER_HOLES, Holes), sshfs=xfail(SSHFS_CACHE, LoadsFailed)))
+def test_a_load_while_the_other_host_deletes_is_whole_or_none(
+    request: pytest.FixtureRequest, kind: str, tmp_path: Path
+) -> None:
+    """Host 1's delete is stopped midway through removing the trashed transcript; host 2,
+    which loaded the transcript just before, loads it again and again: always None or
+    all 40 entries (deterministic: the delete waits at a named point)."""
+    pair = pair_of(request, kind)
+    r1, r2 = pair.fresh("delete")
+    root1, root2 = str(r1 / "store"), str(r2 / "store")
+    (key,) = _sessions(root1, 1)
+    store2 = FsSessionStore(root2, create=True).sync  # has not looked yet: nothing cached
+    start = tmp_path / "go"
+    deleter = _start(1, "stall", {"root": root1, "key": key, "op": "delete", "pause": 3.0,
+                                  "point": "delete_midway_removing_trash", "start": str(start)})
+    try:
+        time.sleep(0.5)
+        assert len(store2.load(key) or []) == 40  # warm: host 2 has it cached
+        start.touch()
+        line = deleter.stdout.readline() if deleter.stdout else ""
+        assert line and json.loads(line)[0] == "paused", (line, deleter.stderr.read() if deleter.stderr else "")
+        seen = _loads_for(store2, key, 1.5)
+        out, _err = deleter.communicate(timeout=60)
+    finally:
+        if deleter.poll() is None:
+            deleter.kill()
+        deleter.wait(10)
+    assert json.loads(out.strip().splitlines()[-1])["deleted"] == 1
+    _judge(seen, 40)
+    time.sleep(pair.cache_window)
+    assert store2.load(key) is None and FsSessionStore(root1, create=True).sync.load(key) is None
+
+
+@pytest.mark.parametrize("kind", params(gluster=xfail(GLUSTER_DELETED, AppendsFailed),
+                                        sshfs=xfail(SSHFS_DELETED, AppendsFailed)))
+def test_an_append_after_a_remote_delete_starts_a_new_session(request: pytest.FixtureRequest, kind: str) -> None:
+    """Host 2 loads a session, host 1 deletes it, host 2 appends at once: a new session
+    holding only that batch, seen so through both mounts."""
+    pair = pair_of(request, kind)
+    r1, r2 = pair.fresh("reborn")
+    root1, root2 = str(r1 / "store"), str(r2 / "store")
+    keys = _sessions(root1, 4, batches=2)
+    s1, s2 = FsSessionStore(root1, create=True).sync, FsSessionStore(root2, create=True).sync
+    codes: collections.Counter[str] = collections.Counter()
+    reborn = []
+    for key in keys:
+        assert len(s2.load(key) or []) == 8
+        s1.delete(key)
+        try:
+            s2.append(key, batch("new", 0, 2))
+            reborn.append(key)
+        except FsStoreError as exc:
+            codes[exc.code] += 1
+    if codes:
+        raise AppendsFailed(f"{sum(codes.values())} of {len(keys)} appends after a remote delete failed: {dict(codes)}")
+    time.sleep(pair.cache_window)
+    for key in keys:
+        for s in (s1, s2):
+            assert_transcript(s.load(key), [("new", 0)], 2)
+
+
+@pytest.mark.parametrize("kind", params(sshfs=xfail(SSHFS_CACHE, LoadsFailed)))
+def test_a_load_right_after_the_other_host_compacts(request: pytest.FixtureRequest, kind: str) -> None:
+    """Host 2 loads (warm caches), host 1 appends and compacts, host 2 loads at once and
+    again for 0.3 s: every load whole, none an error; three rounds."""
+    pair = pair_of(request, kind)
+    r1, r2 = pair.fresh("compact")
+    root1, root2 = str(r1 / "store"), str(r2 / "store")
+    (key,) = _sessions(root1, 1, batches=4)
+    s1, s2 = FsSessionStore(root1, create=True, compact_every=0).sync, FsSessionStore(root2, create=True).sync
+    acked = [(key["session_id"], b) for b in range(4)]
+    for b in range(4, 7):
+        s1.append(key, batch(key["session_id"], b, 4))
+        acked.append((key["session_id"], b))
+        if b > 4:  # host 2 has looked before: let its caches catch up
+            time.sleep(pair.cache_window)
+        assert_transcript(s2.load(key), acked, 4 * len(acked))  # warm, current
+        s1.compact(key)
+        _judge(_loads_for(s2, key, 0.3), 4 * len(acked))
+    assert_transcript(s1.load(key), acked, 4 * len(acked))
+
+
+@pytest.mark.soak
+@pytest.mark.parametrize("kind", params(
+    gluster=pytest.mark.xfail(strict=False, raises=Holes, reason=GLUSTER_HOLES + " (rare when racing: ~1 in 2,000 loads)"),
+    sshfs=xfail(SSHFS_CACHE, LoadsFailed),
+    sshfs_nocache=pytest.mark.xfail(strict=False, raises=LoadsFailed, reason="sshfs uncached: load/list_sessions racing a delete: ENOENT (rare)"),
+))
+def test_soak_loads_and_lists_racing_deletes_on_the_other_host(
+    request: pytest.FixtureRequest, kind: str, tmp_path: Path
+) -> None:
+    r = delete_race(pair_of(request, kind), tmp_path, sessions=60, readers=2, pause=0.1)
+    assert r["loads"] + sum(r["load_codes"].values()) > 100, r
+    if r["problems"]:
+        raise Holes(f"{len(r['problems'])} of {r['loads']} loads: {r['problems'][:5]}")
+    if r["load_codes"] or r["list_codes"]:
+        raise LoadsFailed(f"loads {dict(r['load_codes'])}, lists {dict(r['list_codes'])} of {r['loads']}/{r['lists']}")
+
+
+# -- fsstore check and gc after FUSE leftovers ----------------------------------------
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "fsstore", *args], capture_output=True, text=True,
+                          timeout=120, env=child_env(), check=False)
+
+
+def _hidden(root: str) -> list[str]:
+    return [os.path.join(d, f) for d, _ds, fs in os.walk(root) for f in fs if f.startswith(".fuse_hidden")]
+
+
+@pytest.mark.parametrize("kind", [pytest.param("sshfs_nocache", marks=xfail(FUSE_HIDDEN), id="sshfs_nocache")])
+def test_fuse_leftovers_are_recognized_and_collected(request: pytest.FixtureRequest, kind: str, tmp_path: Path) -> None:
+    """A third mount (host 3) has a part open when it compacts the transcript: FUSE
+    renames the unlinked part to .fuse_hidden*; host 3's mount then goes away with the
+    file still open, so nobody ever removes it. check: not damage (exit 0); gc: gone."""
+    pair = pair_of(request, kind)
+    r1, _r2 = pair.fresh("hidden")
+    root1 = str(r1 / "store")
+    (key,) = _sessions(root1, 1, batches=3)
+    with third_mount(pair, tmp_path / "m3") as m3:
+        root3 = str(m3.mnt / r1.name / "store")
+        part = next(p for d, _ds, fs in os.walk(root3) for f in sorted(fs) if f.endswith(".jsonl")
+                    for p in [os.path.join(d, f)])
+        fd = os.open(part, os.O_RDONLY)
+        try:
+            FsSessionStore(root3, create=True).sync.compact(key)
+            assert _hidden(root3), "no .fuse_hidden file: the mount does not hide open files"
+            check_open = _cli("check", root1)
+        finally:
+            m3.crash()  # host 3's client dies with the file open: the leftover stays
+            with contextlib.suppress(OSError):
+                os.close(fd)
+    assert_transcript(FsSessionStore(root1, create=True).sync.load(key), [(key["session_id"], b) for b in range(3)], 12)
+    time.sleep(pair.cache_window)
+    assert _hidden(root1), "the leftover did not stay"
+    check = _cli("check", root1)
+    gc = _cli("gc", root1, "--older-than", "0s")
+    left = _hidden(root1)
+    problems = []
+    if check_open.returncode != 0:
+        problems.append(f"check with the file open: exit {check_open.returncode}: {check_open.stdout[-500:]}")
+    if check.returncode != 0:
+        problems.append(f"check: exit {check.returncode}: {check.stdout[-500:]}")
+    if left:
+        problems.append(f"gc left {left}: {gc.stdout[-500:]}")
+    if problems:
+        raise Defect("; ".join(problems))
+
+
+# -- how long the other host sees the old state --------------------------------------
+
+
+def _until(fn: Callable[[], bool], limit: float) -> tuple[float, collections.Counter[str]]:
+    """Seconds until ``fn()`` holds (polled every 50 ms), and the store errors meanwhile."""
+    errors: collections.Counter[str] = collections.Counter()
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < limit:
+        try:
+            if fn():
+                return time.monotonic() - t0, errors
+        except FsStoreError as exc:
+            errors[exc.code] += 1
+        time.sleep(0.05)
+    raise AssertionError(f"not within {limit} s; errors meanwhile: {dict(errors)}")
+
+
+@pytest.mark.parametrize("kind", [pytest.param("gluster", id="gluster"), pytest.param("sshfs", marks=pytest.mark.soak, id="sshfs"),
+                                  pytest.param("sshfs_nocache", id="sshfs_nocache")])
+def test_how_long_the_other_host_sees_a_deleted_or_compacted_transcript(
+    request: pytest.FixtureRequest, kind: str, figures: Any
+) -> None:
+    """Measured, bounded by the mount's cache window (docs/operations.md quotes it):
+    after host 1 deletes a transcript host 2 had loaded, until host 2 loads None; after
+    host 1 appends and compacts, until host 2 loads the new batch."""
+    pair = pair_of(request, kind)
+    r1, r2 = pair.fresh("visibility")
+    root1, root2 = str(r1 / "store"), str(r2 / "store")
+    a, b = _sessions(root1, 2, batches=3)
+    s1, s2 = FsSessionStore(root1, create=True, compact_every=0).sync, FsSessionStore(root2, create=True).sync
+    assert len(s2.load(a) or []) == 12 and len(s2.load(b) or []) == 12
+    s1.delete(a)
+    gone, gone_errors = _until(lambda: s2.load(a) is None, pair.cache_window + 10)
+    s1.append(b, batch("b", 3, 4))
+    s1.compact(b)
+    seen, seen_errors = _until(lambda: len(s2.load(b) or []) == 16, pair.cache_window + 10)
+    figures.add(f"{kind}: ms until a remote delete shows", int(gone * 1000))
+    figures.add(f"{kind}: ms until a remote append+compaction shows", int(seen * 1000))
+    print(f"{kind}: delete visible after {gone:.2f} s (errors meanwhile {dict(gone_errors)}); "
+          f"append+compaction after {seen:.2f} s (errors {dict(seen_errors)})")
