@@ -620,6 +620,21 @@ def remove_tree(parent_fd: int, name: str) -> None:
         pass
 
 
+def listdir(dir_fd: int) -> list[str]:
+    """The names in the directory open as ``dir_fd``, through a handle of its own.
+
+    ``os.listdir(fd)`` reads through a duplicate of ``fd``, whose offset it then
+    rewinds; sshfs without a directory cache cannot seek a directory back, so a
+    second listing through one descriptor came back empty there (a transcript read
+    as changing forever: EAGAIN).
+    """
+    fd = os.open(".", DIR_FLAGS, dir_fd=dir_fd)
+    try:
+        return os.listdir(fd)
+    finally:
+        os.close(fd)
+
+
 def is_dir_entry(entry: os.DirEntry[str]) -> bool:
     try:
         return entry.is_dir(follow_symlinks=False)

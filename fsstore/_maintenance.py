@@ -70,6 +70,9 @@ Progress = Callable[[int, int], None]
 _GONE = frozenset({errno.ENOENT, errno.ESTALE})
 #: Names the NFS client gives a file that was deleted while still open on it.
 NFS_SILLY_PREFIX = ".nfs"
+# FUSE's silly rename (libfuse's hard_remove off): a file unlinked while open on that
+# mount; the mount removes it at the last close, or never if the mount dies first.
+FUSE_HIDDEN_PREFIX = ".fuse_hidden"
 #: A lock take-over interrupted by a crash leaves ``<lock>.break.<pid>.<hex>`` or
 #: ``<lock>.restore.<pid>.<hex>`` (filelock) or ``<lock>.stale-<pid>-<hex>`` (fsstore).
 _LOCK_RECOVERY = re.compile(
@@ -170,9 +173,9 @@ class Item:
 
 @dataclass
 class Garbage:
-    """A temp file, a ``.trash`` entry, or a lock recovery file, with its age."""
+    """A temp file, a ``.trash`` entry, a lock recovery file or a FUSE leftover, with its age."""
 
-    kind: str  # "temp", "trash", "lock-recovery"
+    kind: str  # "temp", "trash", "lock-recovery", "fuse-hidden"
     parent: tuple[str, ...]
     name: str
     path: str
@@ -488,6 +491,8 @@ class Walker:
         """Note a temp or ``.nfs*`` entry (True), or leave the entry to the caller (False)."""
         if entry.name.startswith(_fsio.TEMP_PREFIX):
             self.garbage.append(self._garbage("temp", comps, entry, st))
+        elif entry.name.startswith(FUSE_HIDDEN_PREFIX):
+            self.garbage.append(self._garbage("fuse-hidden", comps, entry, st))
         elif entry.name.startswith(NFS_SILLY_PREFIX):
             self._silly(self.path((*comps, entry.name)))
         else:
@@ -675,6 +680,8 @@ class Walker:
                                  "committed file is not a regular file; load() cannot read it")
             elif name.startswith(_fsio.TEMP_PREFIX):
                 temps.append(self._garbage("temp", ref.comps, entry, st))
+            elif name.startswith(FUSE_HIDDEN_PREFIX):
+                temps.append(self._garbage("fuse-hidden", ref.comps, entry, st))
             elif name == _layout.DELETED:
                 marked = True  # a delete under way, or its deleter died
             elif name.startswith(NFS_SILLY_PREFIX):
@@ -936,15 +943,20 @@ def _age_text(seconds: float) -> str:
     return f"{s // 86400}d{s % 86400 // 3600:02d}h"
 
 
-_WHAT = {"temp": "temp file", "trash": ".trash entry", "lock-recovery": "lock recovery file"}
+_WHAT = {"temp": "temp file", "trash": ".trash entry", "lock-recovery": "lock recovery file",
+         "fuse-hidden": "FUSE leftover (a file unlinked while open on some client's mount)"}
 
 
 def _garbage_problem(g: Garbage, older_than: float) -> Problem:
     what = "temp directory" if g.kind == "temp" and g.is_dir else _WHAT[g.kind]
+    if g.kind == "fuse-hidden":  # never damage: its bytes are in a segment, or deleted
+        return Problem("info", "fuse-hidden", g.path, f"{what}, {_age_text(g.age)} old: "
+                       "fsstore gc removes it once older than --older-than")
     if g.age > older_than:
         return Problem("warning", f"orphaned-{g.kind}", g.path,
                        f"orphaned {what}, {_age_text(g.age)} old (fsstore gc removes it)")
     doing = {"temp": "a commit or compaction in flight", "trash": "a delete in progress",
+             "fuse-hidden": "",
              "lock-recovery": "a lock take-over in flight"}[g.kind]
     return Problem("info", f"young-{g.kind}", g.path,
                    f"{what}, {_age_text(g.age)} old: {doing}")
@@ -1083,7 +1095,8 @@ def _has_silly(parent_fd: int, name: str, depth: int = 0) -> str | None:
 def _remove_garbage(w: Walker, g: Garbage, older_than: float, dry_run: bool) -> Action:
     verb = f"remove-{g.kind}"
     what = {"temp": "orphaned temp " + ("directory" if g.is_dir else "file"),
-            "trash": "leftover of a delete", "lock-recovery": "lock recovery leftover"}[g.kind]
+            "trash": "leftover of a delete", "lock-recovery": "lock recovery leftover",
+            "fuse-hidden": "FUSE leftover"}[g.kind]
     detail = f"{what}, {_age_text(g.age)} old"
     if dry_run:
         return Action(verb, g.path, detail, False, g.age)

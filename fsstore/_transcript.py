@@ -241,7 +241,7 @@ def scan(dir_fd: int) -> tuple[list[Item], bool]:
     is marked deleted."""
     items = []
     deleted = False
-    for name in os.listdir(dir_fd):
+    for name in _fsio.listdir(dir_fd):
         rng = _layout.parse_item(name)
         if rng is not None:
             items.append((rng[0], rng[1], name))
