@@ -326,7 +326,10 @@ class Fs:
             os.rename(tmp, name, src_dir_fd=parent_fd, dst_dir_fd=parent_fd)
             tmp = ""
         except OSError as exc:
-            if exc.errno not in (errno.EEXIST, errno.ENOTEMPTY):
+            # SFTP v3 (sshfs) has no EEXIST: a rename onto a name another writer took
+            # first comes back as a permission error there.
+            if exc.errno not in (errno.EEXIST, errno.ENOTEMPTY) and not (
+                    exc.errno in (errno.EPERM, errno.EACCES) and _exists(parent_fd, name)):
                 raise
             return False
         finally:

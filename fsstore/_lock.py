@@ -156,6 +156,11 @@ def _alive(pid: int) -> bool:
     return True
 
 
+# Permission errors creating a lock marker, with no marker there each time, before
+# fsstore takes them for what they say (see _SoftLock._acquire).
+_REFUSALS = 5
+
+
 class _SoftLock(filelock.SoftFileLock):
     """SoftFileLock without the lifetime warning (SoftFileLockLifetimeWarning).
 
@@ -168,16 +173,26 @@ class _SoftLock(filelock.SoftFileLock):
 
     _lifetime_replacements = None
 
+    _refused = 0  # permission errors in a row with no marker there
+
     def _acquire(self) -> None:
         try:
             super()._acquire()
         except PermissionError:
             # SFTP (sshfs) has no EEXIST: an O_EXCL create that lost the race for the
             # marker comes back as EPERM/EACCES. A marker there now means another
-            # holder: not acquired, and the wait goes on. No marker: a real
-            # permission problem, raised as such.
-            if not os.path.lexists(self.lock_file):
+            # holder: not acquired, and the wait goes on. No marker may be the
+            # holder having released it since: try again, a few times, before
+            # taking it for a real permission problem.
+            if os.path.lexists(self.lock_file):
+                self._refused = 0
+                return
+            self._refused += 1
+            if self._refused >= _REFUSALS:
+                self._refused = 0
                 raise
+            return
+        self._refused = 0
 
 
 class _Local:

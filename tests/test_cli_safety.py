@@ -233,6 +233,9 @@ def test_import_root_must_exist_unless_create(tmp_path: Path) -> None:
     proc = fsstore("import", a_file, projects)
     assert proc.returncode == 2 and "not a directory" in proc.stderr, proc.stdout + proc.stderr
     transfers, _ = m.import_projects(str(typo), str(projects), create=True)
+    assert [t.status for t in transfers] == ["failed"] and not typo.parent.exists()  # no parents made
+    typo.parent.mkdir()
+    transfers, _ = m.import_projects(str(typo), str(projects), create=True)
     assert [t.status for t in transfers] == ["new"]
     assert SyncStore(typo, create=True).load(KEY) == [entry(1)]
 
