@@ -163,7 +163,7 @@ class State:
     summary: dict[str, Any] | None = None
 
     def to_bytes(self) -> bytes:
-        return _ENCODER.encode({"format": 3, "folded": self.folded,
+        return _ENCODER.encode({"format": 2, "folded": self.folded,
                                 "summary": self.summary}).encode("ascii")
 
 
