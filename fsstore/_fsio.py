@@ -329,7 +329,7 @@ class Fs:
             # SFTP v3 (sshfs) has no EEXIST: a rename onto a name another writer took
             # first comes back as a permission error there.
             if exc.errno not in (errno.EEXIST, errno.ENOTEMPTY) and not (
-                    exc.errno in (errno.EPERM, errno.EACCES) and _exists(parent_fd, name)):
+                    exc.errno in (errno.EPERM, errno.EACCES) and exists(parent_fd, name)):
                 raise
             return False
         finally:
@@ -491,7 +491,7 @@ def link_noreplace(fs: Fs, dir_fd: int, src: str, dst: str) -> bool | None:
             if exc.errno not in _NO_LINK:
                 raise
             # SFTP v3 (sshfs) has no EEXIST: a link onto an existing name is EPERM there.
-            if _exists(dir_fd, dst):
+            if exists(dir_fd, dst):
                 return True if _same_inode(dir_fd, src, dst) else None
             if _can_link(dir_fd, src):
                 raise  # links work: a real error of this one
@@ -528,7 +528,7 @@ def move_noreplace(fs: Fs, dir_fd: int, src: str, dst: str) -> bool:
         if exc.errno not in _NO_LINK:
             raise
         # SFTP v3 (sshfs) has no EEXIST: a link onto an existing name is EPERM there.
-        if _exists(dir_fd, dst):
+        if exists(dir_fd, dst):
             if not _same_inode(dir_fd, src, dst):
                 return False
         elif not _can_link(dir_fd, src):  # no RENAME_NOREPLACE, no hard links (rclone: EIO)
@@ -581,7 +581,8 @@ def _dir_path(dir_fd: int, name: str) -> str:
         return name
 
 
-def _exists(dir_fd: int, name: str) -> bool:
+def exists(dir_fd: int, name: str) -> bool:
+    """Whether ``name`` is there (a symlink counts; nothing followed)."""
     try:
         os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
     except FileNotFoundError:

@@ -128,7 +128,7 @@ def _fix(fs: _fsio.Fs, fd: int, path: str, dry_run: bool, *, gaps: bool, spare: 
         _fsio.unlink_quiet(fd, name)
         actions.append(Action("recommit", f"{path}/{name}",
                               f"committed again as {_layout.part_name(seq)}", True))
-    if spare and _exists(fd, _layout.STATE_SPARE):
+    if spare and _fsio.exists(fd, _layout.STATE_SPARE):
         if not dry_run:
             _fsio.unlink_quiet(fd, _layout.STATE_SPARE)
         actions.append(Action("remove", f"{path}/{_layout.STATE_SPARE}", "format 1's spare state file",
@@ -144,14 +144,6 @@ def _fix(fs: _fsio.Fs, fd: int, path: str, dry_run: bool, *, gaps: bool, spare: 
         actions.append(Action("close-gap", path, what if not dry_run else f"would be {what}",
                               not dry_run))
     return actions
-
-
-def _exists(fd: int, name: str) -> bool:
-    try:
-        os.stat(name, dir_fd=fd, follow_symlinks=False)
-    except FileNotFoundError:
-        return False
-    return True
 
 
 def _ranges(numbers: list[int]) -> str:

@@ -110,10 +110,9 @@ def _marked(parent: int, name: str, below: str) -> bool:
     """Whether ``parent/name`` (``below``: its ``main``) holds a ``.deleted`` mark."""
     rel = f"{name}/{below}/{_layout.DELETED}" if below else f"{name}/{_layout.DELETED}"
     try:
-        os.stat(rel, dir_fd=parent, follow_symlinks=False)
-    except OSError:
-        return False
-    return True
+        return _fsio.exists(parent, rel)
+    except OSError:  # cannot tell: take it for ours (it is, but for a rare race)
+        return True
 
 
 def _tick_mtime(dfd: int, before_ns: int) -> None:
