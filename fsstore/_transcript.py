@@ -18,22 +18,25 @@ Commit (``append``), step by step, and what a crash at each step leaves:
    removed by ``fsstore gc`` once old.
 3. Take the transcript lock (:mod:`fsstore._lock`). Crash: a lock file, reclaimed
    (a dead holder on this host at once, others by age).
-4. Choose ``n``: one above the highest number this process saw in this directory
-   at its last commit, or, when it has not seen this directory, above the highest
-   of a listing.
+4. Choose ``n``: one above the highest number this process saw at its last
+   commit while the file that held it is still there (nothing merged or deleted
+   since), else one above the highest of a listing.
 5. ``link(temp, n)``: a link never replaces, so a committed file is never
    overwritten, whoever holds the lock. ``EEXIST``: list, ``n`` = highest + 1,
    again.
-6. List the directory (the *check*). A segment covering ``n`` means that another
-   writer used ``n`` and a compaction merged and removed it while this writer's
-   view was old (two holders overlapped: a stall, a clock, a reclaimed lock). A
-   part inside a segment's range is not in the chain, so the batch is not
-   committed: link it again above the highest number, remove the misplaced name,
-   check again. A ``.deleted`` marker means the transcript is being deleted:
-   remove the name, and start over in a new directory. Otherwise the part is in
-   the chain of every listing from now on (a segment made later over its number
-   was made from a listing that held it): **the batch is committed**. Crash before
-   the check passed: an unacknowledged part, in the chain or skipped; both fine.
+6. List the directory twice (the *check*: :func:`check`; a segment in either
+   listing counts, since one listing can be torn by a compaction). A segment
+   covering ``n`` that does not hold the batch's bytes means that another writer
+   used ``n`` and a compaction merged and removed it while this writer's view was
+   old (two holders overlapped: a stall, a clock, a reclaimed lock). A part inside
+   a segment's range is not in the chain, so the batch is not committed: link it
+   again above the highest number, remove the misplaced name, check again. (A
+   covering segment that holds the bytes merged this very part after the link:
+   committed.) A ``.deleted`` marker means the transcript is being deleted: remove
+   the name, and start over in a new directory. Otherwise the part is in the chain
+   of every listing from now on (a segment made later over its number was made
+   from a listing that held it): **the batch is committed**. Crash before the
+   check passed: an unacknowledged part, in the chain or skipped; both fine.
 7. With ``fsync=True``, fsync the directory.
 8. Unlink the temp name (a second link to the part; crash: gc removes it), release
    the lock. Compaction may follow (:mod:`fsstore._compact`).
