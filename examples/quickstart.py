@@ -149,9 +149,9 @@ def describe(root: Path, cwd: Path, session_id: str) -> list[str]:
     return [
         f"main transcript of {session_id}: {len(entries)} entries ({top})",
         f"  in {parts} .jsonl parts, one per append() the SDK's mirror made (host A's first, then B's);",
-        "  state.json is a rebuildable hint (last sequence number, the listing summary);",
-        "  on a local disk .state.spare is the previous one, rewritten and swapped in at the",
-        "  next append; .locks/ holds a transcript's lock file only while someone commits.",
+        "  .fsstore marks the directory as a store (fsstore init, or create=True); state.json,",
+        "  once compaction has run, is a rebuildable hint (the listing summary); .locks/ holds",
+        "  a transcript's lock file only while someone commits.",
     ]
 
 

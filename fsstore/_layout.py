@@ -31,7 +31,7 @@ TRASH = ".trash"
 LOCKS = ".locks"
 MARKER = ".fsstore"  # in the root: this directory is a store (format, created when, by which host)
 STATE = "state.json"
-STATE_SPARE = ".state.spare"  # format 1's previous state.json: ignored, removed by gc/migrate
+STATE_SPARE = ".state.spare"  # format 1's previous state.json: ignored, removed by migrate
 DELETED = ".deleted"  # created in a transcript directory before a delete moves it away
 
 Component = tuple[str, "str | None"]

@@ -47,7 +47,7 @@ def test_quickstart_runs_offline(tmp_path: Path) -> None:
     assert "carried host A's turn" in out
     # The closing summary: a tree of the store and the entry count, which is the truth.
     assert f"{tmp_path / 'store'}/" in out
-    assert "state.json" in out
+    assert ".fsstore" in out
     [line] = [ln for ln in out.splitlines() if ln.startswith(f"main transcript of {sid}: ")]
     count = int(line.split(": ")[1].split()[0])
     store = FsSessionStore(tmp_path / "store", create=True)
@@ -57,7 +57,7 @@ def test_quickstart_runs_offline(tmp_path: Path) -> None:
     assert loaded is not None and count == len(loaded)
     # Nothing in the tree is left unexplained, and it ends with what to run next.
     tree, explained = out.split("What is on disk:")[1].split(f"main transcript of {sid}")
-    for name in (".state.spare", ".locks"):
+    for name in (".fsstore", "state.json", ".locks"):
         assert name not in tree or name in explained, name
     assert out.rstrip().splitlines()[-1].strip() == f"fsstore ls {tmp_path / 'store'}"
 
