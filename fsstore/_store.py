@@ -195,8 +195,10 @@ class SyncStore:
                 raise self._not_a_store("does not exist") from None
             # Only the root itself, never its parents: a missing parent is a missing
             # mount more often than not.
+            made = False
             try:
                 os.mkdir(self.root, self._fs.dir_mode)
+                made = True
             except FileExistsError:
                 pass  # another writer made it first
             except FileNotFoundError:
@@ -205,7 +207,12 @@ class SyncStore:
                     "only, never its parents (is the share mounted?)", operation="append",
                     path=os.path.dirname(self.root), errno=errno.ENOENT) from None
             fd = os.open(self.root, flags)
-            self._fs.fix_mode(fd)
+            if made:
+                try:
+                    self._fs.fix_mode(fd)
+                except BaseException:
+                    os.close(fd)
+                    raise
         try:
             if create:
                 self._require_store(fd)
