@@ -208,7 +208,7 @@ def bench_append(n: int, base: str | None, where: str, rounds: int = 3) -> None:
     ratios = sorted((m["store"] / (m["a"] + m["b"]), i) for i, (_k, m) in enumerate(results))
     m = results[ratios[len(ratios) // 2][1]][1]
     s, a, b, r, pl, at = (m[k] for k in ("store", "a", "b", "raw", "plain", "a_thread"))
-    row(f"append p50 / (floor a + hop b), {where} ({kind})", s, a + b, 1.3,
+    row(f"append p50 / (floor a + hop b), {where} ({kind})", s, a + b, 1.5,  # issue 13
         note=f"floor a {a:.0f} µs (SoftFileLock {a - r:.0f} µs of it), hop b {b:.0f} µs; "
              f"median of {rounds} rounds: " + ", ".join(f"{x:.2f}" for x, _i in ratios))
     row(f"append p50 without summary upkeep / (floor a + hop b), {where}", pl, a + b, float("inf"),
@@ -578,7 +578,9 @@ def bench_syscalls(n: int) -> None:
                 # as in floor a itself; state.json is a new file each time (2 ops).
                 row(f"metadata ops per append outside the lock, {label}", outside, 5, float("inf"),
                     unit="ops", note="informational: link()+unlink() commit, like floor a")
-            row(f"directory reads per append, {label}", dirreads, 1, 0.0, unit="reads")
+            # Format 2's check lists the transcript directory twice (two getdents64
+            # calls each, the second ending the listing): 4 per append, not O(parts).
+            row(f"getdents64 calls per append, {label}", dirreads, 4, 1.0, unit="calls")
 
 
 def _network(quick: bool, delay_us: int) -> None:
