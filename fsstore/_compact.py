@@ -117,19 +117,10 @@ def compact(
         newest = max(newest, os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mtime_ns)
     first, last = merge[0][0], merge[-1][1]
     segment = _layout.segment_name(first, last)
-    tmp = _fsio.temp_name("-segment")
-    fs.write_new(dir_fd, tmp, b"".join(blobs.values()))
-    try:
-        # The segment carries the newest merged mtime: retention goes by file age.
-        os.utime(tmp, ns=(newest, newest), dir_fd=dir_fd, follow_symlinks=False)
-        held.check(operation)
-        if not _fsio.move_noreplace(fs, dir_fd, tmp, segment):
-            return 0  # the same segment exists already: another compaction made it
-        tmp = ""
-    finally:
-        if tmp:
-            _fsio.unlink_quiet(dir_fd, tmp)
-    fs.sync_dir(dir_fd)
+    # The segment carries the newest merged mtime: retention goes by file age.
+    if not _publish(fs, dir_fd, segment, b"".join(blobs.values()), newest,
+                    lambda: held.check(operation)):
+        return 0  # the same segment exists already: another compaction made it
     after, _deleted = scan(dir_fd)
     if any(f != l and name != segment and (f < first <= l < last or first < f <= last < l)
            for f, l, name in after):
@@ -151,22 +142,34 @@ def close_gaps(fs: _fsio.Fs, dir_fd: int, path: str, chain: list[Item]) -> None:
     """Merge the files of a chain with holes into one segment numbered from 1, which
     closes them (``fsstore check --repair``: the missing parts were lost already)."""
     blobs = []
-    for first, last, name in chain:
+    for _first, _last, name in chain:
         blob = _fsio.read_file(dir_fd, name)
         parse(blob, f"{path}/{name}", "repair")  # never hide damage inside a segment
         blobs.append(blob)
     segment = _layout.segment_name(1, chain[-1][1])
+    if not _publish(fs, dir_fd, segment, b"".join(blobs), None, lambda: None):
+        raise FsStoreError("CORRUPT", f"{segment} exists already", operation="repair", path=path)
+    _remove_covered(dir_fd, scan(dir_fd)[0], [(1, chain[-1][1], segment)])
+
+
+def _publish(fs: _fsio.Fs, dir_fd: int, segment: str, data: bytes, mtime_ns: int | None,
+             before_move: Callable[[], None]) -> bool:
+    """Write ``data`` to a temp file (with ``mtime_ns``) and move it, no-replace, to
+    ``segment``; False (no file left) if that name exists already."""
     tmp = _fsio.temp_name("-segment")
-    fs.write_new(dir_fd, tmp, b"".join(blobs))
+    fs.write_new(dir_fd, tmp, data)
     try:
+        if mtime_ns is not None:
+            os.utime(tmp, ns=(mtime_ns, mtime_ns), dir_fd=dir_fd, follow_symlinks=False)
+        before_move()
         if not _fsio.move_noreplace(fs, dir_fd, tmp, segment):
-            raise FsStoreError("CORRUPT", f"{segment} exists already", operation="repair", path=path)
+            return False
         tmp = ""
     finally:
         if tmp:
             _fsio.unlink_quiet(dir_fd, tmp)
     fs.sync_dir(dir_fd)
-    _remove_covered(dir_fd, scan(dir_fd)[0], [(1, chain[-1][1], segment)])
+    return True
 
 
 def _write_summary(fs: _fsio.Fs, dir_fd: int, path: str, summary: Summary, chain: list[Item],

@@ -75,16 +75,16 @@ def _each_transcript(root: str, stale_lock_seconds: float, progress: Progress | 
     return actions
 
 
-def misplaced_parts(dir_fd: int, items: list[Item]) -> list[str]:
+def misplaced_parts(dir_fd: int, items: list[Item]) -> list[tuple[str, bytes]]:
     """Parts inside a segment's range whose batch that segment does not hold (format
-    1's late parts), in the order they were committed (ctime).
+    1's late parts), with their bytes, in the order they were committed (ctime).
 
     A compaction's leftover is byte for byte a piece of the segment that merged it;
     a batch committed into the range after the segment was made is not. (Format 1
     told them apart by ctime, which a backup and restore resets.)"""
     segments = sorted((it for it in items if it[0] != it[1]), key=lambda it: it[0] - it[1])
     blobs: dict[str, bytes] = {}
-    late: list[tuple[int, str]] = []
+    late: list[tuple[int, str, bytes]] = []
     for first, last, name in items:
         cover = next((s for s in segments if s[0] <= first <= s[1]), None)  # the widest
         if first != last or cover is None:
@@ -97,8 +97,8 @@ def misplaced_parts(dir_fd: int, items: list[Item]) -> list[str]:
         except FileNotFoundError:
             continue
         if part not in blobs[cover[2]]:
-            late.append((ctime, name))
-    return [name for _ctime, name in sorted(late)]
+            late.append((ctime, name, part))
+    return [(name, part) for _ctime, name, part in sorted(late)]
 
 
 def _migrate_one(w: Walker, tref: TranscriptRef, dry_run: bool, *, gaps: bool) -> list[Action]:
@@ -119,12 +119,12 @@ def _migrate_one(w: Walker, tref: TranscriptRef, dry_run: bool, *, gaps: bool) -
 def _fix(fs: _fsio.Fs, fd: int, path: str, dry_run: bool, *, gaps: bool, spare: bool) -> list[Action]:
     actions: list[Action] = []
     items, _deleted = scan(fd)
-    for name in misplaced_parts(fd, items):
+    for name, data in misplaced_parts(fd, items):
         if dry_run:
             actions.append(Action("recommit", f"{path}/{name}", "a batch inside a segment's range, "
                                   "committed after it: would be committed again above", False))
             continue
-        seq, items = commit(fs, fd, name, top(items) + 1, _fsio.read_file(fd, name))
+        seq, items = commit(fs, fd, name, top(items) + 1, data)
         _fsio.unlink_quiet(fd, name)
         actions.append(Action("recommit", f"{path}/{name}",
                               f"committed again as {_layout.part_name(seq)}", True))
