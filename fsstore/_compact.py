@@ -195,6 +195,6 @@ def _restore_mtime(dir_fd: int, before: int) -> None:
     racing the compaction can lose its mtime, which only reorders listings)."""
     try:
         st = os.fstat(dir_fd)
-        os.utime(dir_fd, ns=(st.st_atime_ns, before))
+        os.utime(".", ns=(st.st_atime_ns, before), dir_fd=dir_fd)
     except OSError:
         pass

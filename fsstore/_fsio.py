@@ -25,6 +25,9 @@ from ._errors import FsStoreError, log
 
 _CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | _CLOEXEC
+# A directory held only to name things in it (``*at`` calls, fstat): no open on the
+# server of a network mount. Listing it opens a handle of its own (:func:`listdir`).
+PATH_FLAGS = getattr(os, "O_PATH", os.O_RDONLY) | os.O_DIRECTORY | os.O_NOFOLLOW | _CLOEXEC
 READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | _CLOEXEC
 CREATE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | _CLOEXEC
 # A state file, to read and rewrite in place (O_NONBLOCK: a planted FIFO does not hang).
@@ -180,20 +183,24 @@ class Fs:
         create: bool,
         base_path: str,
         operation: str,
+        path_only: bool = False,
     ) -> int | None:
         """Open ``base/c1/c2/...`` one component at a time; None if missing and not create.
 
         Each component is ``(name, original)``; ``original`` is the key part for
         hashed names, written to ``.key`` when the directory is created.
+        ``path_only``: an ``O_PATH`` handle (:data:`PATH_FLAGS`), for ``*at`` calls,
+        ``fstat`` and :func:`listdir` only.
         """
+        flags = PATH_FLAGS if path_only else DIR_FLAGS
         if self.openat2_ok and components:
             rel = "/".join(name for name, _ in components)
             try:
-                return _openat2_dir(base_fd, os.fsencode(rel))
+                return _openat2_dir(base_fd, os.fsencode(rel), _PATH_DIR_HOW if path_only else _DIR_HOW)
             except OSError as exc:
                 if exc.errno in (errno.ENOSYS, errno.E2BIG, errno.EPERM):
                     self.openat2_ok = False  # old kernel or seccomp filter: walk instead
-                elif exc.errno in (errno.ELOOP, errno.EXDEV):
+                elif exc.errno in (*_UNSAFE, errno.EXDEV):
                     raise unsafe(f"{base_path}/{rel}", operation) from exc
                 elif exc.errno != errno.ENOENT:
                     raise
@@ -206,12 +213,12 @@ class Fs:
             for name, original in components:
                 path = f"{path}/{name}"
                 try:
-                    nfd = os.open(name, DIR_FLAGS, dir_fd=fd)
+                    nfd = os.open(name, flags, dir_fd=fd)
                 except FileNotFoundError:
                     if not create:
                         return None
                     self.make_dir(fd, name, original)
-                    nfd = os.open(name, DIR_FLAGS, dir_fd=fd)
+                    nfd = os.open(name, flags, dir_fd=fd)
                 except OSError as exc:
                     if exc.errno in _UNSAFE:
                         raise unsafe(path, operation) from exc
@@ -371,11 +378,16 @@ class Fs:
             os.close(fd)
 
     def sync_dir(self, fd: int) -> None:
-        """fsync a directory if fsync is on; degrade once, loudly, where the mount refuses."""
+        """fsync a directory if fsync is on; degrade once, loudly, where the mount refuses.
+        ``fd`` may be an ``O_PATH`` handle: the fsync goes through a handle of its own."""
         if not (self.fsync and self.dir_fsync_ok):
             return
         try:
-            os.fsync(fd)
+            own = os.open(".", DIR_FLAGS, dir_fd=fd)
+            try:
+                os.fsync(own)
+            finally:
+                os.close(own)
         except OSError as exc:
             if exc.errno not in _NO_DIR_FSYNC:
                 raise

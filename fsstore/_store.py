@@ -123,7 +123,7 @@ def _tick_mtime(dfd: int, before_ns: int) -> None:
     before it looking fresh. Only ever moves forward, from the storage's own times."""
     st = os.fstat(dfd)
     if st.st_mtime_ns // 1_000_000 <= before_ns // 1_000_000:
-        os.utime(dfd, ns=(st.st_atime_ns, (before_ns // 1_000_000 + 1) * 1_000_000))
+        os.utime(".", ns=(st.st_atime_ns, (before_ns // 1_000_000 + 1) * 1_000_000), dir_fd=dfd)
 
 
 class SyncStore:
@@ -179,14 +179,15 @@ class SyncStore:
     # -- plumbing ------------------------------------------------------------------
 
     @contextlib.contextmanager
-    def _open_root(self, *, create: bool) -> Iterator[int | None]:
+    def _open_root(self, *, create: bool, path_only: bool = False) -> Iterator[int | None]:
         """The root, open; None if it does not exist. ``create``: for a write that makes
-        directories, which only a store may take (see :meth:`_require_store`)."""
+        directories, which only a store may take (see :meth:`_require_store`).
+        ``path_only``: an ``O_PATH`` handle (``*at`` calls only; no open on a server)."""
         # The root path itself may be a symlink (the operator's choice); nothing
         # below it is followed.
         flags = os.O_RDONLY | os.O_DIRECTORY | getattr(os, "O_CLOEXEC", 0)
         try:
-            fd = os.open(self.root, flags)
+            fd = os.open(self.root, flags | (getattr(os, "O_PATH", 0) if path_only else 0))
         except FileNotFoundError:
             if not create:
                 yield None
@@ -252,10 +253,11 @@ class SyncStore:
             operation="append", path=self.root)
 
     def _open(
-        self, rfd: int, comps: list[Component], operation: str, *, create: bool = False
+        self, rfd: int, comps: list[Component], operation: str, *, create: bool = False,
+        path_only: bool = False,
     ) -> int | None:
         return self._fs.open_dir(
-            rfd, comps, create=create, base_path=self.root, operation=operation
+            rfd, comps, create=create, base_path=self.root, operation=operation, path_only=path_only
         )
 
     def _path(self, comps: list[Component]) -> str:
@@ -351,10 +353,10 @@ class SyncStore:
 
     def _append_once(self, t: _Appending, payload: bytes) -> None:
         op = "append"
-        with self._open_root(create=False) as rfd:
-            dfd = self._open(rfd, t.comps, op) if rfd is not None else None
+        with self._open_root(create=False, path_only=True) as rfd:
+            dfd = self._open(rfd, t.comps, op, path_only=True) if rfd is not None else None
         if dfd is None:
-            with self._open_root(create=True) as rfd:
+            with self._open_root(create=True, path_only=True) as rfd:
                 assert rfd is not None
                 if self._first_commit(rfd, t, payload):
                     return
@@ -403,7 +405,7 @@ class SyncStore:
         """Commit the first batch of a new transcript: its directory appears with part
         1 already in it (one rename), so no reader or listing ever sees a transcript
         without a part. False if another writer's directory appeared first."""
-        parent = self._open(rfd, t.comps[:-1], "append", create=True)
+        parent = self._open(rfd, t.comps[:-1], "append", create=True, path_only=True)
         assert parent is not None
         name, original = t.comps[-1]
         try:
@@ -504,12 +506,12 @@ class SyncStore:
             stale: OSError | None = None
             deleting = False  # a .deleted marker was seen: look again under the lock
             for attempt in range(_LOAD_ATTEMPTS):
-                with contextlib.ExitStack() as guard, self._open_root(create=False) as rfd:
+                with contextlib.ExitStack() as guard, self._open_root(create=False, path_only=True) as rfd:
                     if rfd is None:
                         return None
                     locked = (deleting or attempt >= _OPTIMISTIC_LOADS) and self._hold_for_reading(guard, comps)
                     try:
-                        dfd = self._open(rfd, comps, op)
+                        dfd = self._open(rfd, comps, op, path_only=True)
                     except OSError as exc:
                         if exc.errno == errno.ESTALE:  # NFS: replaced by another host
                             stale = exc
