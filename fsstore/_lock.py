@@ -103,22 +103,46 @@ def read_marker(lock_path: str) -> Marker | None:
     return Marker(st, pid, host, time.time() - st.st_mtime)
 
 
-def reclaim_if_stale(lock_path: str, *, older_than: float, operation: str) -> bool:
-    """Remove the marker at ``lock_path`` if it is older than ``older_than`` seconds or its
-    holder is provably dead on this host; True if the marker judged stale is gone.
+# A marker without its holder's record (filelock creates the file, then writes the
+# record: a holder killed in between leaves it empty), unchanged for this long by the
+# waiter's own clock, is taken for a dead holder's.
+RECORDLESS_SECONDS = 0.5
+
+
+def reclaim_if_stale(
+    lock_path: str, *, older_than: float, operation: str,
+    recordless: dict[tuple[int, int, int], float] | None = None,
+) -> bool:
+    """Remove the marker at ``lock_path`` if it is older than ``older_than`` seconds, its
+    holder is provably dead on this host, or it has no record and ``recordless`` (the
+    caller's memory of such markers, by identity: when first seen) shows it unchanged
+    for :data:`RECORDLESS_SECONDS`; True if the marker judged stale is gone.
 
     Rename it aside, check that what was moved is the marker judged stale (same inode
     and mtime), remove it. A marker that a new holder took meanwhile is put back
     (``link`` refuses to replace a newer one still). A live holder here is never
     broken before ``older_than``; a holder on another host is judged by age only.
+    A recordless marker is judged by how long the waiter saw it so, not by its mtime:
+    clocks of other hosts do not enter. Breaking a live holder that stalled between
+    creating and writing it costs ordering at worst (see the module docstring).
     """
     try:
         marker = read_marker(lock_path)
     except OSError:  # not ours to read: nothing we can judge
         return False
-    if marker is None or not (marker.age >= older_than or marker.dead_here):
+    if marker is None:
         return False
-    before, pid, host, age = marker.stat, marker.pid, marker.host, marker.age
+    if recordless is not None and (marker.pid is None or marker.host is None):
+        st = marker.stat
+        first = recordless.setdefault((st.st_ino, st.st_size, st.st_mtime_ns), time.monotonic())
+        if time.monotonic() - first < RECORDLESS_SECONDS:
+            return False
+        why = f"no holder recorded, unchanged for {RECORDLESS_SECONDS:g}s"
+    elif marker.age >= older_than or marker.dead_here:
+        why = f"holder pid {marker.pid} on {marker.host}, {marker.age:.0f}s old"
+    else:
+        return False
+    before = marker.stat
     aside = f"{lock_path}.stale-{os.getpid()}-{secrets.token_hex(8)}"
     try:
         os.rename(lock_path, aside)
@@ -140,7 +164,7 @@ def reclaim_if_stale(lock_path: str, *, older_than: float, operation: str) -> bo
     with contextlib.suppress(FileNotFoundError):
         os.unlink(aside)
     log.warning(
-        "reclaimed a stale lock (holder pid %s on %s, %.0fs old)", pid, host, age,
+        "reclaimed a stale lock (%s)", ascii(why)[1:-1],
         extra={"code": "LOCK_RECLAIMED", "operation": operation, "path": lock_path},
     )
     return True
@@ -159,6 +183,9 @@ def _alive(pid: int) -> bool:
 # Permission errors creating a lock marker, with no marker there each time, before
 # fsstore takes them for what they say (see _SoftLock._acquire).
 _REFUSALS = 5
+# How often a waiter looks at the marker for a stale holder (filelock polls the
+# lock itself every 50 ms in between).
+_RECLAIM_POLL = 0.25
 
 
 class _SoftLock(filelock.SoftFileLock):
@@ -354,23 +381,27 @@ class Locks:
     def _acquire(
         self, soft: filelock.SoftFileLock, lock_path: str, operation: str, deadline: float
     ) -> float:
-        """Acquire, checking about once a second for a stale marker filelock cannot break.
+        """Acquire, checking every :data:`_RECLAIM_POLL` seconds (first at once) for a stale
+        marker filelock cannot break.
 
         Returns when the lease began: the start of the attempt that succeeded, which is
         no later than the marker's creation (others age the lock from that), so a stall
         between creating the marker and returning counts against the lease.
         """
-        poll = min(1.0, max(self.stale / 4, 0.05))
+        poll = min(_RECLAIM_POLL, max(self.stale / 4, 0.05))
+        wait = 0.0  # the first try does not wait: a dead holder's marker is judged at once
+        recordless: dict[tuple[int, int, int], float] = {}
         while True:
             started = time.monotonic()
             remaining = deadline - started
             try:
-                soft.acquire(timeout=max(min(remaining, poll), 0))
+                soft.acquire(timeout=max(min(remaining, wait), 0))
                 return started
             except filelock.Timeout as exc:
                 if time.monotonic() >= deadline:
                     raise self._timeout(lock_path, operation, exc) from exc
-            reclaim_if_stale(lock_path, older_than=self.stale, operation=operation)
+            reclaim_if_stale(lock_path, older_than=self.stale, operation=operation, recordless=recordless)
+            wait = poll
 
     def _timeout(self, path: str, operation: str, exc: filelock.Timeout | None) -> FsStoreError:
         # Deliberately not a TimeoutError: the SDK does not retry those, and a lock
