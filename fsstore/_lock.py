@@ -1,27 +1,27 @@
-"""The per-transcript commit lock: an in-process lock, then filelock's SoftFileLock.
+"""The per-transcript commit lock: an in-process lock, then a marker file, through
+filelock's lock machinery.
 
 The lock file is ``<root>/.locks/<hash of the transcript path>.lock`` (see
-:func:`fsstore._layout.lock_name`), created by filelock with ``O_CREAT | O_EXCL |
-O_NOFOLLOW`` and holding ``pid\\nhost\\nstart-token\\n``. It lives in one flat directory
-right under root, not in the transcript directory, because filelock works by path:
-it resolves every component of the lock path and ``mkdir -p``'s missing ones, so a
-lock inside a transcript directory would follow a directory swapped for a symlink,
-and would recreate a directory that a concurrent delete just moved away.
+:func:`fsstore._layout.lock_name`): a hard link to the holder's record
+``<root>/.locks/owner-<pid>-<random>`` (``pid\nhost\nstart-token\n``, written whole
+once per store object, touched before each acquire so the marker's mtime is the
+acquire time). ``link`` never replaces, so the lock is taken by whoever links first,
+and a lock file is never seen without its holder's record (:class:`_Record`,
+:class:`_MarkerLock`). It lives in one flat directory right under root, not in the
+transcript directory, so a delete that moves a transcript away never moves or
+recreates a lock.
 
-filelock reclaims a marker when the recorded holder is on this host and dead, or
-when it is older than ``stale_lock_seconds`` (``lifetime``) whoever holds it: a
-holder on another host is reclaimed by age only, never by a local pid check.
-filelock 4.3 takes a stale marker over with ``renameat2(RENAME_EXCHANGE)`` and gives
-up when the filesystem lacks it (NFS, most FUSE filesystems), which would leave a
-crashed writer's lock in place forever. So while waiting, fsstore applies the same
-two rules itself (:func:`reclaim_if_stale`): rename the marker aside, check
-it is the one judged stale, remove it.
+fsstore reclaims a marker (:func:`reclaim_if_stale`: rename it aside, check it is the
+one judged stale, remove it) when the recorded holder is on this host and dead, when
+it is older than ``stale_lock_seconds`` whoever holds it (a holder on another host is
+judged by age only, never by a local pid check), or when it has no record and the
+waiter saw it unchanged for half a second (a file left by an older fsstore, or made
+by hand).
 
-Age-based expiry can admit a second holder while a stalled first one still runs
-(filelock warns about exactly this). fsstore is built so that this costs ordering
-at worst, never data: commits use a no-replace move, and the state file is a
-self-healing hint (see :mod:`fsstore._transcript`). That is why the warning is
-silenced below, for fsstore's own locks only.
+Age-based expiry can admit a second holder while a stalled first one still runs.
+fsstore is built so that this costs ordering at worst, never data: commits use a
+no-replace link and a check (see :mod:`fsstore._transcript`); nothing on the append
+path is a shared file to roll back.
 
 Threads and tasks of one process first queue on a ``threading.Lock`` per lock path,
 so they do not poll the lock file against each other.
@@ -33,6 +33,7 @@ import collections
 import contextlib
 import contextvars
 import dataclasses
+import errno
 import os
 import secrets
 import socket
@@ -41,6 +42,7 @@ import threading
 import time
 import types
 import typing
+import weakref
 from collections.abc import Iterator, Mapping
 
 import filelock
@@ -183,43 +185,135 @@ def _alive(pid: int) -> bool:
 # Permission errors creating a lock marker, with no marker there each time, before
 # fsstore takes them for what they say (see _SoftLock._acquire).
 _REFUSALS = 5
+_RECORD_PREFIX = "owner-"
+_PATH_FILE_FLAGS = getattr(os, "O_PATH", os.O_RDONLY) | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
+
+
+def _remove_record(path: str, pid: int) -> None:
+    """A store object's record, when it goes: only in the process that wrote it (a
+    forked child inherits the finalizer, not the record)."""
+    if os.getpid() == pid:
+        with contextlib.suppress(OSError):
+            os.unlink(path)
 # How often a waiter looks at the marker for a stale holder (filelock polls the
 # lock itself every 50 ms in between).
 _RECLAIM_POLL = 0.25
 
 
-class _SoftLock(filelock.SoftFileLock):
-    """SoftFileLock without the lifetime warning (SoftFileLockLifetimeWarning).
+def _record_text() -> bytes:
+    """This process's holder record, as filelock writes its own: pid, host, start token."""
+    token = None
+    try:
+        from filelock._identity import process_start_token
+    except ImportError:  # another filelock layout: the token is optional in the record
+        pass
+    else:
+        token = process_start_token(os.getpid())
+    return f"{os.getpid()}\n{_host_name()}\n{'' if token is None else token}\n".encode()
 
-    The warning says age-based expiry can overlap a live holder. For fsstore that
-    overlap is harmless by construction (see the module docstring), so it is
-    silenced here, for fsstore's locks only. A ``warnings`` filter would not do:
-    it is process-global and test runners and ``-W error`` reset it. filelock skips
-    the warning for classes whose ``_lifetime_replacements`` is None.
+
+class _Record:
+    """One store object's holder record in ``.locks``: ``owner-<pid>-<random>``,
+    written whole once, then hard-linked to each lock name it takes.
+
+    A lock file is never seen without its record (filelock's own marker is created
+    empty, then written: a holder killed in between leaves a marker that names
+    nobody). Each acquire first touches the record, so the marker's mtime is the
+    acquire time that others age it by (the storage's clock). On a mount without
+    hard links the record is moved to the lock name instead, and written anew for
+    the next acquire. Removed when the store object goes (or the process exits);
+    one a killed process left is removed by ``fsstore gc``.
     """
 
-    _lifetime_replacements = None
+    def __init__(self, fs: _fsio.Fs) -> None:
+        self._fs = fs
+        self.name: str | None = None
+        self._finalizer: weakref.finalize | None = None
 
+    def publish(self, directory: str, dir_fd: int, lock_name: str) -> str | None:
+        """Make ``lock_name`` (in ``directory``, open as ``dir_fd``) this record, unless it
+        exists. Returns a name of the record's file in ``dir_fd`` if the lock is ours
+        now, None if it is held."""
+        while True:
+            if self.name is None:
+                self._write(directory, dir_fd)
+            assert self.name is not None
+            try:
+                os.utime(self.name, dir_fd=dir_fd, follow_symlinks=False)
+            except FileNotFoundError:  # removed by someone's gc: write it again
+                self.name = None
+                continue
+            linked = _fsio.link_noreplace(self._fs, dir_fd, self.name, lock_name)
+            if linked is None:
+                return None
+            if linked is False:
+                self.name = None  # moved there (a mount without hard links)
+                return lock_name
+            return self.name
+
+    def _write(self, directory: str, dir_fd: int) -> None:
+        name = f"{_RECORD_PREFIX}{os.getpid()}-{secrets.token_hex(6)}"
+        self._fs.write_new(dir_fd, name, _record_text(), sync=False)
+        self.name = name
+        if self._finalizer is not None:
+            self._finalizer.detach()
+        self._finalizer = weakref.finalize(self, _remove_record, f"{directory}/{name}", os.getpid())
+
+
+class _MarkerLock(filelock.BaseFileLock):
+    """filelock's lock machinery (waiting, timeouts, fork safety) with fsstore's marker:
+    the holder's :class:`_Record`, hard-linked to the lock name.
+
+    Subclassed as filelock intends (``_acquire``/``_release``) instead of using its
+    ``SoftFileLock``, whose marker is created empty and then written (a holder killed
+    in between blocks everyone until the marker ages out) and which re-reads
+    ``/proc`` for this process's identity on every acquire (most of an append's time
+    on local disk). Stale markers are judged by :func:`reclaim_if_stale`.
+    """
+
+    record: _Record
+    _poll_backoff_cap = 0.05  # waiters poll from 2 ms, backing off to 50 ms, with jitter
     _refused = 0  # permission errors in a row with no marker there
 
     def _acquire(self) -> None:
+        directory, name = os.path.split(self.lock_file)
+        dfd = os.open(directory, _fsio.PATH_FLAGS)
         try:
-            super()._acquire()
-        except PermissionError:
-            # SFTP (sshfs) has no EEXIST: an O_EXCL create that lost the race for the
-            # marker comes back as EPERM/EACCES. A marker there now means another
-            # holder: not acquired, and the wait goes on. No marker may be the
-            # holder having released it since: try again, a few times, before
-            # taking it for a real permission problem.
-            if os.path.lexists(self.lock_file):
-                self._refused = 0
+            try:
+                mine = self.record.publish(directory, dfd, name)
+                if mine is None:
+                    self._refused = 0
+                    return
+            except PermissionError:
+                # SFTP (sshfs) has no EEXIST: a link that lost the race for the marker
+                # can come back as EPERM/EACCES after the winner released it. Try
+                # again, a few times, before taking it for a real permission problem.
+                self._refused += 1
+                if self._refused >= _REFUSALS:
+                    self._refused = 0
+                    raise
                 return
-            self._refused += 1
-            if self._refused >= _REFUSALS:
-                self._refused = 0
-                raise
-            return
-        self._refused = 0
+            self._refused = 0
+            # Our record, pinned (not the lock name: by now it may be another's marker)
+            fd = os.open(mine, _PATH_FILE_FLAGS, dir_fd=dfd)
+        finally:
+            os.close(dfd)
+        st = os.fstat(fd)
+        self._mark_descriptor_owned(fd, (st.st_dev, st.st_ino))
+
+    def _release(self) -> None:
+        fd = self._context.lock_file_fd
+        assert fd is not None
+        identity = self._context.lock_file_fd_identity
+        try:
+            st = os.lstat(self.lock_file)
+            if (st.st_dev, st.st_ino) == identity:  # else reclaimed and taken by another
+                os.unlink(self.lock_file)
+        except FileNotFoundError:
+            pass  # reclaimed: nothing of ours is there
+        finally:
+            self._mark_descriptor_released()
+            os.close(fd)
 
 
 class _Local:
@@ -230,7 +324,7 @@ class _Local:
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.users = 0  # holders and waiters: an entry in use is never dropped
-        self.soft: filelock.SoftFileLock | None = None
+        self.soft: _MarkerLock | None = None
 
 
 @typing.final
@@ -267,7 +361,8 @@ class Held:
             try:
                 soft = entry.soft
                 if soft is None:
-                    soft = entry.soft = _SoftLock(path, mode=locks.mode, thread_local=False, lifetime=locks.stale)
+                    soft = entry.soft = _MarkerLock(path, thread_local=False, poll_interval=0.002)
+                    soft.record = locks._record
                 self.since = locks._acquire(soft, path, operation, deadline)
             except BaseException:
                 entry.lock.release()
@@ -307,10 +402,10 @@ class Held:
 
 
 class Locks:
-    def __init__(self, *, stale_lock_seconds: float, lock_timeout_seconds: float, mode: int) -> None:
+    def __init__(self, fs: _fsio.Fs, *, stale_lock_seconds: float, lock_timeout_seconds: float) -> None:
         self.stale = stale_lock_seconds
         self.timeout = lock_timeout_seconds
-        self.mode = mode
+        self._fs = fs
         self._forget_all()
         _fsio.in_forked_child(self, "_forget_all")
 
@@ -318,6 +413,7 @@ class Locks:
         """Start with no lock objects (also in a forked child: filelock refuses to use
         a parent's, and a thread that held the guard does not exist there)."""
         self._guard = threading.Lock()
+        self._record = _Record(self._fs)
         # Every lock path lately used, least recent first, with its _Local: building a
         # SoftFileLock resolves its path and registers it (~150 us), so a writer that
         # keeps appending reuses its own. At most _IDLE_LOCKS unused ones are kept.
@@ -379,7 +475,7 @@ class Locks:
             entry.users -= 1
 
     def _acquire(
-        self, soft: filelock.SoftFileLock, lock_path: str, operation: str, deadline: float
+        self, soft: _MarkerLock, lock_path: str, operation: str, deadline: float
     ) -> float:
         """Acquire, checking every :data:`_RECLAIM_POLL` seconds (first at once) for a stale
         marker filelock cannot break.
@@ -400,6 +496,11 @@ class Locks:
             except filelock.Timeout as exc:
                 if time.monotonic() >= deadline:
                     raise self._timeout(lock_path, operation, exc) from exc
+            except (NotADirectoryError, OSError) as exc:
+                if exc.errno not in (errno.ENOTDIR, errno.ELOOP):
+                    raise
+                # .locks is not a real directory (swapped for a symlink): never followed
+                raise _fsio.unsafe(os.path.dirname(lock_path), operation) from exc
             reclaim_if_stale(lock_path, older_than=self.stale, operation=operation, recordless=recordless)
             wait = poll
 

@@ -79,6 +79,7 @@ _LOCK_RECOVERY = re.compile(
     r"[0-9a-f]{40}\.lock\.(?:(?:break|restore)\.[0-9]+\.[0-9a-f]{32}|stale-[0-9]+-[0-9a-f]+)"
 )
 _LOCK_FILE = re.compile(r"[0-9a-f]{40}\.lock")
+_LOCK_RECORD = re.compile(r"owner-[0-9]+-[0-9a-f]+")
 #: A lock record shorter than this long after creation is malformed, not being written.
 _MALFORMED_GRACE = 2.0
 #: A file time this far ahead of our clock is reported as clock skew.
@@ -175,7 +176,7 @@ class Item:
 class Garbage:
     """A temp file, a ``.trash`` entry, a lock recovery file or a FUSE leftover, with its age."""
 
-    kind: str  # "temp", "trash", "lock-recovery", "fuse-hidden"
+    kind: str  # "temp", "trash", "lock-recovery", "lock-record", "fuse-hidden"
     parent: tuple[str, ...]
     name: str
     path: str
@@ -742,6 +743,21 @@ class Walker:
 
     # -- locks -------------------------------------------------------------------
 
+    def unused_record(self, path: str, st: os.stat_result) -> bool:
+        """Whether the lock record at ``path`` is nobody's: not linked to a lock, and its
+        process dead here (or, elsewhere, not locking for ``stale_lock_seconds``)."""
+        if st.st_nlink != 1:
+            return False  # a held lock's record
+        try:
+            marker = read_marker(path)
+        except OSError:
+            return False
+        if marker is None:
+            return False
+        if marker.here:
+            return marker.dead_here
+        return self._age(_changed_at(st)) > self.stale_lock_seconds
+
     def lock_info(self, path: str, st: os.stat_result) -> LockInfo | None:
         """What the marker at ``path`` (as listed: ``st``) says; None if released meanwhile."""
         try:
@@ -781,6 +797,9 @@ def _scan_locks(w: Walker) -> tuple[list[LockInfo], list[Garbage]]:
                 found.append(lk)
         elif _LOCK_RECOVERY.fullmatch(entry.name):
             garbage.append(w._garbage("lock-recovery", comps, entry, st))
+        elif _LOCK_RECORD.fullmatch(entry.name):
+            if w.unused_record(path, st):
+                garbage.append(w._garbage("lock-record", comps, entry, st))
         elif not w._stray(comps, entry, st):
             w.problem("warning", "unexpected", path, "unexpected entry among lock files")
     return found, garbage
@@ -944,6 +963,8 @@ def _age_text(seconds: float) -> str:
 
 
 _WHAT = {"temp": "temp file", "trash": ".trash entry", "lock-recovery": "lock recovery file",
+         "lock-record": "lock holder record (its store object went without removing it: a killed "
+                        "process, or one idle that long, which writes it again when it next locks)",
          "fuse-hidden": "FUSE leftover (a file unlinked while open on some client's mount)"}
 
 
@@ -957,7 +978,8 @@ def _garbage_problem(g: Garbage, older_than: float) -> Problem:
                        f"orphaned {what}, {_age_text(g.age)} old (fsstore gc removes it)")
     doing = {"temp": "a commit or compaction in flight", "trash": "a delete in progress",
              "fuse-hidden": "",
-             "lock-recovery": "a lock take-over in flight"}[g.kind]
+             "lock-recovery": "a lock take-over in flight",
+             "lock-record": "a writer's record between its locks"}[g.kind]
     return Problem("info", f"young-{g.kind}", g.path,
                    f"{what}, {_age_text(g.age)} old: {doing}")
 
@@ -1096,6 +1118,7 @@ def _remove_garbage(w: Walker, g: Garbage, older_than: float, dry_run: bool) -> 
     verb = f"remove-{g.kind}"
     what = {"temp": "orphaned temp " + ("directory" if g.is_dir else "file"),
             "trash": "leftover of a delete", "lock-recovery": "lock recovery leftover",
+            "lock-record": "unused lock holder record",
             "fuse-hidden": "FUSE leftover"}[g.kind]
     detail = f"{what}, {_age_text(g.age)} old"
     if dry_run:

@@ -157,10 +157,7 @@ class SyncStore:
         self._compact_every = compact_every
         self._fs = Fs(fsync=fsync, dir_mode=dir_mode, file_mode=file_mode)
         self._locks = Locks(
-            stale_lock_seconds=stale_lock_seconds,
-            lock_timeout_seconds=lock_timeout_seconds,
-            mode=file_mode,
-        )
+            self._fs, stale_lock_seconds=stale_lock_seconds, lock_timeout_seconds=lock_timeout_seconds)
         self._fold = _summaries.fold_function() if summaries is not False else None
         self._forget_appending()
         _fsio.in_forked_child(self, "_forget_appending")

@@ -302,12 +302,12 @@ POINTS: dict[str, tuple[str, bool, Callable[[Tracer, str, str, tuple[str, ...], 
         lambda t, ph, c, n, ok: ph == "after" and c == "open" and bool(_TMP_BATCH.match(n[0]))),
     "temp_file_written_before_lock": ("append", True,
         lambda t, ph, c, n, ok: ph == "after" and c == "fsync" and bool(_TMP_BATCH.match(n[0]))),
-    # taking the lock: the marker exists but says nothing yet
-    "lock_file_created_empty": ("append", False,
-        lambda t, ph, c, n, ok: ph == "after" and c == "open" and is_lock_file(n[0])),
-    # holding the lock
+    # taking the lock: the holder's record written, not yet linked to the lock name
+    "lock_record_written": ("append", False,
+        lambda t, ph, c, n, ok: ph == "after" and c == "write" and n[0].startswith("owner-")),
+    # holding the lock: the record linked to the lock name (the marker appears whole)
     "holding_lock_marker_written": ("append", False,
-        lambda t, ph, c, n, ok: ph == "after" and c == "write" and is_lock_file(n[0])),
+        lambda t, ph, c, n, ok: ph == "after" and ok and c == "link" and is_lock_file(n[1])),
     "holding_lock_before_move": ("append", False,
         lambda t, ph, c, n, ok: ph == "before" and _moved_to(c, n, PART)),
     "between_move_and_dir_fsync": ("append", True,

@@ -216,7 +216,7 @@ def fresh_model(root: Path, **opts: Any) -> Model:
 
 #: points where the killed process holds the transcript lock: the next writer must reclaim it
 LOCK_HELD = {
-    "lock_file_created_empty", "holding_lock_marker_written", "holding_lock_before_move", "between_move_and_dir_fsync",
+    "holding_lock_marker_written", "holding_lock_before_move", "between_move_and_dir_fsync",
     "during_dir_fsync_after_move", "during_summary_update", "state_temp_written",
     "after_state_before_lock_release", "compaction_segment_temp_written",
     "compaction_after_segment_move", "compaction_midway_unlinking_parts",

@@ -62,8 +62,9 @@ class Case:
 
 
 def append_faults() -> dict[str, Case]:
-    # the lock marker: <transcript>/lock, or <root>/.locks/<hash>.lock
-    lock = r"{r}/(?:projects/-faults/sessions/s/main/lock|\.locks/[^/]*\.lock)$"
+    # the lock marker <root>/.locks/<hash>.lock, and the holder's record linked to it
+    lock = r"{r}/\.locks/[^/]*\.lock$"
+    record = r"{r}/\.locks/owner-[^/]*$"
     t = "{T}"
     return {
         # the part's temp file
@@ -73,9 +74,12 @@ def append_faults() -> dict[str, Case]:
         "create EROFS of the part temp file": Case("append", [rule("create", T + PART_TMP, "EROFS")], "EROFS", t),
         "fsync EIO of the part temp file": Case("append", [rule("fsync", T + PART_TMP, "EIO")], "EIO", t, fsync=True),
         # the lock
-        "create EIO of the lock file": Case("append", [rule("create", lock, "EIO")], "EIO", None),
-        "create EACCES of the lock file": Case("append", [rule("create", lock, "EACCES")], "EACCES", None),
-        "write ENOSPC of the lock marker": Case("append", [rule("write", lock, "ENOSPC")], "ENOSPC", None),
+        # (the record is written once per store object, before these cases arm their faults)
+        "utimens EIO of the lock holder's record": Case("append", [rule("utimens", record, "EIO")], "EIO", None),
+        "utimens EACCES of the lock holder's record": Case(
+            "append", [rule("utimens", record, "EACCES")], "EACCES", None),
+        "link EIO of the record to the lock file": Case("append", [rule("link", lock, "EIO")], "EIO", None),
+        "link ENOSPC of the record to the lock file": Case("append", [rule("link", lock, "ENOSPC")], "ENOSPC", None),
         # the check after the link (a listing): failing, it takes the link back
         "readdir EIO at the commit's check": Case("append", [rule("readdir", f"{T}$", "EIO")], "EIO", t),
         # the commit move (link() on libfuse2, rename(RENAME_NOREPLACE) on libfuse3)

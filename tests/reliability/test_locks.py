@@ -153,6 +153,33 @@ def test_a_marker_without_its_record_is_reclaimed_within_a_second(procs: Any, ba
     assert [e["w"] for e in store.load(KEY) or []] == ["contender"]
 
 
+def test_a_killed_holders_record_is_removed_by_gc_and_a_live_ones_kept(procs: Any, tmp_path: Path) -> None:
+    """Each store object keeps its lock record in .locks (linked to each lock it takes);
+    a killed process cannot remove its own: ``fsstore gc`` does, and never a record
+    whose process still runs here."""
+    root = str(tmp_path / "store")
+    parent, child = procs.Pipe(duplex=False)
+    p = procs.Process(target=_children.hold_lock, args=(root, KEY, {"stale_lock_seconds": 30}, child))
+    p.start()
+    child.close()
+    assert parent.poll(30) and parent.recv()[0] == "locked"
+    p.kill()
+    p.join(10)
+    live = SyncStore(root, create=True, stale_lock_seconds=30, lock_timeout_seconds=5)
+    live.append(KEY, batch("live", 0, 1))  # reclaims the dead holder's lock; keeps its own record
+    records = lambda: sorted(n for n in os.listdir(Path(root) / ".locks") if n.startswith("owner-"))  # noqa: E731
+    assert len(records()) == 2 and any(n.startswith(f"owner-{p.pid}-") for n in records())
+    time.sleep(1.1)
+    env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    r = subprocess.run([sys.executable, "-m", "fsstore", "gc", root, "--older-than", "1s"], env=env,
+                       capture_output=True, text=True, timeout=60, check=False)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert records() == [n for n in records() if n.startswith(f"owner-{os.getpid()}-")] != []
+    live.append(KEY, batch("live", 1, 1))
+    del live
+    assert records() == []  # a store object removes its own when it goes
+
+
 _KILLED_WRITER = r"""
 import sys, json
 from fsstore import FsSessionStore
@@ -409,9 +436,9 @@ def test_kept_lock_objects_are_bounded_and_one_in_use_is_never_dropped(tmp_path:
     # ~150 us); hundreds of transcripts must not keep hundreds, and an entry that a
     # holder is using must survive the trimming (else two in-process locks for one
     # path would let two threads poll the same lock file).
-    from fsstore import _lock
+    from fsstore import _fsio, _lock
 
-    locks = _lock.Locks(stale_lock_seconds=30, lock_timeout_seconds=5, mode=0o600)
+    locks = _lock.Locks(_fsio.Fs(fsync=False, dir_mode=0o700, file_mode=0o600), stale_lock_seconds=30, lock_timeout_seconds=5)
     first = str(tmp_path / "first.lock")
     with locks.hold(first, "test") as held:
         entry = locks._local[first]

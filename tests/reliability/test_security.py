@@ -45,12 +45,10 @@ from ._check import lock_files, snapshot, walk
 # directory and was handed to filelock by path, which followed a swapped directory out of
 # root and mkdir -p'd missing ones (0755, no .key); list_sessions used to stat
 # main/state.json through a symlinked main/; root's missing parents were 0755.
-LOCKS_TOCTOU_BUG = (
-    "fsstore bug: SyncStore._lock_path lstat()s <root>/.locks and then hands filelock the path "
-    "string <root>/.locks/<hash>.lock; filelock opens it by path, so a .locks swapped for a "
-    "symlink between that check and filelock's open is followed and the lock file is created "
-    "outside root"
-)
+# Found by these tests: the lock used to be handed to filelock as the path string
+# <root>/.locks/<hash>.lock after an lstat() of .locks, so a .locks swapped for a symlink
+# in between was followed; fixed when the lock became a link made relative to .locks
+# opened with O_NOFOLLOW (issue 16).
 
 PROJECT = "proj"
 KEY = {"project_key": PROJECT, "session_id": "sess"}
@@ -235,9 +233,8 @@ STAGED: dict[str, tuple[str, str, Callable[[str, tuple[Any, ...]], str | None]]]
 
 def _staged_params() -> list[Any]:
     out = []
-    for stage, (_op, where, _trigger) in STAGED.items():
-        marks = [pytest.mark.xfail(strict=True, reason=LOCKS_TOCTOU_BUG)] if where == "locks dir" else []
-        out.append(pytest.param(stage, marks=marks, id=stage))
+    for stage in STAGED:
+        out.append(pytest.param(stage, id=stage))
     return out
 
 
@@ -269,7 +266,7 @@ def exchange(a: str, b: str) -> None:
 
 @pytest.mark.parametrize("where", [
     "project dir", "main transcript dir",
-    pytest.param("locks dir", marks=pytest.mark.xfail(strict=True, reason=LOCKS_TOCTOU_BUG)),
+    "locks dir",
 ])
 def test_directory_flipping_to_a_symlink_at_random_moments_is_never_followed(
     tmp_path: Path, figures: Any, where: str
