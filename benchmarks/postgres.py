@@ -659,6 +659,7 @@ def run(*, quick: bool = False, base: str | None = None, repeats: int = 3,
     ensure_asyncpg()
     bindir = ensure_postgres()
     args = argparse.Namespace(quick=quick)
+    load_before = os.getloadavg()[0]
     with _interrupts():
         cluster = Cluster(bindir, base)
         fsdir = Path(tempfile.mkdtemp(prefix="fsstore-pgpeer-", dir=base))
@@ -687,13 +688,19 @@ def run(*, quick: bool = False, base: str | None = None, repeats: int = 3,
         finally:
             cluster.stop()
             shutil.rmtree(fsdir, ignore_errors=True)
-    commit = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"],
-                            capture_output=True, text=True, check=False).stdout.strip()
+    def git(*a: str) -> str:
+        return subprocess.run(["git", "-C", str(REPO), *a], capture_output=True, text=True,
+                              check=False).stdout.strip()
+
+    # The code under test: the last commit that touched fsstore/ (and the checkout's HEAD).
+    commit = f"{git('log', '-1', '--format=%h', '--', 'fsstore')} (HEAD {git('rev-parse', '--short', 'HEAD')}" \
+             + (", modified" if git("status", "--porcelain", "--", "fsstore") else "") + ")"
     meta = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
             "machine": f"{platform.machine()}, {os.cpu_count()} cores, Linux {platform.release()}",
             "fs": f"{fs_type(base)} ({base})", "postgres": b.pg_version,
             "python": platform.python_version(), "fsstore_commit": commit, "quick": quick,
-            "repeats": repeats}
+            "repeats": repeats,
+            "load_average": f"{load_before:.1f} before, {os.getloadavg()[0]:.1f} after (1 min)"}
     report(b, row or _row)
     if extra is not None:
         extra["postgres"] = {"meta": meta, "data": b.data, **b.extra}
