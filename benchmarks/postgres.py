@@ -251,6 +251,15 @@ class Cluster:
             shutil.rmtree(self.dir, ignore_errors=True)
 
 
+def cpu_pressure_us() -> int | None:
+    """Total µs some task waited for a CPU (PSI), or None where the kernel has no PSI."""
+    try:
+        with open("/proc/pressure/cpu") as fh:
+            return int(fh.readline().rsplit("total=", 1)[1])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
 def server_cpu(postmaster: int) -> float:
     """CPU seconds of the postmaster and its children, exited ones included (they are
     reaped by the postmaster: its cutime/cstime)."""
@@ -660,6 +669,7 @@ def run(*, quick: bool = False, base: str | None = None, repeats: int = 3,
     bindir = ensure_postgres()
     args = argparse.Namespace(quick=quick)
     load_before = os.getloadavg()[0]
+    psi0, wall0 = cpu_pressure_us(), time.monotonic()
     with _interrupts():
         cluster = Cluster(bindir, base)
         fsdir = Path(tempfile.mkdtemp(prefix="fsstore-pgpeer-", dir=base))
@@ -701,6 +711,10 @@ def run(*, quick: bool = False, base: str | None = None, repeats: int = 3,
             "python": platform.python_version(), "fsstore_commit": commit, "quick": quick,
             "repeats": repeats,
             "load_average": f"{load_before:.1f} before, {os.getloadavg()[0]:.1f} after (1 min)"}
+    psi1 = cpu_pressure_us()
+    if psi0 is not None and psi1 is not None:
+        # Share of the run's wall time in which some runnable task waited for a CPU.
+        meta["cpu_pressure"] = f"{(psi1 - psi0) / 1e6 / (time.monotonic() - wall0):.0%} (PSI some)"
     report(b, row or _row)
     if extra is not None:
         extra["postgres"] = {"meta": meta, "data": b.data, **b.extra}
