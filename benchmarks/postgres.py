@@ -59,6 +59,7 @@ if str(REPO) not in sys.path:
 
 PROJECT = "-home-user-repo"
 LIST_PROJECT = "-home-user-listed"
+LONG_PROJECT = "-home-user-long"  # the same sessions, 50 entries each
 TARGETS = {  # issue 16
     "append_p50": 1.0, "append_p99": 1.5, "load": 0.6, "list": 1.0,
     "eight_on_eight": 1.0, "eight_on_one": 0.5, "eight_on_one_p99_ms": 50.0,
@@ -456,16 +457,19 @@ class Bench:
             await self.pg_off.append(self.load_key, b)
         self.fs_off.sync.compact(self.load_key)
         one = batch(0, "list")
+        fifty = [e for i in range(10) for e in batch(i, "long")]
         for i in range(self.list_sessions):
-            k = {"project_key": LIST_PROJECT, "session_id": f"{i:08d}-0000-4000-8000-000000000000"}
-            self.fs_off.sync.append(k, one)
-            await self.pg_off.append(k, one)
+            sid = f"{i:08d}-0000-4000-8000-000000000000"
+            for project, entries in ((LIST_PROJECT, one), (LONG_PROJECT, fifty)):
+                k = {"project_key": project, "session_id": sid}
+                self.fs_off.sync.append(k, entries)
+                await self.pg_off.append(k, entries)
         await self.pg_on.pool.execute("ANALYZE")  # what autovacuum would do within a minute
         assert await self.fs_off.load(self.load_key) == await self.pg_off.load(self.load_key)
         fs_l = {r["session_id"] for r in await self.fs_off.list_sessions(LIST_PROJECT)}
         pg_l = {r["session_id"] for r in await self.pg_off.list_sessions(LIST_PROJECT)}
         assert fs_l == pg_l and len(fs_l) == self.list_sessions
-        print(f"  built the load transcript ({self.load_entries} entries) and {self.list_sessions} "
+        print(f"  built the load transcript ({self.load_entries} entries) and 2 x {self.list_sessions} "
               f"listed sessions in {time.perf_counter() - t0:.1f} s", flush=True)
         # Writer processes: 8 per store, started once, reused by every run.
         cfg_fs = {"kind": "fs", "root_on": str(self.fsdir / "on"), "root_off": str(self.fsdir / "off")}
@@ -519,12 +523,15 @@ class Bench:
         self.add("cpu_total_off", cpu["fs_off"] / n * 1e6, cpu["pg_off"] / n * 1e6 + server * 1e6)
 
     async def loads_and_lists(self) -> None:
-        t: dict[str, list[float]] = {"fs_load": [], "pg_load": [], "fs_list": [], "pg_list": []}
+        t: dict[str, list[float]] = {k: [] for k in ("fs_load", "pg_load", "fs_list", "pg_list",
+                                                     "fs_long", "pg_long")}
         ops: list[tuple[str, Callable[[], Any]]] = [
             ("fs_load", lambda: self.fs_off.load(self.load_key)),
             ("pg_load", lambda: self.pg_off.load(self.load_key)),
             ("fs_list", lambda: self.fs_off.list_sessions(LIST_PROJECT)),
             ("pg_list", lambda: self.pg_off.list_sessions(LIST_PROJECT)),
+            ("fs_long", lambda: self.fs_off.list_sessions(LONG_PROJECT)),
+            ("pg_long", lambda: self.pg_off.list_sessions(LONG_PROJECT)),
         ]
         for _ in range(2 + (7 if self.args.quick else 15)):
             self.rng.shuffle(ops)
@@ -535,6 +542,7 @@ class Bench:
         t = {k: v[2:] for k, v in t.items()}  # warm-up
         self.add("load", pct(t["fs_load"], 0.5) * 1e3, pct(t["pg_load"], 0.5) * 1e3)
         self.add("list", pct(t["fs_list"], 0.5) * 1e3, pct(t["pg_list"], 0.5) * 1e3)
+        self.add("list_long", pct(t["fs_long"], 0.5) * 1e3, pct(t["pg_long"], 0.5) * 1e3)
 
     def contention(self, r: int) -> None:
         runs = []
@@ -609,7 +617,10 @@ def report(b: Bench, row: Callable[..., None]) -> None:
     one("append_p50_off", "append p50, fsync=False vs synchronous_commit=off", T["append_p50"], "µs")
     one("append_p99_off", "append p99, fsync=False vs synchronous_commit=off", T["append_p99"], "µs")
     one("load", f"load of {b.load_entries:,} entries (fsstore compacted)", T["load"], "ms")
-    one("list", f"list_sessions over {b.list_sessions:,} sessions", T["list"], "ms")
+    one("list", f"list_sessions over {b.list_sessions:,} sessions", T["list"], "ms",
+        note="5 entries each")
+    one("list_long", f"list_sessions over {b.list_sessions:,} sessions of 50 entries", float("inf"),
+        "ms", note="informational: the reference's listing reads every entry row of the project")
     for pair, label in (("off", "fsync=False vs off"), ("on", "fsync=True vs on")):
         one(f"eight_on_eight_{pair}", f"8 processes on 8 sessions, appends/s ({label})",
             T["eight_on_eight"], "/s", True)
