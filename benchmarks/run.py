@@ -5,6 +5,8 @@
     python benchmarks/run.py --only load    # one section: append, fsync, flat, load,
                                             # list, contention, syscalls, network
     python benchmarks/run.py --network-delay-us 1000   # the GlusterFS section with delay-gen on
+    python benchmarks/run.py --postgres     # also the Postgres reference adapter side by side
+    python benchmarks/run.py --only postgres   # only that (benchmarks/postgres.py)
 
 The ``network`` section (benchmarks/network.py: a GlusterFS volume on loopback,
 mounted twice) runs where the mounts can be made (root, /dev/fuse, glusterfs) and
@@ -598,6 +600,9 @@ def main() -> None:
                     help="network section: GlusterFS delay-gen per brick operation (0: none)")
     ap.add_argument("--disk-dir", "--fsync-dir", default=str(HERE.parent),
                     help="a directory on a real disk, for the fsync section and the disk run of append")
+    ap.add_argument("--postgres", action="store_true",
+                    help="also compare with the Postgres reference adapter (benchmarks/postgres.py; "
+                         "installs postgresql and asyncpg if missing, runs a private cluster)")
     args = ap.parse_args()
     disk = args.disk_dir
     out = Path(args.out)
@@ -617,6 +622,10 @@ def main() -> None:
     for name, fn in sections.items():
         if not args.only or name in args.only:
             fn()
+    if args.postgres or (args.only and "postgres" in args.only):
+        import postgres  # benchmarks/postgres.py
+
+        postgres.run(quick=q, base=disk, row=row, extra=EXTRA)
     print()
     print(f"{'benchmark':<58} {'fsstore':>12} {'baseline':>12} {'ratio':>7} {'target':>8}  result")
     for r in ROWS:
