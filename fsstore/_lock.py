@@ -3,7 +3,7 @@ filelock's lock machinery.
 
 The lock file is ``<root>/.locks/<hash of the transcript path>.lock`` (see
 :func:`fsstore._layout.lock_name`): a hard link to the holder's record
-``<root>/.locks/owner-<pid>-<random>`` (``pid\nhost\nstart-token\n``, written whole
+``<root>/.locks/owner-<pid>-<random>`` (``pid\nhost\nstart-token\nits name\n``, written whole
 once per store object, touched before each acquire so the marker's mtime is the
 acquire time). ``link`` never replaces, so the lock is taken by whoever links first,
 and a lock file is never seen without its holder's record (:class:`_Record`,
@@ -200,8 +200,9 @@ def _remove_record(path: str, pid: int) -> None:
 _RECLAIM_POLL = 0.25
 
 
-def _record_text() -> bytes:
-    """This process's holder record, as filelock writes its own: pid, host, start token."""
+def _record_text(name: str) -> bytes:
+    """The holder record ``name``: pid, host, start token, as filelock writes its own,
+    and the record's own name (what makes two store objects' records differ)."""
     token = None
     try:
         from filelock._identity import process_start_token
@@ -209,7 +210,7 @@ def _record_text() -> bytes:
         pass
     else:
         token = process_start_token(os.getpid())
-    return f"{os.getpid()}\n{_host_name()}\n{'' if token is None else token}\n".encode()
+    return f"{os.getpid()}\n{_host_name()}\n{'' if token is None else token}\n{name}\n".encode()
 
 
 class _Record:
@@ -228,6 +229,7 @@ class _Record:
     def __init__(self, fs: _fsio.Fs) -> None:
         self._fs = fs
         self.name: str | None = None
+        self.text = b""
         self._finalizer: weakref.finalize | None = None
 
     def publish(self, directory: str, dir_fd: int, lock_name: str) -> str | None:
@@ -253,8 +255,9 @@ class _Record:
 
     def _write(self, directory: str, dir_fd: int) -> None:
         name = f"{_RECORD_PREFIX}{os.getpid()}-{secrets.token_hex(6)}"
-        self._fs.write_new(dir_fd, name, _record_text(), sync=False)
-        self.name = name
+        text = _record_text(name)
+        self._fs.write_new(dir_fd, name, text, sync=False)
+        self.name, self.text = name, text
         if self._finalizer is not None:
             self._finalizer.detach()
         self._finalizer = weakref.finalize(self, _remove_record, f"{directory}/{name}", os.getpid())
@@ -307,13 +310,24 @@ class _MarkerLock(filelock.BaseFileLock):
         identity = self._context.lock_file_fd_identity
         try:
             st = os.lstat(self.lock_file)
-            if (st.st_dev, st.st_ino) == identity:  # else reclaimed and taken by another
+            # Ours unless reclaimed and taken by another. sshfs numbers each name's
+            # inode on its own (a hard link has another st_ino): there, the content
+            # says whose it is.
+            if (st.st_dev, st.st_ino) == identity or _content(self.lock_file) == self.record.text:
                 os.unlink(self.lock_file)
         except FileNotFoundError:
             pass  # reclaimed: nothing of ours is there
         finally:
             self._mark_descriptor_released()
             os.close(fd)
+
+
+def _content(path: str) -> bytes:
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    try:
+        return os.read(fd, 4096)
+    finally:
+        os.close(fd)
 
 
 class _Local:

@@ -22,11 +22,20 @@ KEY = {"project_key": "-overlap", "session_id": "s"}
 PER_BATCH = 3
 FAKETIME_LIB = "/usr/lib/x86_64-linux-gnu/faketime/libfaketime.so.1"
 
+# A stalled child says "ready" once imported and waits for strace to attach (see
+# start_stalled): its interpreter's start-up makes hundreds of the calls swept.
+WAIT = """
+if {stalled!r}:
+    print("ready", flush=True)
+    sys.stdin.readline()
+"""
+
 WRITER = """
 import json, sys, time
 sys.path.insert(0, {repo!r})
 from fsstore._store import SyncStore
 from fsstore import FsStoreError
+{wait}
 s = SyncStore({root!r}, create=True, **{opts!r})
 key = {key!r}
 with open({log!r}, "a") as log:
@@ -65,6 +74,7 @@ import sys, time
 sys.path.insert(0, {repo!r})
 from fsstore._store import SyncStore
 from fsstore import FsStoreError
+{wait}
 s = SyncStore({root!r}, create=True, **{opts!r})
 deadline = time.monotonic() + {seconds}
 while time.monotonic() < deadline:
@@ -83,14 +93,27 @@ def faketime_env(offset: str) -> dict[str, str]:
             "FAKETIME_DONT_RESET": "1", "FAKETIME_NO_CACHE": "1"}
 
 
+# (system call, delay in microseconds, strace's when=first+step or None for every call)
+Stall = tuple[str, int, "str | None"]
+
+
 def start_writer(root: Path, work: Path, name: str, n: int, opts: dict[str, Any], *,
-                 prefix: list[str] | None = None, env: dict[str, str] | None = None,
+                 stall: Stall | None = None, env: dict[str, str] | None = None,
                  pause: float = 0.0) -> subprocess.Popen[str]:
     code = WRITER.format(repo=REPO, root=str(root), opts=opts, key=KEY, log=str(work / f"{name}.acked"),
-                         n=n, name=name, per=PER_BATCH, pause=pause)
-    with open(work / f"{name}.err", "w") as err:  # the child keeps its own copy
-        return subprocess.Popen([*(prefix or []), sys.executable, "-c", code], env=env,
-                                stderr=err, text=True)
+                         n=n, name=name, per=PER_BATCH, pause=pause, wait=WAIT.format(stalled=bool(stall)))
+    return _start(code, work / f"{name}.err", stall, env)
+
+
+def _start(code: str, err_path: Path, stall: Stall | None, env: dict[str, str] | None = None
+           ) -> subprocess.Popen[str]:
+    with open(err_path, "w") as err:  # the child keeps its own copy
+        proc = subprocess.Popen([sys.executable, "-c", code], env=env, stderr=err, text=True,
+                                stdin=subprocess.PIPE if stall else None,
+                                stdout=subprocess.PIPE if stall else None)
+    if stall:
+        _attach(proc, *stall)
+    return proc
 
 
 def start_reader(root: Path, work: Path, name: str, seconds: float) -> subprocess.Popen[str]:
@@ -100,21 +123,80 @@ def start_reader(root: Path, work: Path, name: str, seconds: float) -> subproces
         return subprocess.Popen([sys.executable, "-c", code], stderr=err, text=True)
 
 
-def start_compactor(root: Path, work: Path, seconds: float, opts: dict[str, Any]) -> subprocess.Popen[str]:
-    code = COMPACTOR.format(repo=REPO, root=str(root), opts=opts, key=KEY, seconds=seconds)
-    with open(work / "compactor.err", "w") as err:
-        return subprocess.Popen([sys.executable, "-c", code], stderr=err, text=True)
+def start_compactor(root: Path, work: Path, seconds: float, opts: dict[str, Any], *,
+                    stall: Stall | None = None) -> subprocess.Popen[str]:
+    code = COMPACTOR.format(repo=REPO, root=str(root), opts=opts, key=KEY, seconds=seconds,
+                            wait=WAIT.format(stalled=bool(stall)))
+    return _start(code, work / "compactor.err", stall)
+
+
+_TRACERS: list[subprocess.Popen[bytes]] = []
+
+
+def _attach(proc: subprocess.Popen[str], call: str, delay_us: int, when: str | None) -> None:
+    """Once ``proc`` says it is ready, attach strace so that its calls ``call`` (those
+    ``when`` picks; all if None) each take ``delay_us`` longer, then let it go on."""
+    assert proc.stdout is not None and proc.stdin is not None
+    assert proc.stdout.readline().strip() == "ready"
+    inject = f"inject={call}:delay_enter={delay_us}" + (f":when={when}" if when else "")
+    _TRACERS.append(subprocess.Popen(["strace", "-f", "-qq", "-o", "/dev/null", "-e", f"trace={call}",
+                                      "-e", inject, "-p", str(proc.pid)]))
+    deadline = time.monotonic() + 10
+    while _tracer_pid(proc.pid) == 0:
+        assert time.monotonic() < deadline, "strace did not attach"
+        time.sleep(0.02)
+    proc.stdin.write("go\n")
+    proc.stdin.flush()
+
+
+PRUNER = """
+import sys
+sys.path.insert(0, {repo!r})
+from fsstore.cli import main
+{wait}
+sys.exit(main(["prune", {root!r}, "--older-than", "30d", "--stale-lock-seconds", "1s"]))
+"""
+
+
+def run_stalled_prune(root: Path, call: str, delay_us: int, during: Any) -> str:
+    """``fsstore prune ROOT`` (sessions older than 30 days) with every ``call`` it makes
+    once running delayed by ``delay_us`` (strace attached after its imports), while
+    ``during()`` runs; returns prune's output."""
+    prune = subprocess.Popen([sys.executable, "-c", PRUNER.format(repo=REPO, root=str(root), wait=WAIT.format(stalled=True))],
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        _attach(prune, call, delay_us, None)
+        during()
+        out, _ = prune.communicate(timeout=120)
+        return out
+    finally:
+        if prune.poll() is None:
+            prune.kill()
+            prune.wait(10)
+
+
+def _tracer_pid(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("TracerPid:"):
+                return int(line.split()[1])
+    return 0
 
 
 def wait_all(procs: list[subprocess.Popen[str]], timeout: float) -> None:
     deadline = time.monotonic() + timeout
-    for p in procs:
-        try:
-            p.wait(max(1.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            p.kill()
+    try:
+        for p in procs:
+            try:
+                p.wait(max(1.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                raise AssertionError(f"{p.args[:3]} did not finish in {timeout} s") from None
+    finally:
+        for p in [*procs, *_TRACERS]:
+            if p.poll() is None:
+                p.kill()
             p.wait(10)
-            raise AssertionError(f"{p.args[:3]} did not finish in {timeout} s") from None
+        _TRACERS.clear()
 
 
 def verify(root: Path, work: Path) -> dict[str, int]:

@@ -66,20 +66,135 @@ def test_a_writer_with_a_skewed_clock_loses_nothing(
     assert got["acked"] + got["failed"] == 4 * 100
 
 
+# The stall sweep: every system call a writer, a compactor or a pruner makes while it
+# holds the lock, with where the sweep stalls it (strace's when=first+step), and
+# whether the main suite runs it (the rest are soak runs).
+WRITER_SWEEP = {
+    "linkat": ("5+7", True), "getdents64": ("5+7", True), "newfstatat": ("5+25", True),
+    "renameat2": ("1+2", True), "openat": ("5+7", False), "unlinkat": ("5+7", False),
+    "close": ("9+7", False), "read": ("5+7", False), "write": ("5+7", False),
+    "utimensat": ("1+2", False), "renameat": ("1+1", False), "mkdirat": ("1", False),
+}
+COMPACTOR_SWEEP = {
+    "renameat2": ("2+3", True), "unlinkat": ("3+5", False), "getdents64": ("3+5", False),
+    "openat": ("3+5", False), "read": ("3+5", False), "write": ("2+3", False),
+    "utimensat": ("2+3", False), "renameat": ("1+2", False), "linkat": ("2+3", False),
+}
+PRUNE_SWEEP = {"unlinkat": True, "linkat": False, "openat": False, "getdents64": False,
+               "newfstatat": False, "renameat": False}
+# Calls that reach no storage (process and descriptor bookkeeping, a directory rewind).
+NO_STORAGE = {"getpid", "gettid", "fcntl", "lseek", "futex", "clock_gettime", "mmap", "munmap",
+              "brk", "mprotect", "madvise", "rt_sigprocmask", "rt_sigaction", "getrandom"}
+
+
+def _sweep_params(table: dict[str, Any]) -> list[Any]:
+    main = {call: v[1] if isinstance(v, tuple) else v for call, v in table.items()}
+    return [pytest.param(call, id=call, marks=() if on else pytest.mark.soak) for call, on in main.items()]
+
+
+CALLS_UNDER_LOCK = """
+import sys
+sys.path.insert(0, {repo!r})
+from fsstore._store import SyncStore
+s = SyncStore({root!r}, create=True, compact_every=4, summaries=False)
+s.append({key!r}, [{{"uuid": "first"}}])
+for i in range(12):
+    s.append({key!r}, [{{"uuid": "u%d" % i}}])
+s.compact({key!r})
+"""
+
+
 @needs_strace
-@pytest.mark.parametrize("call", ["linkat", "getdents64",
-                                  pytest.param("openat", marks=pytest.mark.soak),
-                                  pytest.param("unlinkat", marks=pytest.mark.soak)])
+def test_the_stall_sweep_covers_every_call_made_under_the_lock(tmp_path: Path) -> None:
+    """Enumerates, with strace, the system calls of appends (with automatic
+    compaction) and of a compaction between taking the lock (the link of the holder's
+    record to the lock name) and releasing it (its unlink): each is in the sweep."""
+    code = CALLS_UNDER_LOCK.format(repo=_overlap.REPO, root=str(tmp_path / "store"), key=KEY)
+    trace = tmp_path / "trace"
+    subprocess.run(["strace", "-f", "-qq", "-o", str(trace), sys.executable, "-c", code], check=True, timeout=120)
+    seen: set[str] = set()
+    inside = False
+    for line in trace.read_text().splitlines():
+        name = line.split(None, 1)[-1].split("(", 1)[0]
+        if name == "linkat" and '.lock"' in line and "owner-" in line:
+            inside = True
+        elif name in ("unlink", "unlinkat") and '.lock"' in line:
+            inside = False
+        elif inside:
+            seen.add(name)
+    assert "getdents64" in seen and "renameat2" in seen, seen  # the trace is what we think
+    missing = seen - NO_STORAGE - set(WRITER_SWEEP)
+    assert not missing, f"calls made under the lock that the stall sweep does not stall: {missing}"
+    assert set(COMPACTOR_SWEEP) <= set(WRITER_SWEEP) | {"linkat"}
+
+
+@needs_strace
+@pytest.mark.parametrize("call", _sweep_params(WRITER_SWEEP))
 def test_a_writer_stalled_inside_a_system_call_past_its_lease_loses_nothing(
     tmp_path: Path, figures: Any, call: str
 ) -> None:
-    """The stall sweep: one writer's calls of one kind each take 1.5 s (every 7th
-    call), past the 1 s lock lifetime: the others reclaim its lock and go on, also
-    while it is between its link and its check (linkat, getdents64)."""
-    prefix = ["strace", "-f", "-qq", "-o", "/dev/null", "-e", f"trace={call}",
-              "-e", f"inject={call}:delay_enter=1500000:when=5+7"]
-    _campaign(tmp_path, figures, {"stalled": {"prefix": prefix}}, n=20, seconds=6.0)
-    figures.fault(f"{call} stalled 1.5 s past the lock's lease")
+    """The stall sweep, writers: one writer's calls of one kind each take 1.5 s (as
+    ``when`` picks them), past the 1 s lock lifetime: the others reclaim its lock and
+    go on, also while it is between its link and its check (linkat, getdents64)."""
+    stall = (call, 1_500_000, WRITER_SWEEP[call][0])
+    _campaign(tmp_path, figures, {"stalled": {"stall": stall}}, n=20, seconds=6.0)
+    figures.fault(f"writer's {call} stalled 1.5 s past the lock's lease")
+
+
+@needs_strace
+@pytest.mark.parametrize("call", _sweep_params(COMPACTOR_SWEEP))
+def test_a_compactor_stalled_inside_a_system_call_past_its_lease_loses_nothing(
+    tmp_path: Path, figures: Any, call: str
+) -> None:
+    """The stall sweep, compaction (the code of ``fsstore compact``): the compactor's
+    calls of one kind each take 1.5 s while four writers append and two readers load."""
+    root, work = tmp_path / "store", tmp_path / "work"
+    work.mkdir()
+    SyncStore(root, create=True).append(KEY, [{"uuid": f"seed-{j}", "b": "seed"} for j in range(_overlap.PER_BATCH)])
+    procs = [start_writer(root, work, f"w{k}", 25, FAST, pause=0.02) for k in range(4)]
+    readers = [start_reader(root, work, f"r{k}", 6.0) for k in range(2)]
+    compactor = start_compactor(root, work, 6.0, FAST, stall=(call, 1_500_000, COMPACTOR_SWEEP[call][0]))
+    wait_all([*procs, *readers, compactor], timeout=180)
+    got = verify(root, work)
+    assert got["acked"] + got["failed"] == 4 * 25
+    figures.add("appends", got["acked"])
+    figures.fault(f"compactor's {call} stalled 1.5 s past the lock's lease")
+
+
+def _old_session(root: Path) -> SyncStore:
+    old = SyncStore(root, create=True)
+    old.append(KEY, [{"uuid": "old", "b": "old"}])
+    ancient = time.time() - 40 * 86400
+    for p in [*root.rglob("*")]:
+        if "projects" in p.parts:
+            os.utime(p, (ancient, ancient), follow_symlinks=False)
+    return old
+
+
+@needs_strace
+@pytest.mark.parametrize("call", _sweep_params(PRUNE_SWEEP))
+def test_prune_stalled_inside_a_system_call_never_deletes_an_acknowledged_batch(
+    tmp_path: Path, figures: Any, call: str
+) -> None:
+    """The stall sweep, ``fsstore prune``: every call of one kind it makes takes 0.8 s
+    (past its 0.5 s lease) while a writer appends to the old session it is pruning.
+    Whatever prune decides, every batch whose append returned is there afterwards."""
+    root = tmp_path / "store"
+    _old_session(root)
+    writer = SyncStore(root, create=True, stale_lock_seconds=1.0, lock_timeout_seconds=30)
+    acked: list[str] = []
+
+    def during() -> None:
+        for i in range(6):
+            time.sleep(0.3)
+            writer.append(KEY, [{"uuid": f"new-{i}", "b": f"new-{i}"}])
+            acked.append(f"new-{i}")
+
+    out = _overlap.run_stalled_prune(root, call, 800_000, during)
+    got = [e["b"] for e in SyncStore(root, create=True).load(KEY) or []]
+    assert [b for b in got if b != "old"] == acked, out
+    figures.add("appends", len(acked))
+    figures.fault(f"prune's {call} stalled 0.8 s past its lease")
 
 
 @needs_strace
@@ -92,12 +207,7 @@ def test_prune_stalled_inside_its_move_never_deletes_a_batch_acknowledged_meanwh
     a session made anew. When prune's rename goes through, it moves that new session:
     it finds no mark of its own there and moves it back. The batch stays."""
     root = tmp_path / "store"
-    old = SyncStore(root, create=True)
-    old.append(KEY, [{"uuid": "old", "b": "old"}])
-    ancient = time.time() - 40 * 86400
-    for p in [*root.rglob("*")]:
-        if "projects" in p.parts:
-            os.utime(p, (ancient, ancient), follow_symlinks=False)
+    _old_session(root)
     prune = subprocess.Popen(
         ["strace", "-f", "-qq", "-o", "/dev/null", "-e", "trace=renameat",
          "-e", "inject=renameat:delay_enter=3000000", sys.executable, "-m", "fsstore", "prune",
