@@ -142,7 +142,6 @@ _PATH_DIR_HOW = _OpenHow(
     _O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | _CLOEXEC, 0,
     _RESOLVE_NO_MAGICLINKS | _RESOLVE_NO_SYMLINKS | _RESOLVE_BENEATH,
 )
-_PATH_DIR_HOW_REF = ctypes.byref(_PATH_DIR_HOW)
 _HOW_SIZE = ctypes.c_size_t(ctypes.sizeof(_OpenHow))
 
 
@@ -154,9 +153,6 @@ def _openat2_dir(base_fd: int, relpath: bytes, how: _OpenHow = _DIR_HOW) -> int:
         raise OSError(err, os.strerror(err))
     return int(fd)
 
-
-# dir_mtimes_beneath's errors: below every real mtime (those fit in 63 bits of ns).
-MTIME_ERROR = -(1 << 63)
 
 
 class Fs:
@@ -230,39 +226,6 @@ class Fs:
         finally:
             if fd >= 0:
                 os.close(fd)
-
-    def dir_mtimes_beneath(self, base_fd: int, names: list[str], suffix: bytes) -> list[int]:
-        """st_mtime_ns of each directory ``base/name+suffix`` (no symlink followed), or
-        ``MTIME_ERROR - errno`` (below any mtime, even one before 1970; ENOTDIR for
-        anything but a directory).
-
-        The listing hot path (one path per session, thousands per call): one loop
-        with errors as numbers, so a session without a transcript costs no exception.
-        """
-        out: list[int] = []
-        if self.openat2_ok and _O_PATH:
-            call, fstat, close, add = _syscall, os.fstat, os.close, out.append
-            for name in names:
-                fd = call(_SYS_OPENAT2, base_fd, name.encode() + suffix, _PATH_DIR_HOW_REF, _HOW_SIZE)
-                if fd >= 0:
-                    try:
-                        add(fstat(fd).st_mtime_ns)
-                    finally:
-                        close(fd)
-                    continue
-                err = ctypes.get_errno()
-                if err in (errno.ENOSYS, errno.E2BIG, errno.EPERM):
-                    self.openat2_ok = False  # old kernel or seccomp filter: walk instead
-                    break
-                add(MTIME_ERROR - err)
-        for name in names[len(out):]:
-            try:
-                st = self.stat_beneath(base_fd, name + os.fsdecode(suffix))
-            except OSError as exc:
-                out.append(MTIME_ERROR - (exc.errno or errno.EIO))
-                continue
-            out.append(st.st_mtime_ns if stat.S_ISDIR(st.st_mode) else MTIME_ERROR - errno.ENOTDIR)
-        return out
 
     def stat_beneath(self, base_fd: int, relpath: str) -> os.stat_result:
         """``lstat`` of ``base/relpath`` without following a symlink in any component.

@@ -591,21 +591,21 @@ class SyncStore:
         session of a project each time the SDK lists them (names are ASCII: names
         :func:`decode_entry` accepted).
         """
-        found = self._fs.dir_mtimes_beneath(parent_fd, [name for name, _ in children],
-                                        below.encode("ascii"))
-        error = _fsio.MTIME_ERROR
-        for (name, part), ns in zip(children, found):
-            if ns > error:
-                yield part, ns // 1_000_000
+        for name, part in children:
+            try:
+                st = self._fs.stat_beneath(parent_fd, name + below)
+            except OSError as exc:
+                err = exc.errno or errno.EIO
+                if err not in (errno.ELOOP, errno.EXDEV, errno.ENOENT, errno.ENOTDIR):
+                    # One transcript this process may not read must not hide the others.
+                    log.warning("left out of the listing: %s", os.strerror(err), extra={
+                        "code": errno.errorcode.get(err, "EIO"), "operation": op,
+                        "path": f"{where}/{name}", "errno": err})
+                # A symlink inside the transcript path is not ours to report; a session
+                # without a main transcript (only subagents, or removed) has no mtime.
                 continue
-            err = error - ns
-            if err not in (errno.ELOOP, errno.EXDEV, errno.ENOENT, errno.ENOTDIR):
-                # One transcript this process may not read must not hide the others.
-                log.warning("left out of the listing: %s", os.strerror(err), extra={
-                    "code": errno.errorcode.get(err, "EIO"), "operation": op,
-                    "path": f"{where}/{name}", "errno": err})
-            # A symlink inside the transcript path is not ours to report; a session
-            # without a main transcript (only subagents, or removed) has no mtime.
+            if stat.S_ISDIR(st.st_mode):
+                yield part, st.st_mtime_ns // 1_000_000
 
     @contextlib.contextmanager
     def _children(self, comps: list[Component], op: str) -> Iterator[tuple[int, list[tuple[str, str]]]]:

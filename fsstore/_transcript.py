@@ -65,10 +65,7 @@ from __future__ import annotations
 
 import errno
 import json
-import json.encoder
 import os
-import threading
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -79,49 +76,6 @@ from ._limits import beyond_limits
 _ENCODER = json.JSONEncoder(ensure_ascii=True, separators=(",", ":"), allow_nan=True)
 
 
-def _prebuilt_encoder() -> Callable[[Any], str]:
-    """``_ENCODER.encode``, without the C encoder it builds on every call.
-
-    ``JSONEncoder.encode`` makes a new ``json.encoder.c_make_encoder`` object per call
-    (~3 µs: as much as encoding a typical entry, and an append encodes one per
-    entry). Here each thread makes one (same arguments as ``JSONEncoder.iterencode``
-    passes, CPython 3.6 to 3.13), used only if it encodes a probe exactly as
-    ``_ENCODER`` does; otherwise ``_ENCODER.encode`` it is. Each thread has its own
-    because of the circular-reference markers: a dict of the containers being
-    encoded, which a failed call leaves filled (cleared here), and which another
-    thread's call would see. Without markers a cycle would recurse until the C
-    stack overflows under a raised recursion limit before Python 3.12 (a crash,
-    found by review), instead of a ValueError.
-    """
-    make = getattr(json.encoder, "c_make_encoder", None)
-    if make is None:  # no C accelerator (another Python implementation)
-        return _ENCODER.encode
-    per_thread = threading.local()
-
-    def encode(o: Any) -> str:
-        try:
-            encoder, markers = per_thread.encoder, per_thread.markers
-        except AttributeError:
-            markers = per_thread.markers = {}
-            encoder = per_thread.encoder = make(
-                markers, _ENCODER.default, json.encoder.encode_basestring_ascii, None,
-                ":", ",", False, False, True)
-        try:
-            return "".join(encoder(o, 0))
-        except BaseException:
-            markers.clear()  # what the failed call was inside of
-            raise
-
-    probe = {"s": 'a"\\\n\u00e9\u2028\U0001f600', "n": [0, -1, 10**40, 2.5, 1e300, float("nan"),
-             float("inf"), -float("inf"), True, False, None], "o": {"": {}, "1": [[]]}}
-    try:
-        same = encode(probe) == _ENCODER.encode(probe)
-    except (TypeError, ValueError):  # another signature
-        same = False
-    return encode if same else _ENCODER.encode
-
-
-_encode = _prebuilt_encoder()
 
 
 def encode_batch(entries: object, operation: str) -> bytes:
@@ -141,7 +95,7 @@ def encode_batch(entries: object, operation: str) -> bytes:
                 operation=operation,
             )
         try:
-            line = _encode(entry)
+            line = _ENCODER.encode(entry)
         except (TypeError, ValueError, RecursionError) as exc:
             why = "nested too deeply" if isinstance(exc, RecursionError) else exc
             raise FsStoreError(

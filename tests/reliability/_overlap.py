@@ -9,11 +9,16 @@ one line per load: the batch names of that snapshot, in order.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import random
+import signal
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -173,6 +178,86 @@ def run_stalled_prune(root: Path, call: str, delay_us: int, during: Any) -> str:
         if prune.poll() is None:
             prune.kill()
             prune.wait(10)
+
+
+def stop_at_random(procs: list[subprocess.Popen[str]], *, stop_for: float, gap: tuple[float, float],
+                   seed: int) -> Callable[[], int]:
+    """In a thread: SIGSTOP one of ``procs`` (at random) for ``stop_for`` seconds, at
+    random instants ``gap`` apart, until they have all exited. Returns a function
+    that waits for the thread and gives the number of stops."""
+    rng = random.Random(seed)
+    stops = [0]
+
+    def run() -> None:
+        while True:
+            time.sleep(rng.uniform(*gap))
+            alive = [p for p in procs if p.poll() is None]
+            if not alive:
+                return
+            victim = rng.choice(alive)
+            try:
+                os.kill(victim.pid, signal.SIGSTOP)
+            except ProcessLookupError:
+                continue
+            stops[0] += 1
+            time.sleep(stop_for)
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(victim.pid, signal.SIGCONT)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+
+    def done() -> int:
+        thread.join(stop_for + gap[1] + 5)
+        return stops[0]
+
+    return done
+
+
+def old_session(root: Path) -> None:
+    """A store at ``root`` whose one session (KEY, batch "old") is 40 days old."""
+    from fsstore._store import SyncStore
+
+    SyncStore(root, create=True).append(KEY, [{"uuid": "old", "b": "old"}])
+    ancient = time.time() - 40 * 86400
+    for p in [*root.rglob("*")]:
+        if "projects" in p.parts:
+            os.utime(p, (ancient, ancient), follow_symlinks=False)
+
+
+def prune_stopped_once(prune_root: Path, writer_root: Path, rng: random.Random) -> int:
+    """``fsstore prune --older-than 30d`` on ``prune_root`` (made by :func:`old_session`),
+    SIGSTOPped at a random instant of its run for about 1.5 s (past its lease) while a
+    writer appends through ``writer_root`` (the same store, maybe another mount).
+    Asserts every batch whose append returned is there afterwards; returns how many."""
+    from fsstore._store import SyncStore
+
+    writer = SyncStore(writer_root, create=True, stale_lock_seconds=1.0, lock_timeout_seconds=30)
+    prune = subprocess.Popen(
+        [sys.executable, "-m", "fsstore", "prune", str(prune_root), "--older-than", "30d",
+         "--stale-lock-seconds", "1s"],
+        cwd=REPO, env={**os.environ, "PYTHONPATH": REPO}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        text=True)
+    acked = []
+    try:
+        time.sleep(rng.uniform(0.15, 0.45))  # somewhere in its walk, mark, last look or move
+        os.kill(prune.pid, signal.SIGSTOP)
+        for i in range(3):
+            writer.append(KEY, [{"uuid": f"new-{i}", "b": f"new-{i}"}])
+            acked.append(f"new-{i}")
+            time.sleep(0.5)
+        os.kill(prune.pid, signal.SIGCONT)
+        out, _ = prune.communicate(timeout=60)
+    finally:
+        if prune.poll() is None:
+            prune.kill()
+        prune.wait(10)
+    writer.append(KEY, [{"uuid": "after", "b": "after"}])
+    acked.append("after")
+    for root in {prune_root, writer_root}:
+        got = [e["b"] for e in SyncStore(root, create=True).load(KEY) or []]
+        assert [b for b in got if b != "old"] == acked, (str(root), out)
+    return len(acked)
 
 
 def _tracer_pid(pid: int) -> int:

@@ -167,7 +167,7 @@ def test_a_killed_holders_record_is_removed_by_gc_and_a_live_ones_kept(procs: An
     p.join(10)
     live = SyncStore(root, create=True, stale_lock_seconds=30, lock_timeout_seconds=5)
     live.append(KEY, batch("live", 0, 1))  # reclaims the dead holder's lock; keeps its own record
-    records = lambda: sorted(n for n in os.listdir(Path(root) / ".locks") if n.startswith("owner-"))  # noqa: E731
+    records = lambda: sorted(n for n in os.listdir(Path(root) / ".locks") if n.startswith("owner-"))
     assert len(records()) == 2 and any(n.startswith(f"owner-{p.pid}-") for n in records())
     time.sleep(1.1)
     env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}

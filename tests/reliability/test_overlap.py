@@ -161,16 +161,6 @@ def test_a_compactor_stalled_inside_a_system_call_past_its_lease_loses_nothing(
     figures.fault(f"compactor's {call} stalled 1.5 s past the lock's lease")
 
 
-def _old_session(root: Path) -> SyncStore:
-    old = SyncStore(root, create=True)
-    old.append(KEY, [{"uuid": "old", "b": "old"}])
-    ancient = time.time() - 40 * 86400
-    for p in [*root.rglob("*")]:
-        if "projects" in p.parts:
-            os.utime(p, (ancient, ancient), follow_symlinks=False)
-    return old
-
-
 @needs_strace
 @pytest.mark.parametrize("call", _sweep_params(PRUNE_SWEEP))
 def test_prune_stalled_inside_a_system_call_never_deletes_an_acknowledged_batch(
@@ -180,7 +170,7 @@ def test_prune_stalled_inside_a_system_call_never_deletes_an_acknowledged_batch(
     (past its 0.5 s lease) while a writer appends to the old session it is pruning.
     Whatever prune decides, every batch whose append returned is there afterwards."""
     root = tmp_path / "store"
-    _old_session(root)
+    _overlap.old_session(root)
     writer = SyncStore(root, create=True, stale_lock_seconds=1.0, lock_timeout_seconds=30)
     acked: list[str] = []
 
@@ -197,6 +187,46 @@ def test_prune_stalled_inside_a_system_call_never_deletes_an_acknowledged_batch(
     figures.fault(f"prune's {call} stalled 0.8 s past its lease")
 
 
+@pytest.mark.parametrize("seed", [0, pytest.param(1, marks=pytest.mark.soak), pytest.param(2, marks=pytest.mark.soak)])
+def test_writers_and_a_compactor_stopped_at_random_instants_lose_nothing(
+    tmp_path: Path, figures: Any, seed: int
+) -> None:
+    """SIGSTOP campaign: one of two writers or the compactor (a paused VM, a process
+    stopped by a debugger) is stopped for 1.5 s, past the 1 s lock lifetime, at random
+    instants, while two more writers append and two readers load."""
+    root, work = tmp_path / "store", tmp_path / "work"
+    work.mkdir()
+    SyncStore(root, create=True).append(KEY, [{"uuid": f"seed-{j}", "b": "seed"} for j in range(_overlap.PER_BATCH)])
+    victims = [start_writer(root, work, f"v{k}", 40, FAST, pause=0.01) for k in range(2)]
+    victims.append(start_compactor(root, work, 8.0, FAST))
+    others = [start_writer(root, work, f"w{k}", 40, FAST, pause=0.05) for k in range(2)]
+    readers = [start_reader(root, work, f"r{k}", 8.0) for k in range(2)]
+    stopped = _overlap.stop_at_random(victims, stop_for=1.5, gap=(0.05, 0.6), seed=seed)
+    wait_all([*victims, *others, *readers], timeout=180)
+    stops = stopped()
+    got = verify(root, work)
+    assert stops >= 3 and got["acked"] + got["failed"] == 4 * 40, (stops, got)
+    figures.add("appends", got["acked"])
+    figures.fault("writer or compactor SIGSTOPped 1.5 s past the lock's lease")
+
+
+@pytest.mark.parametrize("seed", [0, pytest.param(1, marks=pytest.mark.soak)])
+def test_prune_stopped_at_random_instants_never_deletes_an_acknowledged_batch(
+    tmp_path: Path, figures: Any, seed: int
+) -> None:
+    """SIGSTOP campaign, ``fsstore prune``: stopped for 1.5 s (past its lease) at a
+    random instant of its run, while a writer appends to the old session it prunes;
+    four rounds. Every batch whose append returned is there afterwards."""
+    import random
+
+    rng = random.Random(seed)
+    for round_ in range(4):
+        root = tmp_path / f"store-{round_}"
+        _overlap.old_session(root)
+        figures.add("appends", _overlap.prune_stopped_once(root, root, rng))
+    figures.fault("prune SIGSTOPped 1.5 s at a random instant")
+
+
 @needs_strace
 def test_prune_stalled_inside_its_move_never_deletes_a_batch_acknowledged_meanwhile(
     tmp_path: Path, figures: Any
@@ -207,7 +237,7 @@ def test_prune_stalled_inside_its_move_never_deletes_a_batch_acknowledged_meanwh
     a session made anew. When prune's rename goes through, it moves that new session:
     it finds no mark of its own there and moves it back. The batch stays."""
     root = tmp_path / "store"
-    _old_session(root)
+    _overlap.old_session(root)
     prune = subprocess.Popen(
         ["strace", "-f", "-qq", "-o", "/dev/null", "-e", "trace=renameat",
          "-e", "inject=renameat:delay_enter=3000000", sys.executable, "-m", "fsstore", "prune",
