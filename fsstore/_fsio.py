@@ -614,6 +614,24 @@ def listdir(dir_fd: int) -> list[str]:
         os.close(fd)
 
 
+def refresh_listing(dir_fd: int) -> bool:
+    """Make the client list the directory afresh; False if it is gone on the server.
+
+    Creating and removing a name in a directory is a change this client made, so
+    its own caches of that directory go: sshfs's 20 s directory cache otherwise
+    keeps listing files another host compacted or deleted. ENOENT/ESTALE: the
+    directory no longer exists there. A mount this process may not write to tells
+    nothing (True).
+    """
+    name = temp_name("-probe")
+    try:
+        os.close(os.open(name, CREATE_FLAGS, 0o600, dir_fd=dir_fd))
+    except OSError as exc:
+        return exc.errno not in (errno.ENOENT, errno.ESTALE)
+    unlink_quiet(dir_fd, name)
+    return True
+
+
 def is_dir_entry(entry: os.DirEntry[str]) -> bool:
     try:
         return entry.is_dir(follow_symlinks=False)

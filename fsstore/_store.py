@@ -532,11 +532,16 @@ class SyncStore:
                     except Vanished as exc:
                         if isinstance(exc.__cause__, OSError) and exc.__cause__.errno == errno.ESTALE:
                             stale = exc.__cause__
+                        # Listed files gone again: our client may list from a cache.
+                        if attempt and not _fsio.refresh_listing(dfd):
+                            return None  # the directory is gone on the server: deleted
                         continue
                     except OSError as exc:
                         if exc.errno not in (errno.ENOENT, errno.ESTALE):
                             raise
                         stale = exc if exc.errno == errno.ESTALE else stale
+                        if attempt and not _fsio.refresh_listing(dfd):
+                            return None
                         continue  # the directory went away under us (another host's delete)
                     except FsStoreError:
                         if _fsio.same_dir(dfd, rfd, names):

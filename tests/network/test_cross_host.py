@@ -448,7 +448,7 @@ def _judge(seen: collections.Counter[Any], full: int) -> None:
         raise LoadsFailed(f"loads failed: {errors}; all: {dict(seen)}")
 
 
-@pytest.mark.parametrize("kind", params(sshfs=xfail(SSHFS_CACHE, LoadsFailed)))
+@pytest.mark.parametrize("kind", params())
 def test_a_load_while_the_other_host_deletes_is_whole_or_none(
     request: pytest.FixtureRequest, kind: str, tmp_path: Path
 ) -> None:
@@ -508,7 +508,7 @@ def test_an_append_after_a_remote_delete_starts_a_new_session(request: pytest.Fi
             assert_transcript(s.load(key), [("new", 0)], 2)
 
 
-@pytest.mark.parametrize("kind", params(sshfs=xfail(SSHFS_CACHE, LoadsFailed)))
+@pytest.mark.parametrize("kind", params())
 def test_a_load_right_after_the_other_host_compacts(request: pytest.FixtureRequest, kind: str) -> None:
     """Host 2 loads (warm caches), host 1 appends and compacts, host 2 loads at once and
     again for 0.3 s: every load whole, none an error; three rounds."""

@@ -288,7 +288,7 @@ def install(tracer: Tracer) -> None:
 
 _MOVE = ("renameat2", "link")
 # A batch's temp file: ".tmp-..." without the tags of the other temp files.
-_TMP_BATCH = re.compile(r"^\.tmp-(?!.*-(?:state|segment|dir|deleted)$)")
+_TMP_BATCH = re.compile(r"^\.tmp-(?!.*-(?:state|segment|dir|deleted|probe)$)")
 
 
 def _moved_to(call: str, names: tuple[str, ...], rx: re.Pattern[str]) -> bool:
