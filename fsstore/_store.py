@@ -363,7 +363,13 @@ class SyncStore:
             # (a coarse clock behind the last commit's tick: see _tick_mtime).
             before = os.fstat(dfd)
             tmp = _fsio.temp_name()
-            self._fs.write_temp(dfd, tmp, payload)
+            try:
+                self._fs.write_temp(dfd, tmp, payload)
+            except FileNotFoundError:
+                tmp = ""
+                if self._recreate(t, payload):
+                    return
+                raise
             try:
                 self._locks_dir(op)
                 with self._locks.hold(t.lock_path, op) as held:
@@ -413,6 +419,52 @@ class SyncStore:
                     tfd, _layout.part_name(1), payload))
         finally:
             os.close(parent)
+
+    def _recreate(self, t: _Appending, payload: bytes) -> bool:
+        """Commit the batch as part 1 of the transcript made anew where its directory is
+        gone on the server while its path still opens here: another host deleted the
+        session and this client answers from a cache (sshfs keeps names 20 s; mkdir
+        there says EEXIST). The missing part of the path is made under a temp name,
+        part 1 inside, and renamed over the stale name (a rename reaches the server).
+        False if nothing is missing there (the caller starts over)."""
+        with self._open_root(create=True, path_only=True) as rfd:
+            assert rfd is not None
+            fd = os.dup(rfd)
+            try:
+                for i, (name, original) in enumerate(t.comps):
+                    nfd = os.open(name, _fsio.PATH_FLAGS, dir_fd=fd)
+                    if not _fsio.refresh_listing(nfd):
+                        os.close(nfd)
+                        break  # comps[i] is gone on the server: make comps[i:] anew
+                    os.close(fd)
+                    fd = nfd
+                else:
+                    return False
+                self._locks_dir("append")
+                with self._locks.hold(t.lock_path, "append") as held:
+                    held.check("append")
+                    return self._fs.new_dir(fd, name, original, self._filler(t.comps[i + 1:], payload))
+            finally:
+                os.close(fd)
+
+    def _filler(self, comps: list[Component], payload: bytes) -> Callable[[int], object]:
+        """What :meth:`_fsio.Fs.new_dir` writes into a new directory: the directories
+        ``comps`` below it (each with its ``.key`` where hashed), part 1 in the last."""
+        def fill(dir_fd: int) -> None:
+            if not comps:
+                self._fs.write_new(dir_fd, _layout.part_name(1), payload)
+                return
+            (name, original), below = comps[0], self._filler(comps[1:], payload)
+            os.mkdir(name, self._fs.dir_mode, dir_fd=dir_fd)
+            sub = os.open(name, _fsio.DIR_FLAGS, dir_fd=dir_fd)
+            try:
+                self._fs.fix_mode(sub)
+                if original is not None:
+                    self._fs.write_new(sub, _fsio.KEY_FILE, original.encode("utf-8"))
+                below(sub)
+            finally:
+                os.close(sub)
+        return fill
 
     def _next_seq(self, t: _Appending, dfd: int) -> int:
         """Where this process's next part goes (step 4 of the commit)."""

@@ -58,7 +58,6 @@ def xfail(reason: str, raises: type[Defect] = Defect) -> Any:
 
 
 SSHFS_CACHE = "sshfs default caching (20 s): a load after another host's change reads a cached listing: EAGAIN/ENOENT"
-SSHFS_DELETED = "sshfs default caching: an append to a session another host just deleted fails with ENOENT"
 
 
 def pair_of(request: pytest.FixtureRequest, kind: str) -> Pair:
@@ -481,7 +480,7 @@ def test_a_load_while_the_other_host_deletes_is_whole_or_none(
     assert store2.load(key) is None and FsSessionStore(root1, create=True).sync.load(key) is None
 
 
-@pytest.mark.parametrize("kind", params(sshfs=xfail(SSHFS_DELETED, AppendsFailed)))
+@pytest.mark.parametrize("kind", params())
 def test_an_append_after_a_remote_delete_starts_a_new_session(request: pytest.FixtureRequest, kind: str) -> None:
     """Host 2 loads a session, host 1 deletes it, host 2 appends at once: a new session
     holding only that batch, seen so through both mounts."""
