@@ -225,11 +225,12 @@ def old_session(root: Path) -> None:
             os.utime(p, (ancient, ancient), follow_symlinks=False)
 
 
-def prune_stopped_once(prune_root: Path, writer_root: Path, rng: random.Random) -> int:
+def prune_stopped_once(prune_root: Path, writer_root: Path, rng: random.Random, *, settle: float = 0.0) -> int:
     """``fsstore prune --older-than 30d`` on ``prune_root`` (made by :func:`old_session`),
     SIGSTOPped at a random instant of its run for about 1.5 s (past its lease) while a
     writer appends through ``writer_root`` (the same store, maybe another mount).
-    Asserts every batch whose append returned is there afterwards; returns how many."""
+    Asserts every batch whose append returned is there afterwards (``settle`` seconds
+    later: a client cache's window); returns how many."""
     from fsstore._store import SyncStore
 
     writer = SyncStore(writer_root, create=True, stale_lock_seconds=1.0, lock_timeout_seconds=30)
@@ -254,6 +255,7 @@ def prune_stopped_once(prune_root: Path, writer_root: Path, rng: random.Random) 
         prune.wait(10)
     writer.append(KEY, [{"uuid": "after", "b": "after"}])
     acked.append("after")
+    time.sleep(settle)  # a client cache's window (sshfs), before every client sees it all
     for root in {prune_root, writer_root}:
         got = [e["b"] for e in SyncStore(root, create=True).load(KEY) or []]
         assert [b for b in got if b != "old"] == acked, (str(root), out)
