@@ -26,8 +26,16 @@ class FsSessionStore:
     Entries and listings are typed ``list[Any]`` so that the class matches the
     SDKs' ``SessionStore`` protocols (whose TypedDicts fsstore does not import).
 
+    Every method runs the blocking implementation (``store.sync``) in a worker
+    thread and raises only :class:`~fsstore.FsStoreError` (with a stable ``code``;
+    see README "Error codes"), plus ``ValueError``/``TypeError`` from the
+    constructor. A cancelled caller does not abandon the worker.
+
     Args:
-        root: the store directory; created on first write.
+        root: the store directory (a store: see ``create``).
+        create: make ``root`` (never its parents) and its ``.fsstore`` marker on the
+            first write if it is not a store yet; without it such a write is
+            ``NOT_A_STORE`` (an unmounted share) and nothing is written.
         fsync: fsync each part before it becomes visible and the directory after
             (default False: the SDK's local transcript is the durable copy; see
             docs/operations.md).
@@ -67,27 +75,65 @@ class FsSessionStore:
 
     @property
     def root(self) -> str:
+        """The store directory, absolute."""
         return self.sync.root
 
     def __repr__(self) -> str:
         return f"FsSessionStore(root={self.root!r})"
 
     async def append(self, key: Mapping[str, Any], entries: list[Any]) -> None:
+        """Commit ``entries`` (JSON objects) as one batch of the transcript ``key``.
+
+        Guarantees: once it returns, the batch is in every later :meth:`load` on
+        every host whose client sees the file, exactly once and whole, whatever
+        other writers, clocks, stalls, compactions and deletes do (two writers
+        whose lock holds overlapped may see their own batches reordered). An empty
+        list writes nothing. A session another host deleted is started anew.
+
+        Raises:
+            FsStoreError: ``INVALID_KEY``/``INVALID_ENTRY`` before anything touches
+                disk; otherwise with the POSIX or store code of what failed, and
+                nothing of the batch committed (safe to retry).
+        """
         await to_thread.run_sync(self.sync.append, key, entries)
 
     async def load(self, key: Mapping[str, Any]) -> list[Any] | None:
+        """The transcript ``key``: its entries in commit order, or None if it has none.
+
+        Every batch whose append returned before the call is in it, each once and
+        whole; entries with a string ``uuid`` seen before are dropped. A load
+        racing a delete returns the whole transcript or None; through a client's
+        stale cache, an older whole prefix.
+
+        Raises:
+            FsStoreError: ``CORRUPT`` (damaged bytes, with file and line),
+                ``EAGAIN`` (lost too many races with compactions; retry), or the
+                POSIX code of an I/O error.
+        """
         return await to_thread.run_sync(self.sync.load, key)
 
     async def list_sessions(self, project_key: str) -> list[Any]:
+        """``[{"session_id", "mtime"}]`` of the project's sessions that have a main
+        transcript; ``mtime`` (epoch ms) is the storage's time of its last commit.
+        A missing project (or store) lists nothing. A session this process may not
+        read is left out and logged, not raised."""
         return await to_thread.run_sync(self.sync.list_sessions, project_key)
 
     async def list_session_summaries(self, project_key: str) -> list[Any]:
+        """The Claude SDK's session summaries of the project (``session_id``,
+        ``mtime`` and the folded fields), each current as of its ``mtime``; a
+        session whose summary cannot be had now is left out (the SDK then loads it)."""
         return await to_thread.run_sync(self.sync.list_session_summaries, project_key)
 
     async def delete(self, key: Mapping[str, Any]) -> None:
+        """Delete the transcript ``key`` (without ``subpath``: the whole session, its
+        subagent transcripts too). All or nothing for every reader: a load racing
+        it returns the whole transcript or None. Deleting what does not exist is
+        not an error. Raises :class:`~fsstore.FsStoreError` if it could not."""
         await to_thread.run_sync(self.sync.delete, key)
 
     async def list_subkeys(self, key: Mapping[str, Any]) -> list[str]:
+        """The ``subpath`` of every subagent transcript of the session ``key``."""
         return await to_thread.run_sync(self.sync.list_subkeys, key)
 
     async def compact(self, key: Mapping[str, Any]) -> int:

@@ -230,7 +230,7 @@ class _Record:
         self._fs = fs
         self.name: str | None = None
         self.text = b""
-        self._finalizer: weakref.finalize | None = None
+        self._finalizer: weakref.finalize[[str, int], _Record] | None = None
 
     def publish(self, directory: str, dir_fd: int, lock_name: str) -> str | None:
         """Make ``lock_name`` (in ``directory``, open as ``dir_fd``) this record, unless it
