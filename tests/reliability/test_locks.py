@@ -113,8 +113,8 @@ def contend(root: str, timeout: float, b: int) -> tuple[float, FsStoreError | No
 AT_ONCE = 1.0  # seconds: "at once", as README promises a dead holder on this host
 
 
-def test_dead_holder_on_this_host_is_reclaimed_at_once(procs: Any, base: Path, figures: Any) -> None:
-    root = str(base / "store")
+def kill_a_holder(procs: Any, root: str) -> int:
+    """A process that took the lock of KEY in ``root``, killed with SIGKILL; its pid."""
     parent, child = procs.Pipe(duplex=False)
     p = procs.Process(target=_children.hold_lock, args=(root, KEY, {"stale_lock_seconds": 30}, child))
     p.start()
@@ -122,6 +122,12 @@ def test_dead_holder_on_this_host_is_reclaimed_at_once(procs: Any, base: Path, f
     assert parent.poll(30) and parent.recv()[0] == "locked"
     p.kill()
     p.join(10)
+    return int(p.pid)
+
+
+def test_dead_holder_on_this_host_is_reclaimed_at_once(procs: Any, base: Path, figures: Any) -> None:
+    root = str(base / "store")
+    kill_a_holder(procs, root)
     figures.crash_point("lock_holder_idle")
     store = SyncStore(root, create=True, stale_lock_seconds=30, lock_timeout_seconds=5)
     t0 = time.monotonic()
@@ -132,17 +138,12 @@ def test_dead_holder_on_this_host_is_reclaimed_at_once(procs: Any, base: Path, f
 
 
 def test_a_marker_without_its_record_is_reclaimed_within_a_second(procs: Any, base: Path) -> None:
-    """filelock creates the marker, then writes its record: a holder killed in between
-    leaves an empty file, which names nobody to check and is new by its mtime. The
-    waiter takes it for a dead holder's once it saw it unchanged for half a second."""
+    """An empty marker (what filelock's SoftFileLock, fsstore's lock before issue 16,
+    left when its holder was killed between creating and writing it; or one made by
+    hand) names nobody to check and is new by its mtime. The waiter takes it for a
+    dead holder's once it saw it unchanged for half a second."""
     root = str(base / "store")
-    parent, child = procs.Pipe(duplex=False)
-    p = procs.Process(target=_children.hold_lock, args=(root, KEY, {"stale_lock_seconds": 30}, child))
-    p.start()
-    child.close()
-    assert parent.poll(30) and parent.recv()[0] == "locked"
-    p.kill()
-    p.join(10)
+    kill_a_holder(procs, root)
     marker = lock_file(root)
     os.truncate(marker, 0)  # what a kill between creating and writing the marker leaves
     store = SyncStore(root, create=True, stale_lock_seconds=30, lock_timeout_seconds=5)
@@ -158,17 +159,11 @@ def test_a_killed_holders_record_is_removed_by_gc_and_a_live_ones_kept(procs: An
     a killed process cannot remove its own: ``fsstore gc`` does, and never a record
     whose process still runs here."""
     root = str(tmp_path / "store")
-    parent, child = procs.Pipe(duplex=False)
-    p = procs.Process(target=_children.hold_lock, args=(root, KEY, {"stale_lock_seconds": 30}, child))
-    p.start()
-    child.close()
-    assert parent.poll(30) and parent.recv()[0] == "locked"
-    p.kill()
-    p.join(10)
+    pid = kill_a_holder(procs, root)
     live = SyncStore(root, create=True, stale_lock_seconds=30, lock_timeout_seconds=5)
     live.append(KEY, batch("live", 0, 1))  # reclaims the dead holder's lock; keeps its own record
     records = lambda: sorted(n for n in os.listdir(Path(root) / ".locks") if n.startswith("owner-"))
-    assert len(records()) == 2 and any(n.startswith(f"owner-{p.pid}-") for n in records())
+    assert len(records()) == 2 and any(n.startswith(f"owner-{pid}-") for n in records())
     time.sleep(1.1)
     env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     r = subprocess.run([sys.executable, "-m", "fsstore", "gc", root, "--older-than", "1s"], env=env,
