@@ -281,8 +281,6 @@ def test_check_reports_files_inside_a_segments_range_as_leftovers(
     """Format 2: a part inside a segment's range is never part of the transcript (a
     compaction's leftover, or a stale writer's link before it commits again above):
     check says so, at info level while young, and it is no error."""
-    from fsstore import _maintenance as m
-
     for n in range(3):
         store.append(KEY, [entry(n)])
     main = tdir(root, KEY)
@@ -292,11 +290,11 @@ def test_check_reports_files_inside_a_segments_range_as_leftovers(
     os.unlink(main / _layout.part_name(2))
     time.sleep(0.01)
     (main / _layout.part_name(2)).write_bytes(b'{"uuid":"late"}\n')
-    report = m.check(str(root), older_than=DAY)
-    kinds = {Path(p.path).name: (p.severity, p.kind) for p in report.problems}
+    report = fsstore_json("check", root, "--older-than", "1d")
+    kinds = {Path(p["path"]).name: (p["severity"], p["kind"]) for p in report["problems"]}
     assert kinds[_layout.part_name(1)] == ("info", "leftover")
     assert kinds[_layout.part_name(2)] == ("info", "leftover")
-    assert report.ok
+    assert report["ok"]
     assert store.load(KEY) == [entry(n) for n in range(3)]
 
 
