@@ -15,9 +15,10 @@ Everything here runs while other processes (on other hosts too) write to the sto
   never followed;
 * a file or directory that vanishes mid-walk (a compaction merged it, a delete
   moved it to ``.trash``, or ESTALE after another host replaced it) is skipped;
-* a transcript whose listing changed under the reader is listed again; a
-  sequence gap counts only if it survives three listings (a listing is not
-  atomic), and a transcript deleted while it was read is not reported at all;
+* a transcript is looked at the way ``load`` reads it
+  (:func:`fsstore._transcript.snapshot`: list, read, list again), and looked at
+  again while the two listings disagree, by the readers' limits; a transcript
+  deleted while it was looked at is not reported at all;
 * young temp files and held locks are in-flight work, reported as such and never
   touched; only what is older than the caller's threshold is garbage. Temp files
   and ``.trash`` entries are aged by the later of mtime and ctime (ctime cannot be
@@ -33,7 +34,6 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
-import re
 import stat
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -44,7 +44,7 @@ from . import _fsio, _keys, _layout
 from ._errors import FsStoreError
 from ._keys import TranscriptKey
 from ._store import SyncStore, decode_entry
-from ._transcript import parse, plan
+from ._transcript import READ_ATTEMPTS, UNLOCKED_READS, Damage, Item, Snapshot, snapshot
 
 #: ``progress(done, total)``: called as a walk advances (the CLI draws a bar).
 Progress = Callable[[int, int], None]
@@ -56,24 +56,12 @@ NFS_SILLY_PREFIX = ".nfs"
 # FUSE's silly rename (libfuse's hard_remove off): a file unlinked while open on that
 # mount; the mount removes it at the last close, or never if the mount dies first.
 FUSE_HIDDEN_PREFIX = ".fuse_hidden"
-#: How often a transcript whose listing keeps changing is listed again.
-_ATTEMPTS = 20
-_SETTLED_AFTER = 3  # lost listings, then the lock (see Walker.inspect)
-_LINE = re.compile(r"line ([0-9]+)")
 #: What a store root holds once anything was written to it (``.fsstore``: a store marker).
 _STORE_NAMES = (_layout.MARKER, _layout.PROJECTS, _layout.LOCKS)
 
 
 class NoStore(Exception):
     """The store root does not exist or is not a directory."""
-
-
-class _Changed(Exception):
-    """The transcript changed under the walker (a compaction or a commit): list again."""
-
-
-class _Deleted(Exception):
-    """The transcript directory was moved away (a delete) while the walker read it."""
 
 
 # -- records ---------------------------------------------------------------------
@@ -539,34 +527,39 @@ class Walker:
 
     def inspect(self, ref: TranscriptRef, *, verify: bool = False) -> TranscriptInfo | None:
         """List (and with ``verify``, read and parse) one transcript; None if it is gone
-        or could not be read (then a problem says why)."""
+        or could not be read (then a problem says why).
+
+        A look is a :func:`~fsstore._transcript.snapshot`, judged by the readers' rule:
+        while the transcript changes under it (its two listings disagree), it is looked
+        at again, under the transcript lock after a few tries where this walker may take
+        it (a writer compacting faster than this reads can change every listing); the
+        last look is taken as it is. Only the findings of the look taken count.
+        """
         attempt = 0
         while True:
             with contextlib.ExitStack() as guard:
-                if attempt >= _SETTLED_AFTER and self._may_lock(ref):
-                    # A writer compacting faster than this reads can change every
-                    # listing before it is read: look under the transcript lock (if
-                    # this process may take it), like a reader that keeps losing.
+                if attempt >= UNLOCKED_READS and self._may_lock(ref):
                     guard.enter_context(self.store.reading_lock(ref.key()))
                 fd = self.open(ref.comps)
                 if fd is None:
                     return None
-                mark = len(self.problems)
                 try:
-                    return self._inspect(fd, ref, verify=verify, attempt=attempt)
+                    info, snap, problems = self._look(fd, ref, verify=verify)
+                    moved = not self._still_there(fd, ref)
                 except OSError as exc:
-                    del self.problems[mark:]
                     self.problems += unreadable(self.path(ref.comps),
                                                 "cannot read the transcript", exc)
                     return None
-                except _Changed:  # the last attempt never raises it
-                    del self.problems[mark:]  # findings of the stale listing do not count
-                except _Deleted:
-                    del self.problems[mark:]
-                    return None
                 finally:
                     os.close(fd)
-            time.sleep(0.005 * attempt)
+            if moved:
+                # Deleted (renamed into .trash) while we looked: whatever a half-removed
+                # directory seemed to lack is not damage.
+                return None
+            if snap.race is None or attempt == READ_ATTEMPTS - 1:
+                self.problems += problems
+                return info
+            time.sleep(min(0.005 * attempt, 0.05))  # let a compaction finish
             attempt += 1
 
     def _may_lock(self, ref: TranscriptRef) -> bool:
@@ -576,62 +569,42 @@ class Walker:
         lock = f"{self.root}/{_layout.LOCKS}/{_layout.lock_name(_layout.transcript_dirs(ref.tk))}"
         return not os.path.lexists(lock)
 
-    def _inspect(self, fd: int, ref: TranscriptRef, *, verify: bool, attempt: int) -> TranscriptInfo:
-        last_try = attempt == _ATTEMPTS - 1
-        # A listing is not atomic once it takes more than one getdents call: a part
-        # committed or a segment made while it ran can be missing from it while a
-        # later file is present. A gap seen in three listings in a row, or under the
-        # lock (taken from then on where it can be), is damage.
-        settled = attempt >= _SETTLED_AFTER
-        path = self.path(ref.comps)
-        items, temps, marked = self._listing(fd, ref, last_try)
-        chain, _gap = plan([(i.first, i.last, i.name) for i in items])
-        chosen = {name for _f, _l, name in chain}
-        live = [it for it in items if it.name in chosen]
-        info = TranscriptInfo(ref, path, items, live, temps, marked=marked)
-        self._gaps(fd, info, settled, last_try)
-        if verify:
-            self._verify(fd, info, last_try)
+    def _still_there(self, fd: int, ref: TranscriptRef) -> bool:
         try:
-            moved = not _fsio.same_dir(fd, self.rfd, ref.comps)
+            return _fsio.same_dir(fd, self.rfd, ref.comps)
         except OSError as exc:  # ESTALE: replaced on another host
             if not gone(exc):
                 raise
-            moved = True
-        if moved:
-            # Deleted (renamed into .trash) while we looked: whatever a half-removed
-            # directory seemed to lack is not damage.
-            raise _Deleted(path)
-        return info
+            return False
 
-    def _listing(
-        self, fd: int, ref: TranscriptRef, last_try: bool
-    ) -> tuple[list[File], list[Garbage], bool]:
-        """The committed files (sorted by first, widest first) and temp files of a
-        transcript, and whether it is marked deleted."""
-        marked = False
-        items: list[File] = []
-        temps: list[Garbage] = []
+    def _look(
+        self, fd: int, ref: TranscriptRef, *, verify: bool
+    ) -> tuple[TranscriptInfo, Snapshot, list[Problem]]:
+        """One look at a transcript: what it holds, the snapshot, and what is wrong."""
         path = self.path(ref.comps)
-        for entry in self.scan(fd, ref.comps):
+        names: list[Item] = []  # every part and segment name listed, as the snapshot lists
+        files: list[File] = []  # those that are regular files, with their stat
+        temps: list[Garbage] = []
+        marked = False
+        listed, problems = _scandir(fd, path)
+        for entry in listed:
             name = entry.name
             rng = _layout.parse_item(name)
-            st, problems = _lstat(entry, path)
-            self.problems += problems
-            if st is None:
-                if rng is not None and not last_try:
-                    raise _Changed(name)
-            elif rng is not None:
-                if st.st_nlink == 0:  # unlinked while we listed: gone (a compaction's leftover)
-                    if not last_try:
-                        raise _Changed(name)
-                elif stat.S_ISREG(st.st_mode):
-                    items.append(File(rng[0], rng[1], name, st.st_size, st.st_mtime_ns))
+            st, unstat = _lstat(entry, path)
+            problems += unstat
+            if rng is not None:
+                names.append((rng[0], rng[1], name))
+                if st is None or st.st_nlink == 0:
+                    continue  # vanished while we listed (a compaction merged it)
+                if stat.S_ISREG(st.st_mode):
+                    files.append(File(rng[0], rng[1], name, st.st_size, st.st_mtime_ns))
                     self.age(st.st_mtime)
                 else:
                     kind = "symlink" if stat.S_ISLNK(st.st_mode) else "unreadable"
-                    self.problem("error", kind, f"{path}/{name}",
-                                 "committed file is not a regular file; load() cannot read it")
+                    problems.append(Problem("error", kind, f"{path}/{name}", "committed file "
+                                            "is not a regular file; load() cannot read it"))
+            elif st is None:
+                continue
             elif name.startswith(_fsio.TEMP_PREFIX):
                 temps.append(self.garbage_entry("temp", ref.comps, entry, st))
             elif name.startswith(FUSE_HIDDEN_PREFIX):
@@ -639,53 +612,47 @@ class Walker:
             elif name == _layout.DELETED:
                 marked = True  # a delete under way, or its deleter died
             elif name.startswith(NFS_SILLY_PREFIX):
-                self.problems.append(_silly(f"{path}/{name}"))
+                problems.append(_silly(f"{path}/{name}"))
             elif name not in (_layout.STATE, _layout.STATE_SPARE) and not (
                 name == _fsio.KEY_FILE and ref.subpath
             ):
-                self.problem("warning", "unexpected", f"{path}/{name}",
-                             "unexpected entry in a transcript directory (load() ignores it)")
-        items.sort(key=lambda it: (it.first, -it.last))
-        return items, temps, marked
+                problems.append(Problem("warning", "unexpected", f"{path}/{name}", "unexpected "
+                                        "entry in a transcript directory (load() ignores it)"))
+        snap = snapshot(fd, path, "check", read=verify, first=(names, marked))
+        chain = {name for _first, _last, name in snap.chain}
+        files.sort(key=lambda it: (it.first, -it.last))
+        info = TranscriptInfo(ref, path, files, [f for f in files if f.name in chain], temps,
+                              marked=snap.deleted is not None)
+        problems += _gaps(path, snap.chain)
+        if verify:
+            info.entries = sum(len(batch) for _last, batch in snap.batches)
+            regular = {f.name for f in files}  # the others: the listing said what they are
+            problems += [_damage(path, d) for d in snap.damage if d.name in regular]
+        return info, snap, problems
 
-    def _gaps(self, fd: int, info: TranscriptInfo, settled: bool, last_try: bool) -> None:
-        expected = 1
-        for it in info.live:
-            if it.first > expected:
-                missing = range(expected, it.first)
-                if not settled:
-                    raise _Changed(it.name)
-                # A listing older than a commit can miss a part another host just made;
-                # looking it up by name goes past a stale directory cache.
-                if not last_try and any(_fsio.exists(fd, _layout.part_name(s)) for s in missing):
-                    raise _Changed(it.name)
-                span = (f"part {expected}" if len(missing) == 1
-                        else f"parts {expected}..{it.first - 1}")
-                self.problem("error", "gap", f"{info.path}/{it.name}",
-                             f"sequence gap: {span} missing before this file "
-                             "(lost files; load() returns the rest)")
-            expected = it.last + 1
 
-    def _verify(self, fd: int, info: TranscriptInfo, last_try: bool) -> None:
-        total = 0
-        for it in info.live:
-            fpath = f"{info.path}/{it.name}"
-            try:
-                data = _fsio.read_file(fd, it.name)
-            except OSError as exc:
-                if gone(exc) and not last_try:
-                    raise _Changed(it.name) from exc
-                self.problem("error", "unreadable", fpath, f"cannot read: {exc.strerror}",
-                             code=error_code(exc))
-                continue
-            try:
-                total += len(parse(data, fpath, "check"))
-            except FsStoreError as err:
-                m = _LINE.search(err.message)
-                line = int(m.group(1)) if m else (
-                    data.count(b"\n") + 1 if data and not data.endswith(b"\n") else None)
-                self.problem("error", "corrupt", fpath, err.message, line=line, code=err.code)
-        info.entries = total
+def _gaps(path: str, chain: list[Item]) -> list[Problem]:
+    """A problem for each hole in a transcript's chain, at the file after it."""
+    out = []
+    expected = 1
+    for first, last, name in chain:
+        if first > expected:
+            span = f"part {expected}" if first == expected + 1 else f"parts {expected}..{first - 1}"
+            out.append(Problem("error", "gap", f"{path}/{name}",
+                               f"sequence gap: {span} missing before this file "
+                               "(lost files; load() returns the rest)"))
+        expected = last + 1
+    return out
+
+
+def _damage(path: str, damage: Damage) -> Problem:
+    """A file of the chain that could not be read or parsed, as a problem."""
+    fpath = f"{path}/{damage.name}"
+    err = damage.error
+    if isinstance(err, FsStoreError):
+        return Problem("error", "corrupt", fpath, err.message, damage.line, err.code)
+    return Problem("error", "unreadable", fpath, f"cannot read: {err.strerror}",
+                   code=error_code(err))
 
 
 @contextlib.contextmanager
