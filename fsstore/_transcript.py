@@ -380,44 +380,26 @@ def read_snapshot(
     dir_fd: int, path: str, operation: str, session_marker: str | None = None
 ) -> tuple[list[tuple[int, list[dict[str, Any]]]], int | None]:
     """``(last number, entries)`` of every file of the chain, in order, and the first
-    missing number if the chain has a hole; :class:`Vanished` on a race with a
-    compaction, :class:`Deleted` if the transcript is being deleted (see the module
-    docstring)."""
-    items, deleted = scan(dir_fd)
-    if deleted:
-        raise Deleted(path)
-    chain, gap = plan(items)
-    batches = []
-    for _first, last, name in chain:
-        try:
-            data = _fsio.read_file(dir_fd, name)
-        except FileNotFoundError as exc:
-            raise Vanished(name) from exc
-        except _fsio.NotAFile as exc:
-            raise FsStoreError("CORRUPT", "not a regular file", operation=operation,
-                               path=f"{path}/{name}") from exc
-        except OSError as exc:
-            if exc.errno == errno.ESTALE:  # NFS: removed by another host since we listed
-                raise Vanished(name) from exc
-            raise
-        batches.append((last, parse(data, f"{path}/{name}", operation)))
-    again, deleted = scan(dir_fd)
-    if deleted:
-        raise Deleted(path)
-    check_session_marker(dir_fd, session_marker)
-    after = plan(again)[0]
-    if after[: len(chain)] != chain or any(f != l for f, l, _n in after[len(chain):]):
-        raise Vanished(path)
-    return batches, gap
+    missing number if the chain has a hole: :func:`snapshot`, raised from.
+    :class:`Deleted` if the transcript is being deleted, :class:`Vanished` on a race
+    with a compaction (see the module docstring), else the first damaged file's error
+    (``CORRUPT`` naming file and line, or the read's OSError)."""
+    seen = snapshot(dir_fd, path, operation, session_marker=session_marker)
+    if seen.deleted is not None:
+        raise seen.deleted
+    if seen.race is not None:
+        raise seen.race
+    if seen.damage:
+        raise seen.damage[0].error
+    return seen.batches, seen.gap
 
 
-# -- reading: what a reader saw, for readers that report rather than raise ----------
+# -- reading: what a reader saw -------------------------------------------------
 
 #: How often a reader reads a transcript that keeps changing under it (compactions,
 #: deletes), and after how many lost reads it reads under the transcript lock where
 #: it may take it (a writer compacting faster than a listing is read can make every
-#: listing stale): ``fsstore check``, ``ls``, ``gc``, ``prune`` and ``compact`` read by
-#: these (``load``: ``fsstore._store``, same numbers).
+#: listing stale): ``load`` and ``fsstore``'s commands read by these.
 READ_ATTEMPTS = 50
 UNLOCKED_READS = 8
 
@@ -436,7 +418,7 @@ class Damage:
 @dataclass
 class Snapshot:
     """What one read of a transcript saw (:func:`snapshot`). The reader decides what it
-    means: a check reports it, a load would raise from it."""
+    means: ``fsstore check`` reports it, ``load`` raises from it."""
 
     items: list[Item]  # the first listing's parts and segments
     chain: list[Item]  # the files of the transcript, in order (:func:`plan`)
@@ -451,10 +433,11 @@ def snapshot(
     dir_fd: int, path: str, operation: str, *, read: bool = True,
     first: tuple[list[Item], bool] | None = None, session_marker: str | None = None,
 ) -> Snapshot:
-    """List, plan, read every file of the chain (unless ``read`` is false), list again,
-    as :func:`read_snapshot` does, and return everything seen instead of raising at
-    the first thing found. ``first``: the first listing (what :func:`scan` returns),
-    where the caller made it itself (with a ``stat`` of each entry, say).
+    """List, plan, read every file of the chain (unless ``read`` is false), list again
+    (see the module docstring), and return everything seen: ``load`` raises from it
+    (:func:`read_snapshot`), ``fsstore check`` reports it. ``first``: the first
+    listing (what :func:`scan` returns), where the caller made it itself (with a
+    ``stat`` of each entry, say).
 
     The snapshot holds (``race`` is None) when the second listing's chain begins with
     the first's and continues with parts only, and no file of the chain vanished
@@ -469,9 +452,10 @@ def snapshot(
         fpath = f"{path}/{name}"
         try:
             data = _fsio.read_file(dir_fd, name)
-        except _fsio.NotAFile:
-            damage.append(Damage(name, FsStoreError("CORRUPT", "not a regular file",
-                                                    operation=operation, path=fpath)))
+        except _fsio.NotAFile as exc:
+            err = FsStoreError("CORRUPT", "not a regular file", operation=operation, path=fpath)
+            err.__cause__ = exc
+            damage.append(Damage(name, err))
             continue
         except OSError as exc:
             if exc.errno not in (errno.ENOENT, errno.ESTALE):  # ESTALE: another host removed it
@@ -493,10 +477,11 @@ def snapshot(
                          or any(f != l for f, l, _n in after[len(chain):])):
         race = Vanished(path)
     deleted = Deleted(path) if marked or marked_again else None
-    try:
-        check_session_marker(dir_fd, session_marker)
-    except Deleted as exc:
-        deleted = exc
+    if deleted is None:
+        try:
+            check_session_marker(dir_fd, session_marker)
+        except Deleted as exc:
+            deleted = exc
     return Snapshot(items, chain, gap, batches, damage, deleted, race)
 
 
