@@ -26,6 +26,8 @@ from ._keys import TranscriptKey
 from ._layout import Component
 from ._lock import Held, Locks
 from ._transcript import (
+    READ_ATTEMPTS,
+    UNLOCKED_READS,
     Deleted,
     Item,
     State,
@@ -42,10 +44,10 @@ from ._transcript import (
     warn_gap,
 )
 
-# A reader that keeps losing races with compactions and deletes gives up after this.
-_LOAD_ATTEMPTS = 50
-# ... and after this many, reads under the transcript lock (see _hold_for_reading).
-_OPTIMISTIC_LOADS = 8
+# A reader that keeps losing races with compactions and deletes gives up after this
+# many reads, and after the second number reads under the transcript lock (see
+# _hold_for_reading): the readers' limits, in _transcript.
+_LOAD_ATTEMPTS, _OPTIMISTIC_LOADS = READ_ATTEMPTS, UNLOCKED_READS
 # An append whose transcript directory is deleted under it starts over this often.
 _APPEND_ATTEMPTS = 50
 
