@@ -29,18 +29,16 @@ import os
 from collections.abc import Callable
 
 from . import _compact, _fsio, _layout
+from ._cleanup import Action
 from ._errors import FsStoreError
-from ._maintenance import Action, Progress, TranscriptRef, Walker, _tick, walking
 from ._store import SyncStore
 from ._transcript import Item, commit, plan, scan, top
+from ._walk import Progress, TranscriptRef, Walker, tick, walking
 
 
 def init(root: str) -> None:
     """Create a store at ``root`` (its parent must exist), or mark an existing one."""
-    store = SyncStore(root, create=True, summaries=False)
-    with store._open_root(create=True) as rfd:
-        assert rfd is not None
-        store.init_marker(rfd)
+    SyncStore(root, create=True, summaries=False).init()
 
 
 def migrate(root: str, *, dry_run: bool = False, stale_lock_seconds: float = 30.0,
@@ -71,7 +69,7 @@ def _each_transcript(root: str, stale_lock_seconds: float, progress: Progress | 
         for i, ref in enumerate(refs):
             for tref in w.transcripts(ref):
                 actions += one(w, tref)
-            _tick(progress, i + 1, len(refs))
+            tick(progress, i + 1, len(refs))
     return actions
 
 
@@ -109,7 +107,7 @@ def _migrate_one(w: Walker, tref: TranscriptRef, dry_run: bool, *, gaps: bool) -
         if fd is None:
             return []
         try:
-            return _fix(store._fs, fd, path, dry_run, gaps=gaps, spare=not gaps)
+            return _fix(store.fs, fd, path, dry_run, gaps=gaps, spare=not gaps)
         except (OSError, FsStoreError) as exc:
             return [Action("repair", path, f"not repaired: {exc}", False, failed=True)]
         finally:

@@ -26,6 +26,8 @@ from ._keys import TranscriptKey
 from ._layout import Component
 from ._lock import Held, Locks
 from ._transcript import (
+    READ_ATTEMPTS,
+    UNLOCKED_READS,
     Deleted,
     Item,
     State,
@@ -42,10 +44,10 @@ from ._transcript import (
     warn_gap,
 )
 
-# A reader that keeps losing races with compactions and deletes gives up after this.
-_LOAD_ATTEMPTS = 50
-# ... and after this many, reads under the transcript lock (see _hold_for_reading).
-_OPTIMISTIC_LOADS = 8
+# A reader that keeps losing races with compactions and deletes gives up after this
+# many reads, and after the second number reads under the transcript lock (see
+# _hold_for_reading): the readers' limits, in _transcript.
+_LOAD_ATTEMPTS, _OPTIMISTIC_LOADS = READ_ATTEMPTS, UNLOCKED_READS
 # An append whose transcript directory is deleted under it starts over this often.
 _APPEND_ATTEMPTS = 50
 
@@ -938,3 +940,35 @@ class SyncStore:
         with translating(op, self._path(comps)):
             hold = self._locks.hold(self._lock_path(_layout.lock_name(comps), op), op)
             return hold, hold.__enter__()
+
+    # -- for maintenance: what ``fsstore``'s commands use of the store --------------
+
+    @property
+    def fs(self) -> Fs:
+        """The file operations with this store's modes and fsync setting, for the
+        maintenance code that opens and writes in the store's directories."""
+        return self._fs
+
+    def open_root(self) -> contextlib.AbstractContextManager[int | None]:
+        """The root directory, open for the ``with`` (None if it does not exist;
+        NotADirectoryError if it is not a directory). The root path itself may be a
+        symlink; nothing below it is followed."""
+        return self._open_root(create=False)
+
+    def init(self) -> None:
+        """Make the store: the root (never its parents; ``create=True`` where it does
+        not exist yet) and its ``.fsstore`` marker, unless they are there."""
+        with self._open_root(create=True) as rfd:
+            assert rfd is not None
+            self.init_marker(rfd)
+
+    @contextlib.contextmanager
+    def reading_lock(self, key: Mapping[str, Any]) -> Iterator[bool]:
+        """Hold the transcript's lock for a reader that keeps losing races with
+        compactions, as ``load`` does after a few tries (:meth:`_hold_for_reading`):
+        where this process may not take it, or does not get it in time, the reader
+        goes on without it. Yields whether it is held (also when this thread holds it
+        already, inside :meth:`locked`)."""
+        comps = _layout.transcript_dirs(_keys.parse_key(key, "load"))
+        with contextlib.ExitStack() as guard:
+            yield self._hold_for_reading(guard, comps)

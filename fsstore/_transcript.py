@@ -66,6 +66,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -379,35 +380,109 @@ def read_snapshot(
     dir_fd: int, path: str, operation: str, session_marker: str | None = None
 ) -> tuple[list[tuple[int, list[dict[str, Any]]]], int | None]:
     """``(last number, entries)`` of every file of the chain, in order, and the first
-    missing number if the chain has a hole; :class:`Vanished` on a race with a
-    compaction, :class:`Deleted` if the transcript is being deleted (see the module
-    docstring)."""
-    items, deleted = scan(dir_fd)
-    if deleted:
-        raise Deleted(path)
+    missing number if the chain has a hole: :func:`snapshot`, raised from.
+    :class:`Deleted` if the transcript is being deleted, :class:`Vanished` on a race
+    with a compaction (see the module docstring), else the first damaged file's error
+    (``CORRUPT`` naming file and line, or the read's OSError)."""
+    seen = snapshot(dir_fd, path, operation, session_marker=session_marker)
+    if seen.deleted is not None:
+        raise seen.deleted
+    if seen.race is not None:
+        raise seen.race
+    if seen.damage:
+        raise seen.damage[0].error
+    return seen.batches, seen.gap
+
+
+# -- reading: what a reader saw -------------------------------------------------
+
+#: How often a reader reads a transcript that keeps changing under it (compactions,
+#: deletes), and after how many lost reads it reads under the transcript lock where
+#: it may take it (a writer compacting faster than a listing is read can make every
+#: listing stale): ``load`` and ``fsstore``'s commands read by these.
+READ_ATTEMPTS = 50
+UNLOCKED_READS = 8
+
+_LINE = re.compile(r"line ([0-9]+)")
+
+
+@dataclass
+class Damage:
+    """A file of the chain that could not be read or parsed."""
+
+    name: str
+    error: FsStoreError | OSError  # CORRUPT (the message says what), or the read's OSError
+    line: int | None = None  # the first bad line, where a line is to blame
+
+
+@dataclass
+class Snapshot:
+    """What one read of a transcript saw (:func:`snapshot`). The reader decides what it
+    means: ``fsstore check`` reports it, ``load`` raises from it."""
+
+    items: list[Item]  # the first listing's parts and segments
+    chain: list[Item]  # the files of the transcript, in order (:func:`plan`)
+    gap: int | None  # the first missing number, where the chain has a hole
+    batches: list[tuple[int, list[dict[str, Any]]]]  # (last number, entries) of each file read
+    damage: list[Damage]  # files of the chain that could not be read or parsed, in order
+    deleted: Deleted | None  # a ``.deleted`` mark (``session``: the session's) was seen
+    race: Vanished | None  # the transcript changed while it was read: read it again
+
+
+def snapshot(
+    dir_fd: int, path: str, operation: str, *, read: bool = True,
+    first: tuple[list[Item], bool] | None = None, session_marker: str | None = None,
+) -> Snapshot:
+    """List, plan, read every file of the chain (unless ``read`` is false), list again
+    (see the module docstring), and return everything seen: ``load`` raises from it
+    (:func:`read_snapshot`), ``fsstore check`` reports it. ``first``: the first
+    listing (what :func:`scan` returns), where the caller made it itself (with a
+    ``stat`` of each entry, say).
+
+    The snapshot holds (``race`` is None) when the second listing's chain begins with
+    the first's and continues with parts only, and no file of the chain vanished
+    before it was read (see the module docstring); a gap or damage in a snapshot
+    that holds is in the transcript, not in the listing."""
+    items, marked = scan(dir_fd) if first is None else first
     chain, gap = plan(items)
-    batches = []
-    for _first, last, name in chain:
+    batches: list[tuple[int, list[dict[str, Any]]]] = []
+    damage: list[Damage] = []
+    race: Vanished | None = None
+    for _first, last, name in chain if read else ():
+        fpath = f"{path}/{name}"
         try:
             data = _fsio.read_file(dir_fd, name)
-        except FileNotFoundError as exc:
-            raise Vanished(name) from exc
         except _fsio.NotAFile as exc:
-            raise FsStoreError("CORRUPT", "not a regular file", operation=operation,
-                               path=f"{path}/{name}") from exc
+            err = FsStoreError("CORRUPT", "not a regular file", operation=operation, path=fpath)
+            err.__cause__ = exc
+            damage.append(Damage(name, err))
+            continue
         except OSError as exc:
-            if exc.errno == errno.ESTALE:  # NFS: removed by another host since we listed
-                raise Vanished(name) from exc
-            raise
-        batches.append((last, parse(data, f"{path}/{name}", operation)))
-    again, deleted = scan(dir_fd)
-    if deleted:
-        raise Deleted(path)
-    check_session_marker(dir_fd, session_marker)
+            if exc.errno not in (errno.ENOENT, errno.ESTALE):  # ESTALE: another host removed it
+                damage.append(Damage(name, exc))
+            elif race is None:
+                race = Vanished(name)
+                race.__cause__ = exc
+            continue
+        try:
+            batches.append((last, parse(data, fpath, operation)))
+        except FsStoreError as err:
+            m = _LINE.search(err.message)
+            line = int(m.group(1)) if m else (
+                data.count(b"\n") + 1 if data and not data.endswith(b"\n") else None)
+            damage.append(Damage(name, err, line))
+    again, marked_again = scan(dir_fd)
     after = plan(again)[0]
-    if after[: len(chain)] != chain or any(f != l for f, l, _n in after[len(chain):]):
-        raise Vanished(path)
-    return batches, gap
+    if race is None and (after[: len(chain)] != chain
+                         or any(f != l for f, l, _n in after[len(chain):])):
+        race = Vanished(path)
+    deleted = Deleted(path) if marked or marked_again else None
+    if deleted is None:
+        try:
+            check_session_marker(dir_fd, session_marker)
+        except Deleted as exc:
+            deleted = exc
+    return Snapshot(items, chain, gap, batches, damage, deleted, race)
 
 
 def warn_gap(gap: int, path: str, operation: str) -> None:

@@ -1,9 +1,11 @@
 """The ``fsstore`` command line (also ``python -m fsstore``).
 
-Argument parsing and printing only; the work is done by :mod:`fsstore._maintenance`
-and :class:`fsstore._store.SyncStore`. Every command prints a human-readable table
-by default and JSON with ``--json``; commands that walk a whole store draw a
-progress counter on stderr when stderr is a terminal.
+Argument parsing and printing only; the work is done by :mod:`fsstore._check`
+(ls, check), :mod:`fsstore._cleanup` (gc, prune, compact), :mod:`fsstore._lockfiles`
+(locks), :mod:`fsstore._transfer` (import, export), :mod:`fsstore._migrate` (init,
+migrate, check --repair) and :class:`fsstore._store.SyncStore` (cat). Every command
+prints a human-readable table by default and JSON with ``--json``; commands that walk
+a whole store draw a progress counter on stderr when stderr is a terminal.
 
 Exit codes: 0 ok; 1 problems found, or the operation failed (anything reported as
 FAILED); 2 usage error (bad arguments, an invalid key, ROOT is not a directory or
@@ -31,11 +33,11 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any, NoReturn, TextIO, final
 
-from . import _maintenance as m
-from . import _migrate
+from . import _check, _cleanup, _lockfiles, _migrate, _transfer
 from ._errors import FsStoreError
 from ._keys import check_part
 from ._store import SyncStore
+from ._walk import NoStore, Problem, age_text, is_store, require_store
 
 EXIT_OK = 0
 EXIT_PROBLEMS = 1
@@ -308,7 +310,7 @@ def _when(ns: int | None) -> str:
 
 
 def _age(seconds: float | None) -> str:
-    return "-" if seconds is None else m._age_text(max(seconds, 0.0))
+    return "-" if seconds is None else age_text(max(seconds, 0.0))
 
 
 def _rel(root: str, path: str) -> str:
@@ -404,7 +406,7 @@ Handler = Callable[[argparse.Namespace, TextIO, TextIO, Progress], int]
 
 
 def cmd_ls(args: argparse.Namespace, out: TextIO, err: TextIO, progress: Progress) -> int:
-    sessions, problems = m.ls(args.root, project=args.project, progress=progress)
+    sessions, problems = _check.ls(args.root, project=args.project, progress=progress)
     progress.close()
     # Exit 1 only when the listing itself is incomplete; damage is check's business.
     errors = [p for p in problems if p.kind in ("unreadable", "symlink")]
@@ -428,14 +430,14 @@ def cmd_ls(args: argparse.Namespace, out: TextIO, err: TextIO, progress: Progres
     return EXIT_PROBLEMS if errors else EXIT_OK
 
 
-def _problems(args: argparse.Namespace, err: TextIO, problems: Sequence[m.Problem]) -> None:
+def _problems(args: argparse.Namespace, err: TextIO, problems: Sequence[Problem]) -> None:
     """What a command could not look at, on stderr (also with --json: stdout has it too)."""
     err.writelines(f"fsstore: {p.severity}: {_rel(args.root, p.path)}: {clean(p.message)}\n"
                    for p in problems)
 
 
 def cmd_cat(args: argparse.Namespace, out: TextIO, err: TextIO, progress: Progress) -> int:
-    m.require_store(args.root)
+    require_store(args.root)
     store = SyncStore(args.root, summaries=False)
     key = {"project_key": args.project, "session_id": args.session}
     if args.subpath:
@@ -485,15 +487,15 @@ class _Noting(logging.Handler):
 
 
 def cmd_check(args: argparse.Namespace, out: TextIO, err: TextIO, progress: Progress) -> int:
-    repairs: list[m.Action] = []
+    repairs: list[_cleanup.Action] = []
     if args.repair:
         repairs = _migrate.repair(args.root, dry_run=args.dry_run,
                                   stale_lock_seconds=args.stale_lock_seconds)
         if not args.json:
             out.writelines(f"{'REPAIR' if a.done else 'WOULD':<8} {_rel(args.root, a.path)}  "
                           f"{clean(a.detail)}\n" for a in repairs)
-    report = m.check(args.root, older_than=args.older_than,
-                     stale_lock_seconds=args.stale_lock_seconds, progress=progress)
+    report = _check.check(args.root, older_than=args.older_than,
+                          stale_lock_seconds=args.stale_lock_seconds, progress=progress)
     progress.close()
     if args.json:
         _dump(out, {"root": args.root, **report.as_dict(),
@@ -527,7 +529,7 @@ _DRY_VERB = {"mark": "would mark", "recommit": "would commit again", "remove": "
 
 
 def _actions(
-    args: argparse.Namespace, out: TextIO, actions: list[m.Action], what: str,
+    args: argparse.Namespace, out: TextIO, actions: list[_cleanup.Action], what: str,
     extra: dict[str, Any] | None = None,
 ) -> int:
     dry = bool(getattr(args, "dry_run", False))
@@ -554,7 +556,7 @@ def _actions(
 
 
 def cmd_init(args: argparse.Namespace, out: TextIO, err: TextIO, progress: Progress) -> int:
-    existed = m.is_store(args.root) if os.path.isdir(args.root) else False
+    existed = is_store(args.root) if os.path.isdir(args.root) else False
     _migrate.init(args.root)
     if args.json:
         _dump(out, {"root": args.root, "created": not existed})
@@ -571,32 +573,33 @@ def cmd_migrate(args: argparse.Namespace, out: TextIO, err: TextIO, progress: Pr
 
 
 def cmd_gc(args: argparse.Namespace, out: TextIO, err: TextIO, progress: Progress) -> int:
-    actions = m.gc(args.root, older_than=args.older_than, dry_run=args.dry_run,
-                   progress=progress)
+    actions = _cleanup.gc(args.root, older_than=args.older_than, dry_run=args.dry_run,
+                          progress=progress)
     progress.close()
     return _actions(args, out, actions, "gc", {"older_than_seconds": args.older_than})
 
 
 def cmd_compact(args: argparse.Namespace, out: TextIO, err: TextIO, progress: Progress) -> int:
-    actions = m.compact(args.root, project=args.project, session=args.session,
-                        dry_run=args.dry_run, stale_lock_seconds=args.stale_lock_seconds,
-                        progress=progress)
+    actions = _cleanup.compact(args.root, project=args.project, session=args.session,
+                               dry_run=args.dry_run, stale_lock_seconds=args.stale_lock_seconds,
+                               progress=progress)
     progress.close()
     return _actions(args, out, actions, "compact")
 
 
 def cmd_prune(args: argparse.Namespace, out: TextIO, err: TextIO, progress: Progress) -> int:
-    actions, examined = m.prune(args.root, older_than=args.older_than, project=args.project,
-                                dry_run=args.dry_run,
-                                stale_lock_seconds=args.stale_lock_seconds, progress=progress)
+    actions, examined = _cleanup.prune(args.root, older_than=args.older_than,
+                                       project=args.project, dry_run=args.dry_run,
+                                       stale_lock_seconds=args.stale_lock_seconds,
+                                       progress=progress)
     progress.close()
     return _actions(args, out, actions, f"prune ({examined} session(s) examined)",
                     {"older_than_seconds": args.older_than, "sessions_examined": examined})
 
 
 def cmd_locks(args: argparse.Namespace, out: TextIO, err: TextIO, progress: Progress) -> int:
-    found, problems = m.locks(args.root, stale_lock_seconds=args.stale_lock_seconds,
-                              progress=progress)
+    found, problems = _lockfiles.locks(args.root, stale_lock_seconds=args.stale_lock_seconds,
+                                       progress=progress)
     progress.close()
     stale = [lk for lk in found if lk.stale]
     if args.json:
@@ -621,22 +624,22 @@ def cmd_locks(args: argparse.Namespace, out: TextIO, err: TextIO, progress: Prog
 
 
 def cmd_import(args: argparse.Namespace, out: TextIO, err: TextIO, progress: Progress) -> int:
-    transfers, problems = m.import_projects(args.root, args.projects_dir, project=args.project,
-                                            dry_run=args.dry_run, create=args.create,
-                                            progress=progress)
+    transfers, problems = _transfer.import_projects(
+        args.root, args.projects_dir, project=args.project, dry_run=args.dry_run,
+        create=args.create, progress=progress)
     progress.close()
     return _transfers(args, out, err, transfers, problems, "import")
 
 
 def cmd_export(args: argparse.Namespace, out: TextIO, err: TextIO, progress: Progress) -> int:
-    transfers = m.export_session(args.root, args.project, args.session, args.dest,
-                                 force=args.force, dry_run=args.dry_run)
+    transfers = _transfer.export_session(args.root, args.project, args.session, args.dest,
+                                         force=args.force, dry_run=args.dry_run)
     return _transfers(args, out, err, transfers, [], "export")
 
 
 def _transfers(
-    args: argparse.Namespace, out: TextIO, err: TextIO, transfers: list[m.Transfer],
-    problems: list[m.Problem], what: str,
+    args: argparse.Namespace, out: TextIO, err: TextIO, transfers: list[_transfer.Transfer],
+    problems: list[Problem], what: str,
 ) -> int:
     failed = [t for t in transfers if t.failed] + [p for p in problems if p.severity == "error"]
     if args.json:
@@ -732,11 +735,11 @@ def _run(argv: Sequence[str] | None) -> int:
     try:
         _check_keys(args)
         return HANDLERS[args.command](args, out, err, progress)
-    except m.NoStore as exc:
+    except NoStore as exc:
         progress.close()
         err.write(f"fsstore: error: {clean(str(exc))}\n")
         return EXIT_USAGE
-    except m.NotFound as exc:
+    except _transfer.NotFound as exc:
         progress.close()
         err.write(f"fsstore: {clean(str(exc))}\n")
         if args.json:

@@ -281,8 +281,6 @@ def test_check_reports_files_inside_a_segments_range_as_leftovers(
     """Format 2: a part inside a segment's range is never part of the transcript (a
     compaction's leftover, or a stale writer's link before it commits again above):
     check says so, at info level while young, and it is no error."""
-    from fsstore import _maintenance as m
-
     for n in range(3):
         store.append(KEY, [entry(n)])
     main = tdir(root, KEY)
@@ -292,11 +290,11 @@ def test_check_reports_files_inside_a_segments_range_as_leftovers(
     os.unlink(main / _layout.part_name(2))
     time.sleep(0.01)
     (main / _layout.part_name(2)).write_bytes(b'{"uuid":"late"}\n')
-    report = m.check(str(root), older_than=DAY)
-    kinds = {Path(p.path).name: (p.severity, p.kind) for p in report.problems}
+    report = fsstore_json("check", root, "--older-than", "1d")
+    kinds = {Path(p["path"]).name: (p["severity"], p["kind"]) for p in report["problems"]}
     assert kinds[_layout.part_name(1)] == ("info", "leftover")
     assert kinds[_layout.part_name(2)] == ("info", "leftover")
-    assert report.ok
+    assert report["ok"]
     assert store.load(KEY) == [entry(n) for n in range(3)]
 
 
@@ -351,20 +349,22 @@ def test_gc_removes_only_old_garbage_and_dry_run_changes_nothing(
     (trash / ".tmp-5-00000000000000ef-deleted" / "main" / _layout.part_name(1)).write_text("{}\n")
     (trash / ".tmp-6-00000000000000f0-deleted").mkdir()
     (trash / ".tmp-6-00000000000000f0-deleted" / ".nfs0000000000ab12cd00000001").write_text("x")
-    time.sleep(1.2)  # directories age by ctime, which only the clock can move
-    young_temp = main / ".tmp-79-00000000000000ee"
-    young_temp.write_bytes(b"in flight")
-    young_lock = lock_file(root, other)
-    young_lock.write_text("999998\nother-host\n1\n")
+    time.sleep(3.2)  # directories age by ctime, which only the clock can move
 
     before = snapshot(root)
-    dry = fsstore("gc", root, "--older-than", "1s", "--dry-run")
+    dry = fsstore("gc", root, "--older-than", "3s", "--dry-run")
     assert dry.returncode == 0, dry.stdout + dry.stderr
     assert snapshot(root) == before
     assert "would remove" in dry.stdout and "would break lock" in dry.stdout
     assert "nothing changed" in dry.stdout
 
-    doc = fsstore_json("gc", root, "--older-than", "1s")
+    # In flight: younger than the threshold until gc looks (made just before it, so
+    # that a slow start of the CLI on a busy machine does not age them past it).
+    young_temp = main / ".tmp-79-00000000000000ee"
+    young_temp.write_bytes(b"in flight")
+    young_lock = lock_file(root, other)
+    young_lock.write_text("999998\nother-host\n1\n")
+    doc = fsstore_json("gc", root, "--older-than", "3s")
     done = {(a["action"], Path(a["path"]).name) for a in doc["actions"] if a["done"]}
     assert done == {
         ("remove-temp", old_temp.name),

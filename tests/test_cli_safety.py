@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from fsstore import _maintenance as m
+from fsstore import _check, _cleanup, _transfer
 from fsstore._store import SyncStore
 
 from .conftest import KEY, entry
@@ -83,7 +83,7 @@ def chown_tree(path: Path, uid: int) -> None:
 
 
 def actions(root: Path, older_than: float, **kw: object) -> list[tuple[str, bool, bool]]:
-    found, _examined = m.prune(str(root), older_than=older_than, **kw)  # type: ignore[arg-type]
+    found, _examined = _cleanup.prune(str(root), older_than=older_than, **kw)  # type: ignore[arg-type]
     return [(a.action, a.done, a.failed) for a in found]
 
 
@@ -120,7 +120,7 @@ def test_prune_skips_a_session_with_a_symlink_and_one_with_nothing_committed(
     for d in (session, empty.parent):
         age_tree(d, 40 * DAY)
 
-    found, examined = m.prune(str(root), older_than=30 * DAY)
+    found, examined = _cleanup.prune(str(root), older_than=30 * DAY)
     assert examined == 3
     by_name = {Path(a.path).name: a for a in found}
     assert by_name["linked"].action == "skip" and by_name["linked"].failed
@@ -142,7 +142,7 @@ def test_prune_keeps_a_session_with_an_append_in_flight(root: Path, store: SyncS
         temp = d / ".tmp-4242-00000000000000aa"
         temp.write_bytes(b'{"uuid":"resumed"}\n')
         age(temp, 40 * DAY)  # even back-dated: its ctime says it was written just now
-        found, _ = m.prune(str(root), older_than=30 * DAY)
+        found, _ = _cleanup.prune(str(root), older_than=30 * DAY)
         assert [(a.action, a.done) for a in found] == [("keep", False)]
         assert "in flight" in found[0].detail
         assert store.load(KEY) == [entry(1)]
@@ -160,7 +160,7 @@ def test_prune_holds_the_lock_of_every_transcript(root: Path, store: SyncStore) 
     store.append(SUB, [entry(2)])
     age_tree(tdir(root, KEY).parent, 40 * DAY)
     with store.locked(SUB):  # a subagent's commit in progress
-        found, _ = m.prune(str(root), older_than=30 * DAY, lock_timeout_seconds=0.3)
+        found, _ = _cleanup.prune(str(root), older_than=30 * DAY, lock_timeout_seconds=0.3)
     assert [(a.action, a.done, a.failed) for a in found] == [("delete", False, True)]
     assert "LOCK_TIMEOUT" in found[0].detail
     assert store.load(SUB) == [entry(2)]
@@ -174,9 +174,9 @@ def test_gc_ages_temp_files_by_ctime_too(root: Path, store: SyncStore) -> None:
     temp = tdir(root, KEY) / ".tmp-4242-00000000000000cc"
     temp.write_bytes(b"a batch being committed")
     age(temp, 2 * 3600)  # mtime set back; its ctime cannot be
-    assert m.gc(str(root)) == []
+    assert _cleanup.gc(str(root)) == []
     assert temp.exists()
-    report = m.check(str(root))
+    report = _check.check(str(root))
     assert report.ok and [p.kind for p in report.problems] == ["young-temp"]
 
 
@@ -232,10 +232,10 @@ def test_import_root_must_exist_unless_create(tmp_path: Path) -> None:
     assert not typo.parent.exists()
     proc = fsstore("import", a_file, projects)
     assert proc.returncode == 2 and "not a directory" in proc.stderr, proc.stdout + proc.stderr
-    transfers, _ = m.import_projects(str(typo), str(projects), create=True)
+    transfers, _ = _transfer.import_projects(str(typo), str(projects), create=True)
     assert [t.status for t in transfers] == ["failed"] and not typo.parent.exists()  # no parents made
     typo.parent.mkdir()
-    transfers, _ = m.import_projects(str(typo), str(projects), create=True)
+    transfers, _ = _transfer.import_projects(str(typo), str(projects), create=True)
     assert [t.status for t in transfers] == ["new"]
     assert SyncStore(typo, create=True).load(KEY) == [entry(1)]
 

@@ -565,7 +565,7 @@ s.SyncStore(sys.argv[1], create=True, compact_every=0, summaries=False).append(
 def test_check_reports_the_leftovers_of_an_interrupted_compaction(
     root: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from fsstore import _maintenance
+    from fsstore import _check
 
     store = SyncStore(root, create=True, compact_every=0)
     for i in range(4):
@@ -573,7 +573,7 @@ def test_check_reports_the_leftovers_of_an_interrupted_compaction(
     monkeypatch.setattr(_compact, "_remove_covered", lambda *a: None)  # killed before step 6
     store.compact(KEY)
     monkeypatch.undo()
-    problems = _maintenance.check(str(root)).problems
+    problems = _check.check(str(root)).problems
     assert sorted(p.kind for p in problems) == ["leftover"] * 4
     assert store.load(KEY) == [entry(i) for i in range(4)]
 
@@ -583,7 +583,7 @@ def test_check_next_to_a_writer_compacting_faster_than_it_reads_finds_nothing(ro
     every few appends can change each listing before check has read it. Check looks
     under the transcript lock once it has lost a few times (it used to give up after
     20 and report a merged file as unreadable)."""
-    from fsstore import _maintenance
+    from fsstore import _check
 
     seed = SyncStore(root, create=True, compact_every=0, summaries=False)
     for i in range(1000):
@@ -597,7 +597,7 @@ def test_check_next_to_a_writer_compacting_faster_than_it_reads_finds_nothing(ro
         deadline = time.monotonic() + 5
         while time.monotonic() < deadline:
             runs += 1
-            bad += [p for p in _maintenance.check(str(root)).problems if p.severity != "info"]
+            bad += [p for p in _check.check(str(root)).problems if p.severity != "info"]
     finally:
         stop.set()
         writer.join(30)
@@ -656,7 +656,7 @@ def test_prune_of_an_old_damaged_session_does_not_wait_for_its_own_locks(
 ) -> None:
     """prune looks at a session again under its locks; a gap there (a settled
     listing) must not make it ask for those locks again."""
-    from fsstore import _maintenance
+    from fsstore import _cleanup
 
     store = SyncStore(root, create=True, compact_every=0)
     for i in range(4):
@@ -666,7 +666,7 @@ def test_prune_of_an_old_damaged_session_does_not_wait_for_its_own_locks(
     for p in tdir(root, KEY).iterdir():
         os.utime(p, (old, old))
     _no_lock_taken_twice(monkeypatch)
-    actions, looked = _maintenance.prune(str(root), older_than=30 * 86400)
+    actions, looked = _cleanup.prune(str(root), older_than=30 * 86400)
     assert looked == 1 and len(actions) == 1, actions
 
 

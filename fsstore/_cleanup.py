@@ -1,0 +1,417 @@
+"""Cleaning a live store up: ``fsstore gc``, ``prune`` and ``compact``.
+
+Each returns the :class:`Action` s it took (or, with ``dry_run``, would take). The
+only deletions are:
+
+* temp files, ``.trash`` entries and lock-recovery leftovers older than a threshold
+  (:func:`gc`), aged by the later of mtime and ctime, and looked at again just
+  before removal;
+* lock files older than a threshold, through the store's own
+  :func:`fsstore._lock.reclaim_if_stale`, which never removes a marker someone
+  re-took (:func:`gc`);
+* whole sessions, through ``SyncStore.delete_unless`` (a mark, then an atomic rename
+  into ``.trash``) under the lock of every transcript of the session, after a last
+  look made once the session is marked (:func:`prune`);
+* what ``SyncStore.compact`` merges (:func:`compact`).
+
+Nothing that could not be looked at is removed, nor anything younger than the
+threshold: that is in-flight work.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import stat
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from . import _fsio
+from ._errors import FsStoreError
+from ._lock import reclaim_if_stale
+from ._lockfiles import LockInfo, name_locks, scan_locks
+from ._walk import (
+    NFS_SILLY_PREFIX,
+    Garbage,
+    Problem,
+    Progress,
+    SessionRef,
+    TranscriptInfo,
+    TranscriptRef,
+    Walker,
+    age_text,
+    changed_at,
+    error_code,
+    gone,
+    iso_ns,
+    tick,
+    walking,
+)
+
+#: Problem kinds that mean part of a session could not be looked at.
+_UNSEEN = frozenset({"unreadable", "symlink", "bad-name"})
+
+@dataclass
+class Action:
+    """Something gc, prune or compact did (or, in a dry run, would do)."""
+
+    action: str
+    path: str
+    detail: str
+    done: bool
+    age: float | None = None
+    failed: bool = False
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "action": self.action,
+            "path": self.path,
+            "detail": self.detail,
+            "done": self.done,
+            "failed": self.failed,
+            "age_seconds": None if self.age is None else round(self.age, 3),
+        }
+
+
+def _has_silly(parent_fd: int, name: str, depth: int = 0) -> str | None:
+    """The first ``.nfsXXXX`` name inside ``parent/name`` (no symlinks followed)."""
+    if name.startswith(NFS_SILLY_PREFIX):
+        return name
+    try:
+        fd = os.open(name, _fsio.DIR_FLAGS, dir_fd=parent_fd)
+    except OSError:
+        return None  # a file, a symlink, or gone
+    try:
+        with os.scandir(fd) as it:
+            entries = list(it)
+        for entry in entries:
+            if entry.name.startswith(NFS_SILLY_PREFIX):
+                return entry.name
+            if depth < 64 and _fsio.is_dir_entry(entry):
+                found = _has_silly(fd, entry.name, depth + 1)
+                if found:
+                    return found
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+    return None
+
+
+def _remove_garbage(w: Walker, g: Garbage, older_than: float, dry_run: bool) -> Action:
+    verb = f"remove-{g.kind}"
+    what = {"temp": "orphaned temp " + ("directory" if g.is_dir else "file"),
+            "trash": "leftover of a delete", "lock-recovery": "lock recovery leftover",
+            "lock-record": "unused lock holder record",
+            "fuse-hidden": "FUSE leftover"}[g.kind]
+    detail = f"{what}, {age_text(g.age)} old"
+    if dry_run:
+        return Action(verb, g.path, detail, False, g.age)
+    pfd = w.open(g.parent)
+    if pfd is None:
+        return Action(verb, g.path, detail + " (gone already)", False, g.age)
+    try:
+        try:
+            st = os.stat(g.name, dir_fd=pfd, follow_symlinks=False)
+        except FileNotFoundError:
+            return Action(verb, g.path, detail + " (gone already)", False, g.age)
+        if w.now - changed_at(st) <= older_than:
+            return Action("keep", g.path, "touched again since the walk; left alone", False, g.age)
+        if stat.S_ISDIR(st.st_mode):
+            silly = _has_silly(pfd, g.name)
+            if silly:
+                return Action("keep", g.path,
+                              f"holds {silly}: a deleted file still open on an NFS client; "
+                              "gc retries on its next run", False, g.age)
+            _fsio.remove_tree(pfd, g.name)
+        else:
+            _fsio.unlink_quiet(pfd, g.name)
+    except OSError as exc:
+        return Action(verb, g.path, f"{detail}: {error_code(exc)} {exc.strerror}", False, g.age,
+                      failed=True)
+    finally:
+        os.close(pfd)
+    return Action(verb, g.path, detail, True, g.age)
+
+
+def _break(lk: LockInfo, older_than: float, dry_run: bool) -> Action | None:
+    """Break a lock older than ``older_than`` with the store's own reclaim (a marker
+    someone re-took meanwhile is put back, never removed)."""
+    if lk.age <= older_than:
+        return None
+    detail = f"stale lock of {lk.describe()} on {lk.transcript()}, {age_text(lk.age)} old"
+    if dry_run:
+        return Action("break-lock", lk.path, detail, False, lk.age)
+    if reclaim_if_stale(lk.path, older_than=max(older_than, 0.0), operation="gc"):
+        return Action("break-lock", lk.path, detail, True, lk.age)
+    try:
+        st = os.lstat(lk.path)
+    except FileNotFoundError:
+        return Action("break-lock", lk.path, detail + " (released meanwhile)", False, lk.age)
+    except OSError as exc:
+        return Action("break-lock", lk.path, f"{detail}: {error_code(exc)} {exc.strerror}", False,
+                      lk.age, failed=True)
+    if (st.st_ino, st.st_mtime_ns) != lk.ident:
+        return Action("keep", lk.path, "lock was taken again meanwhile; left alone", False, lk.age)
+    # The very marker judged stale is still there: the reclaim could not move it.
+    locks_dir = os.path.dirname(lk.path)
+    why = ("it is not a regular file: remove it by hand" if not stat.S_ISREG(st.st_mode)
+           else f"no permission to rename it in {locks_dir}"
+           if not os.access(locks_dir, os.W_OK | os.X_OK)
+           else "it could not be moved aside")
+    return Action("break-lock", lk.path, f"{detail}: not broken: {why}", False, lk.age,
+                  failed=True)
+
+
+def gc(
+    root: str,
+    *,
+    older_than: float = 3600.0,
+    dry_run: bool = False,
+    progress: Progress | None = None,
+) -> list[Action]:
+    """Remove temp files, ``.trash`` leftovers and lock recovery files older than
+    ``older_than``; break locks older than it. Nothing younger is touched."""
+    actions: list[Action] = []
+    with walking(root) as w:
+        refs = w.sessions()
+        seen: list[TranscriptRef] = []
+        for i, ref in enumerate(refs):
+            for tref in w.transcripts(ref):
+                seen.append(tref)
+                info = w.inspect(tref)
+                temps = info.temps if info is not None else []
+                actions += [_remove_garbage(w, g, older_than, dry_run)
+                            for g in temps if g.age > older_than]
+            tick(progress, i + 1, len(refs))
+        found, lock_garbage = scan_locks(w)
+        name_locks(found, seen)
+        actions += [a for lk in found if (a := _break(lk, older_than, dry_run)) is not None]
+        actions += [_remove_garbage(w, g, older_than, dry_run)
+                    for g in (*w.garbage, *w.trash(), *lock_garbage) if g.age > older_than]
+        actions += [Action("skip", p.path, p.message, False, failed=True)
+                    for p in w.problems if p.severity == "error" and p.kind == "unreadable"]
+    return actions
+
+
+# -- prune -----------------------------------------------------------------------
+
+
+@dataclass
+class _Look:
+    """One look at a session, for prune."""
+
+    transcripts: list[TranscriptRef]
+    mtime_ns: int | None  # its newest committed file; None: nothing committed
+    unseen: Problem | None  # the first error that hid part of it: its age is unknown
+    temps: list[Garbage]  # temp files in its transcript and subkey directories
+
+
+def _look(w: Walker, ref: SessionRef) -> _Look:
+    mark, gmark = len(w.problems), len(w.garbage)
+    trefs = w.transcripts(ref)
+    infos = [info for t in trefs if (info := w.inspect(t)) is not None]
+    unseen = next((p for p in w.problems[mark:]
+                   if p.severity == "error" and p.kind in _UNSEEN), None)
+    unseen = unseen or next((p for i in infos if (p := _unreadable_file(w, i)) is not None), None)
+    mtime = max((i.mtime_ns for i in infos if i.mtime_ns is not None), default=None)
+    temps = [*w.garbage[gmark:], *(g for i in infos for g in i.temps)]
+    return _Look(trefs, mtime, unseen, temps)
+
+
+def _unreadable_file(w: Walker, info: TranscriptInfo) -> Problem | None:
+    """The first committed file of a transcript that this process cannot open for
+    reading (a listing does not tell): a session with one is not looked at entirely."""
+    fd = w.open(info.ref.comps)
+    if fd is None:
+        return None  # gone meanwhile (or unreadable: the next look says so)
+    try:
+        for it in info.items:
+            try:
+                os.close(os.open(it.name, _fsio.READ_FLAGS | os.O_NONBLOCK, dir_fd=fd))
+            except OSError as exc:
+                if not gone(exc):  # a file merged away meanwhile is not unreadable
+                    return Problem("error", "unreadable", f"{info.path}/{it.name}",
+                                   f"cannot read: {exc.strerror}", code=error_code(exc))
+    finally:
+        os.close(fd)
+    return None
+
+
+def prune(
+    root: str,
+    *,
+    older_than: float,
+    project: str | None = None,
+    dry_run: bool = False,
+    stale_lock_seconds: float = 30.0,
+    lock_timeout_seconds: float = 10.0,
+    progress: Progress | None = None,
+) -> tuple[list[Action], int]:
+    """Delete every session whose newest committed file is older than ``older_than``.
+
+    Returns the actions and how many sessions were looked at. A session is never
+    deleted if any part of it could not be looked at (an unreadable directory, a
+    symlink, a name that does not decode) or if it has no committed file at all.
+    Each deletion is a ``SyncStore.delete`` (mark, then an atomic rename into
+    ``.trash``), done while holding the lock of every transcript of the session; the
+    session is looked at once more after it is marked and before it is moved: a
+    commit since, a transcript added since, or a temp file younger than ``older_than``
+    (a writer that wrote its batch and waits for a lock) keeps it (the mark is taken
+    back). The lock only saves work; the look after the mark is what makes it safe.
+    """
+    actions: list[Action] = []
+    with walking(root, stale_lock_seconds=stale_lock_seconds,
+                 lock_timeout_seconds=lock_timeout_seconds) as w:
+        refs = w.sessions(project)
+        for i, ref in enumerate(refs):
+            tick(progress, i, len(refs))
+            act = _prune_one(w, ref, older_than, dry_run)
+            if act is not None:
+                actions.append(act)
+        tick(progress, len(refs), len(refs))
+    return actions, len(refs)
+
+
+def _unseen(path: str, problem: Problem) -> Action:
+    where = "" if problem.path == path else f" ({problem.path})"
+    return Action("skip", path, f"not deleted: part of the session cannot be looked at, so its "
+                  f"age is unknown: {problem.message}{where}", False, failed=True)
+
+
+def _prune_one(w: Walker, ref: SessionRef, older_than: float, dry_run: bool) -> Action | None:
+    path = w.path(ref.comps)
+    first = _look(w, ref)
+    if first.unseen is not None:
+        return _unseen(path, first.unseen)
+    if first.mtime_ns is None:
+        return _uncommitted(w, ref, older_than)
+    age = w.now - first.mtime_ns / 1e9
+    if age <= older_than:
+        return None
+    detail = f"last modified {iso_ns(first.mtime_ns)} ({age_text(age)} ago)"
+    if dry_run:
+        return Action("delete", path, detail, False, age)
+    try:
+        with contextlib.ExitStack() as held:
+            since = time.monotonic()
+            # Sorted: two prunes of one session never wait for each other crosswise.
+            for tref in sorted(first.transcripts, key=lambda t: t.comps):
+                held.enter_context(w.store.locked(tref.key()))
+            kept: list[Action] = []
+
+            def keep() -> bool:
+                # The last look, made after the session is marked: an append whose
+                # check passed before the mark shows here; one after it sees the mark
+                # and commits nowhere (it starts over in a new session). So whatever
+                # stalls prune, no acknowledged batch is deleted unseen.
+                w.now = time.time()
+                reason = _reason_to_keep(w, ref, first, older_than)
+                if reason is None and time.monotonic() - since > w.stale_lock_seconds / 2:
+                    # Like a writer's lease (fsstore._lock.Held): past half the lifetime,
+                    # a writer may have taken the lock, found the mark and finished the
+                    # delete, and made the session anew with a batch of its own.
+                    reason = Action("delete", path, f"{detail}: not deleted: taking the locks and "
+                                    "looking took too long; run prune again", False, age, failed=True)
+                if reason is not None:
+                    kept.append(reason)
+                return reason is not None
+
+            w.store.delete_unless(ref.key(), keep)
+            if kept:
+                return kept[0]
+    except FsStoreError as err:
+        return Action("delete", path, f"{detail}: {err}", False, age, failed=True)
+    return Action("delete", path, detail, True, age)
+
+
+def _reason_to_keep(w: Walker, ref: SessionRef, first: _Look, older_than: float) -> Action | None:
+    """None if the session can go; else why not. Runs under the locks of the transcripts
+    ``first`` found, so no commit to them can start until the delete is done."""
+    path = w.path(ref.comps)
+    again = _look(w, ref)
+    if again.unseen is not None:
+        return _unseen(path, again.unseen)
+    if not again.transcripts:
+        return Action("delete", path, "deleted meanwhile", False)
+    if {t.comps for t in again.transcripts} != {t.comps for t in first.transcripts}:
+        return Action("keep", path, "a transcript was added or removed meanwhile; kept (the "
+                      "next prune looks again)", False)
+    young = [g for g in again.temps if g.age <= older_than]
+    if young:
+        return Action("keep", path, f"an append is in flight ({young[0].path}, "
+                      f"{age_text(young[0].age)} old); kept", False)
+    if again.mtime_ns is None or w.now - again.mtime_ns / 1e9 <= older_than:
+        return Action("keep", path, "written to meanwhile; kept", False)
+    return None
+
+
+def _uncommitted(w: Walker, ref: SessionRef, older_than: float) -> Action | None:
+    """A session without any committed file is never deleted (nothing tells how old its
+    content is: a first append may be in flight); reported once its directory is old."""
+    try:
+        st = w.store.fs.stat_beneath(w.rfd, "/".join(ref.comps))
+    except OSError:
+        return None  # gone
+    age = w.now - changed_at(st)
+    if age <= older_than:
+        return None
+    return Action("skip", w.path(ref.comps), f"no committed transcript (directory "
+                  f"{age_text(age)} old): nothing to age it by; left alone", False, age)
+
+
+# -- compact ---------------------------------------------------------------------
+
+
+def compact(
+    root: str,
+    *,
+    project: str | None = None,
+    session: str | None = None,
+    dry_run: bool = False,
+    stale_lock_seconds: float = 30.0,
+    progress: Progress | None = None,
+) -> list[Action]:
+    """``SyncStore.compact`` on every transcript with more than one committed file.
+
+    The store keeps the newest merged file's time on the segment, so compaction does
+    not restart the retention clock, and refuses (CORRUPT) to merge across a gap.
+    """
+    actions: list[Action] = []
+    with walking(root, stale_lock_seconds=stale_lock_seconds) as w:
+        refs = w.sessions(project, session)
+        for i, ref in enumerate(refs):
+            for tref in w.transcripts(ref):
+                act = _compact_one(w, tref, dry_run)
+                if act is not None:
+                    actions.append(act)
+            tick(progress, i + 1, len(refs))
+        actions += [Action("skip", p.path, p.message, False, failed=True)
+                    for p in w.problems if p.kind in ("unreadable", "symlink")]
+    return actions
+
+
+def _compact_one(w: Walker, tref: TranscriptRef, dry_run: bool) -> Action | None:
+    mark = len(w.problems)
+    info = w.inspect(tref)
+    if info is None or (len(info.live) < 2 and len(info.items) == len(info.live)):
+        return None
+    detail = f"{len(info.items)} files, {info.bytes} bytes"
+    if dry_run:
+        damage = next((p for p in w.problems[mark:] if p.kind in ("gap", "corrupt")), None)
+        if damage is None:
+            return Action("compact", info.path, detail, False)
+        return Action("skip", info.path, f"{detail}: compact would refuse: {damage.message}",
+                      False, failed=True)
+    try:
+        merged = w.store.compact(tref.key())
+    except FsStoreError as err:
+        if err.code == "CORRUPT":  # a gap or damage: merging would hide it
+            return Action("skip", info.path, f"{detail}: not compacted: {err.message} "
+                          "(see fsstore check)", False, failed=True)
+        return Action("compact", info.path, f"{detail}: {err}", False, failed=True)
+    what = (f"merged {merged} files into one segment" if merged
+            else "nothing to merge (leftovers removed)")
+    return Action("compact", info.path, what, merged > 0)
+
