@@ -914,3 +914,35 @@ def test_a_store_used_before_a_fork_works_in_the_child_and_the_parent(root: Path
     assert os.waitstatus_to_exitcode(status) == 0
     store.append(KEY, [entry(4)])
     assert SyncStore(root, create=True).load(KEY) == [entry(i) for i in range(1, 5)]
+
+
+def test_a_first_commit_into_a_parent_replaced_while_empty_is_committed_again(
+    root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Another host whose cache still shows a deleted session makes it anew by renaming a
+    new session directory over the name (``_recreate``); a rename replaces an *empty*
+    directory, such as the one this writer has just made with mkdir for its first
+    commit and holds open. Nothing can be created in a removed directory (ENOENT; NFS:
+    ESTALE), so the first commit fails there and the append starts over where the path
+    now leads: no batch is left in a directory nobody reaches."""
+    store = SyncStore(root, create=True)
+    store.append({**KEY, "session_id": "other"}, [entry(0)])  # the project exists
+    other = SyncStore(root, create=True)
+    real_new_dir = _fsio.Fs.new_dir
+    staged = []
+
+    def new_dir(self: _fsio.Fs, parent_fd: int, name: str, original: str | None, fill: Any = None) -> bool:
+        if not staged and name == _layout.MAIN:
+            staged.append(1)
+            session = tdir(root, KEY).parent
+            assert session.is_dir() and not any(session.iterdir())  # made empty, by mkdir
+            built = root / "built"
+            (built / _layout.MAIN).mkdir(parents=True)
+            (built / _layout.MAIN / _layout.part_name(1)).write_text(json.dumps(entry(1)) + "\n")
+            os.rename(built, session)  # the other host's rename over the stale name
+        return real_new_dir(self, parent_fd, name, original, fill)
+
+    monkeypatch.setattr(_fsio.Fs, "new_dir", new_dir)
+    store.append(KEY, [entry(2)])
+    assert staged
+    assert other.load(KEY) == [entry(1), entry(2)]
