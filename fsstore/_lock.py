@@ -173,13 +173,19 @@ def reclaim_if_stale(
 
 
 def _alive(pid: int) -> bool:
+    """Whether process ``pid`` runs here (a zombie, killed and not yet reaped, does not)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:  # exists, owned by someone else
+        pass
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            state = f.read().rpartition(b")")[2].split()[:1]
+    except OSError:  # no /proc, or gone meanwhile: the signal said it existed
         return True
-    return True
+    return state not in ([b"Z"], [b"X"])
 
 
 # Permission errors creating a lock marker, with no marker there each time, before
@@ -228,39 +234,46 @@ class _Record:
 
     def __init__(self, fs: _fsio.Fs) -> None:
         self._fs = fs
-        self.name: str | None = None
-        self.text = b""
+        self._guard = threading.Lock()  # threads of one store share the record
+        self._name: str | None = None
+        self._text = b""
         self._finalizer: weakref.finalize[[str, int], _Record] | None = None
 
-    def publish(self, directory: str, dir_fd: int, lock_name: str) -> str | None:
+    def publish(self, directory: str, dir_fd: int, lock_name: str) -> tuple[str, bytes] | None:
         """Make ``lock_name`` (in ``directory``, open as ``dir_fd``) this record, unless it
-        exists. Returns a name of the record's file in ``dir_fd`` if the lock is ours
-        now, None if it is held."""
+        exists. Returns, if the lock is ours now, a name of the file it is (to pin) and
+        its content; None if it is held."""
         while True:
-            if self.name is None:
-                self._write(directory, dir_fd)
-            assert self.name is not None
+            name, text = self._current(directory, dir_fd)
             try:
-                os.utime(self.name, dir_fd=dir_fd, follow_symlinks=False)
-            except FileNotFoundError:  # removed by someone's gc: write it again
-                self.name = None
+                os.utime(name, dir_fd=dir_fd, follow_symlinks=False)
+                linked = _fsio.link_noreplace(self._fs, dir_fd, name, lock_name)
+            except FileNotFoundError:  # removed by someone's gc, or moved by a thread: anew
+                self._forget(name)
                 continue
-            linked = _fsio.link_noreplace(self._fs, dir_fd, self.name, lock_name)
             if linked is None:
                 return None
-            if linked is False:
-                self.name = None  # moved there (a mount without hard links)
-                return lock_name
-            return self.name
+            if linked is False:  # moved there (a mount without hard links): anew next time
+                self._forget(name)
+                return lock_name, text
+            return name, text
 
-    def _write(self, directory: str, dir_fd: int) -> None:
-        name = f"{_RECORD_PREFIX}{os.getpid()}-{secrets.token_hex(6)}"
-        text = _record_text(name)
-        self._fs.write_new(dir_fd, name, text, sync=False)
-        self.name, self.text = name, text
-        if self._finalizer is not None:
-            self._finalizer.detach()
-        self._finalizer = weakref.finalize(self, _remove_record, f"{directory}/{name}", os.getpid())
+    def _current(self, directory: str, dir_fd: int) -> tuple[str, bytes]:
+        with self._guard:
+            if self._name is None:
+                name = f"{_RECORD_PREFIX}{os.getpid()}-{secrets.token_hex(6)}"
+                text = _record_text(name)
+                self._fs.write_new(dir_fd, name, text, sync=False)
+                self._name, self._text = name, text
+                if self._finalizer is not None:
+                    self._finalizer.detach()
+                self._finalizer = weakref.finalize(self, _remove_record, f"{directory}/{name}", os.getpid())
+            return self._name, self._text
+
+    def _forget(self, name: str) -> None:
+        with self._guard:
+            if self._name == name:
+                self._name = None
 
 
 class _MarkerLock(filelock.BaseFileLock):
@@ -275,6 +288,7 @@ class _MarkerLock(filelock.BaseFileLock):
     """
 
     record: _Record
+    _text = b""  # the content of the record this lock was taken with
     _poll_backoff_cap = 0.05  # waiters poll from 2 ms, backing off to 50 ms, with jitter
     _refused = 0  # permission errors in a row with no marker there
 
@@ -283,8 +297,8 @@ class _MarkerLock(filelock.BaseFileLock):
         dfd = os.open(directory, _fsio.PATH_FLAGS)
         try:
             try:
-                mine = self.record.publish(directory, dfd, name)
-                if mine is None:
+                published = self.record.publish(directory, dfd, name)
+                if published is None:
                     self._refused = 0
                     return
             except PermissionError:
@@ -297,6 +311,7 @@ class _MarkerLock(filelock.BaseFileLock):
                     raise
                 return
             self._refused = 0
+            mine, self._text = published
             # Our record, pinned (not the lock name: by now it may be another's marker)
             fd = os.open(mine, _PATH_FILE_FLAGS, dir_fd=dfd)
         finally:
@@ -313,7 +328,7 @@ class _MarkerLock(filelock.BaseFileLock):
             # Ours unless reclaimed and taken by another. sshfs numbers each name's
             # inode on its own (a hard link has another st_ino): there, the content
             # says whose it is.
-            if (st.st_dev, st.st_ino) == identity or _content(self.lock_file) == self.record.text:
+            if (st.st_dev, st.st_ino) == identity or _content(self.lock_file) == self._text:
                 os.unlink(self.lock_file)
         except FileNotFoundError:
             pass  # reclaimed: nothing of ours is there
@@ -356,10 +371,11 @@ class Held:
     A class rather than a generator context manager: it is on every append's path.
     """
 
-    __slots__ = ("_entry", "_locks", "_operation", "budget", "path", "since")
+    __slots__ = ("_entry", "_locks", "_operation", "_pid", "budget", "path", "since")
 
     def __init__(self, locks: Locks, path: str, operation: str) -> None:
         self._locks = locks
+        self._pid = os.getpid()  # a forked child holds nothing of its parent's
         self.path = path
         self._operation = operation
         self.since = 0.0
@@ -440,7 +456,8 @@ class Locks:
         itself until LOCK_TIMEOUT: the in-process lock is not reentrant. A context
         variable, not the thread: the async API runs a load in a worker thread with
         the caller's context while the caller's task holds the lock."""
-        return lock_path in _HELD_HERE.get()
+        held = _HELD_HERE.get().get(lock_path)
+        return held is not None and held._pid == os.getpid()
 
     @staticmethod
     @contextlib.contextmanager
@@ -462,7 +479,7 @@ class Locks:
         outer holder's. Other contexts (threads, tasks) and other stores wait.
         """
         outer = _HELD_HERE.get().get(lock_path)
-        if outer is not None and outer._locks is self:
+        if outer is not None and outer._locks is self and outer._pid == os.getpid():
             return contextlib.nullcontext(outer)
         return Held(self, lock_path, operation)
 

@@ -445,3 +445,64 @@ def test_kept_lock_objects_are_bounded_and_one_in_use_is_never_dropped(tmp_path:
     assert entry.users == 0 and not os.path.exists(first)
     with locks.hold(first, "test"):  # still reused, and still works
         assert locks._local[first] is entry and os.path.exists(first)
+
+
+def test_threads_of_a_new_store_locking_several_transcripts_leave_no_lock_and_one_record(
+    tmp_path: Path,
+) -> None:
+    """Threads of one store object append to different transcripts at once on its first
+    use (a session's main and subagent transcripts): every release removes its lock
+    (found by review: two threads wrote two records and one released against the
+    other's, leaving its lock for stale_lock_seconds), and one record is left, the
+    store's own, removed when the store goes."""
+    import gc
+
+    root = tmp_path / "store"
+    SyncStore(root, create=True)
+    for attempt in range(20):
+        store = SyncStore(root, create=True, stale_lock_seconds=30)
+        barrier = threading.Barrier(8)
+
+        def go(i: int, store: SyncStore = store, barrier: threading.Barrier = barrier, attempt: int = attempt) -> None:
+            barrier.wait()
+            store.append({**KEY, "subpath": f"agents/a{i}"}, [{"uuid": f"{attempt}-{i}"}])
+
+        threads = [threading.Thread(target=go, args=(i,)) for i in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        names = os.listdir(root / ".locks")
+        assert [n for n in names if n.endswith(".lock")] == [], (attempt, names)
+        assert len([n for n in names if n.startswith("owner-")]) == 1, (attempt, names)
+        del store, go
+        gc.collect()
+        assert os.listdir(root / ".locks") == [], attempt
+
+
+def test_a_killed_holder_not_yet_reaped_is_dead(tmp_path: Path) -> None:
+    """A holder killed with SIGKILL stays a zombie until its parent reaps it; it holds
+    nothing, and the next append must not wait for stale_lock_seconds (found by review:
+    the liveness check took the zombie for a live process)."""
+    import signal
+
+    root = str(tmp_path / "store")
+    SyncStore(root, create=True).append(KEY, batch("before", 0, 1))
+    code = ("import sys, time; sys.path.insert(0, %r)\n"
+            "from fsstore._store import SyncStore\n"
+            "with SyncStore(%r).locked(%r):\n    print('locked', flush=True); time.sleep(60)\n") % (str(REPO), root, KEY)
+    child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout is not None and child.stdout.readline().strip() == "locked"
+        os.kill(child.pid, signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while open(f"/proc/{child.pid}/stat").read().rpartition(")")[2].split()[0] != "Z":
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        store = SyncStore(root, stale_lock_seconds=30, lock_timeout_seconds=5)
+        t0 = time.monotonic()
+        store.append(KEY, batch("after", 0, 1))
+        assert time.monotonic() - t0 < AT_ONCE
+    finally:
+        child.kill()
+        child.wait(10)
