@@ -334,7 +334,8 @@ def test_a_writer_stopped_past_its_lease_on_one_host(
 CAMPAIGN = {"stale_lock_seconds": 1.0, "lock_timeout_seconds": 30.0, "compact_every": 8, "summaries": False}
 
 
-@pytest.mark.parametrize("kind", params(sshfs=pytest.mark.soak))  # sshfs: its 21 s cache window
+# GlusterFS in the normal run; sshfs (cached: its 21 s cache window) in the soak
+@pytest.mark.parametrize("kind", params(sshfs=pytest.mark.soak, sshfs_nocache=pytest.mark.soak))
 def test_writers_and_a_compactor_stopped_at_random_instants_on_two_hosts_lose_nothing(
     request: pytest.FixtureRequest, kind: str, tmp_path: Path, figures: Any
 ) -> None:
@@ -366,7 +367,7 @@ def test_writers_and_a_compactor_stopped_at_random_instants_on_two_hosts_lose_no
     figures.add("appends", got["acked"])
 
 
-@pytest.mark.parametrize("kind", params(sshfs=pytest.mark.soak))
+@pytest.mark.parametrize("kind", params(sshfs=pytest.mark.soak, sshfs_nocache=pytest.mark.soak))
 def test_prune_stopped_at_random_instants_on_one_host_keeps_the_other_hosts_batches(
     request: pytest.FixtureRequest, kind: str
 ) -> None:
