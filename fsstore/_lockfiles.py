@@ -1,7 +1,8 @@
 """The lock files in ``<root>/.locks``, as ``fsstore check``, ``gc`` and ``locks`` see them.
 
 A transcript's lock is ``.locks/<sha256 of the transcript's path, 40 hex>.lock``
-(:mod:`fsstore._lock`), holding the holder's pid, host and process start token. Its
+(:mod:`fsstore._lock`): a hard link to its holder's record ``owner-<pid>-<random>``
+(pid, host, process start token, the record's name). Its
 name says nothing of the transcript: :func:`name_locks` finds it among the
 transcripts a walk found. A marker is judged the way the store judges it: dead (its
 holder is not running on this host), expired (older than ``stale_lock_seconds``),
