@@ -151,13 +151,14 @@ class CheckReport:
 _WHAT = {"temp": "temp file", "trash": ".trash entry", "lock-recovery": "lock recovery file",
          "lock-record": "lock holder record (its store object went without removing it: a killed "
                         "process, or one idle that long, which writes it again when it next locks)",
-         "fuse-hidden": "FUSE leftover (a file unlinked while open on some client's mount)"}
+         "fuse-hidden": "FUSE leftover (a file unlinked while open on some client's mount)",
+         "tomb": "deleted transcript's marks (kept so that a writer still reaching it sees the delete)"}
 
 
 def _garbage_problem(g: Garbage, older_than: float) -> Problem:
     what = "temp directory" if g.kind == "temp" and g.is_dir else _WHAT[g.kind]
-    if g.kind == "fuse-hidden":  # never damage: its bytes are in a segment, or deleted
-        return Problem("info", "fuse-hidden", g.path, f"{what}, {age_text(g.age)} old: "
+    if g.kind in ("fuse-hidden", "tomb"):  # never damage: left on purpose
+        return Problem("info", g.kind, g.path, f"{what}, {age_text(g.age)} old: "
                        "fsstore gc removes it once older than --older-than")
     if g.age > older_than:
         return Problem("warning", f"orphaned-{g.kind}", g.path,

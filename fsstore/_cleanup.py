@@ -104,7 +104,7 @@ def _remove_garbage(w: Walker, g: Garbage, older_than: float, dry_run: bool) -> 
     what = {"temp": "orphaned temp " + ("directory" if g.is_dir else "file"),
             "trash": "leftover of a delete", "lock-recovery": "lock recovery leftover",
             "lock-record": "unused lock holder record",
-            "fuse-hidden": "FUSE leftover"}[g.kind]
+            "fuse-hidden": "FUSE leftover", "tomb": "deleted transcript's marks"}[g.kind]
     detail = f"{what}, {age_text(g.age)} old"
     if dry_run:
         return Action(verb, g.path, detail, False, g.age)

@@ -614,6 +614,31 @@ def listdir(dir_fd: int) -> list[str]:
         os.close(fd)
 
 
+def empty_tree(parent_fd: int, name: str, keep: str) -> bool:
+    """Remove everything below ``parent/name`` but the files named ``keep`` (and the
+    directories that hold one), never following symlinks; True if something was kept."""
+    try:
+        fd = os.open(name, DIR_FLAGS, dir_fd=parent_fd)
+    except FileNotFoundError:
+        return False
+    kept = False
+    try:
+        for entry in os.scandir(fd):
+            if entry.name == keep and not entry.is_dir(follow_symlinks=False):
+                kept = True
+            elif entry.is_dir(follow_symlinks=False):
+                if empty_tree(fd, entry.name, keep):
+                    kept = True
+                else:
+                    with contextlib.suppress(FileNotFoundError):
+                        os.rmdir(entry.name, dir_fd=fd)
+            else:
+                unlink_quiet(fd, entry.name)
+    finally:
+        os.close(fd)
+    return kept
+
+
 def refresh_listing(dir_fd: int) -> bool:
     """Make the client list the directory afresh; False if it is gone on the server.
 

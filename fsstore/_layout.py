@@ -33,6 +33,9 @@ MARKER = ".fsstore"  # in the root: this directory is a store (format, created w
 STATE = "state.json"
 STATE_SPARE = ".state.spare"  # format 1's previous state.json: ignored, removed by migrate
 DELETED = ".deleted"  # created in a transcript directory before a delete moves it away
+# The tag of what a delete leaves in .trash: the deleted directories' marks only, so that
+# a writer still reaching them sees the delete (removed by `fsstore gc` once old).
+TOMB_TAG = "-tomb"
 
 Component = tuple[str, "str | None"]
 

@@ -358,6 +358,7 @@ class SyncStore:
             with self._open_root(create=True, path_only=True) as rfd:
                 assert rfd is not None
                 if self._first_commit(rfd, t, payload):
+                    t.next_seq, t.last_name = 2, _layout.part_name(1)
                     return
             raise FileNotFoundError(errno.ENOENT, "created and deleted meanwhile", t.path)
         try:
@@ -370,6 +371,7 @@ class SyncStore:
             except FileNotFoundError:
                 tmp = ""
                 if self._recreate(t, payload):
+                    t.next_seq, t.last_name = 2, _layout.part_name(1)
                     return
                 raise
             try:
@@ -878,7 +880,14 @@ class SyncStore:
                 return
             self._fs.sync_dir(parent)
             try:
-                _fsio.remove_tree(trash, aside)
+                # Everything but the marks: a writer whose client still resolves the old
+                # path (GlusterFS for its 1 s entry cache, NFS) or holds the directory
+                # open can still link a part into it; its check must still see the
+                # mark. What is left (a tombstone) is removed by `fsstore gc` once old.
+                if _fsio.empty_tree(trash, aside, _layout.DELETED):
+                    os.rename(aside, _fsio.temp_name(_layout.TOMB_TAG), src_dir_fd=trash, dst_dir_fd=trash)
+                else:
+                    _fsio.remove_tree(trash, aside)
             except OSError as exc:
                 # The transcript is already gone from every reader's view; what is left
                 # in .trash (e.g. a racing writer's file) is removed by `fsstore gc`.

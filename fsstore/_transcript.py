@@ -32,7 +32,10 @@ Commit (``append``), step by step, and what a crash at each step leaves:
    a segment's range is not in the chain, so the batch is not committed: link it
    again above the highest number, remove the misplaced name, check again. (A
    covering segment that holds the bytes merged this very part after the link:
-   committed.) A ``.deleted`` marker means the transcript is being deleted: remove
+   committed.) Likewise a part above a hole (``n - 1`` in no file): ``n`` came
+   from a stale view (a client cache still showing a file of a directory another
+   host deleted and made anew): link it again above the highest number of the
+   others. A ``.deleted`` marker means the transcript is being deleted: remove
    the name, and start over in a new directory. Otherwise the part is in the chain
    of every listing from now on (a segment made later over its number was made
    from a listing that held it): **the batch is committed**. Crash before the
@@ -273,6 +276,11 @@ def plan(items: list[Item]) -> tuple[list[Item], int | None]:
 # -- commit ----------------------------------------------------------------------
 
 
+# How often a commit that landed above a hole links again lower (a client whose cache
+# still names files that are gone can refuse every lower number: sshfs's 20 s cache).
+_HOLE_RETRIES = 2
+
+
 def commit(
     fs: _fsio.Fs, dir_fd: int, tmp: str, seq: int, payload: bytes,
     session_marker: str | None = None,
@@ -287,11 +295,13 @@ def commit(
     """
     misplaced: list[str] = []
     src = tmp
+    holes = 0
     try:
         while True:
             name = _layout.part_name(seq)
             linked = _fsio.link_noreplace(fs, dir_fd, src, name)
-            if linked is None:
+            if linked is None:  # taken: our view was old; a client cache may be too (sshfs)
+                _fsio.refresh_listing(dir_fd)
                 seq = max(seq, top(scan_items(dir_fd))) + 1
                 continue
             if not linked:
@@ -305,14 +315,21 @@ def commit(
             except BaseException:
                 misplaced.append(name)  # not committed: the check did not pass
                 raise
-            if cover is None:
-                return seq, items
-            log.warning("part %s landed inside a compacted range (two lock holders "
-                        "overlapped); committing it again above", name, extra={
+            others = [it for it in items if it[2] != name and it[2] not in misplaced]
+            hole = seq > 1 and not any(f <= seq - 1 <= last for f, last, _n in others)
+            if cover is None and (not hole or holes >= _HOLE_RETRIES):
+                return seq, items  # (past the retries: a client that keeps naming gone files)
+            holes += cover is None
+            # Not in the chain: inside a compacted range (two lock holders overlapped),
+            # or above a hole (a number taken from a stale view: a client cache that
+            # still shows a file of a directory deleted and made anew).
+            log.warning("part %s landed %s; committing it again", name,
+                        "inside a compacted range (two lock holders overlapped)" if cover
+                        else "above a hole (a stale view of the directory)", extra={
                             "code": "RELOCATED", "operation": "append", "path": name})
             if linked:
                 misplaced.append(name)
-            seq = top(items) + 1
+            seq = top(others) + 1
     finally:
         for name in misplaced:
             _fsio.unlink_quiet(dir_fd, name)

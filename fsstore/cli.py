@@ -515,7 +515,7 @@ def cmd_check(args: argparse.Namespace, out: TextIO, err: TextIO, progress: Prog
 _DONE_VERB = {"mark": "marked", "recommit": "committed again", "remove": "removed", "close-gap": "closed a gap",
              "repair": "repair", "remove-temp": "removed", "remove-trash": "removed",
              "remove-fuse-hidden": "removed",
-              "remove-lock-recovery": "removed", "remove-lock-record": "removed",
+              "remove-lock-recovery": "removed", "remove-lock-record": "removed", "remove-tomb": "removed",
               "break-lock": "broke lock", "delete": "deleted",
               "compact": "compacted", "keep": "kept", "skip": "skipped"}
 _DRY_VERB = {"mark": "would mark", "recommit": "would commit again", "remove": "would remove",
@@ -523,6 +523,7 @@ _DRY_VERB = {"mark": "would mark", "recommit": "would commit again", "remove": "
              "remove-temp": "would remove", "remove-trash": "would remove",
              "remove-fuse-hidden": "would remove",
              "remove-lock-recovery": "would remove", "remove-lock-record": "would remove",
+             "remove-tomb": "would remove",
              "break-lock": "would break lock",
              "delete": "would delete", "compact": "would compact", "keep": "kept",
              "skip": "skipped"}

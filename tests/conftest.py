@@ -55,3 +55,19 @@ def entry(n: int, **extra: object) -> dict[str, object]:
     """A realistic-looking transcript entry with a unique uuid."""
     return {"type": "user", "uuid": f"u-{n}", "timestamp": "2024-01-01T00:00:00.000Z",
             "message": {"role": "user", "content": f"message {n}"}, **extra}
+
+
+def trash_left(root: Path) -> list[str]:
+    """What a delete left in ``<root>/.trash`` besides its tombstones (``*-tomb``
+    directories holding only ``.deleted`` marks, kept for writers that still reach the
+    deleted directory: docs/format.md "Deletes"): should be nothing."""
+    trash = root / ".trash"
+    if not trash.exists():
+        return []
+    out = []
+    for entry in trash.iterdir():
+        if not entry.name.endswith("-tomb"):
+            out.append(entry.name)
+            continue
+        out += [str(p.relative_to(trash)) for p in entry.rglob("*") if not p.is_dir() and p.name != ".deleted"]
+    return out

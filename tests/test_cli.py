@@ -18,7 +18,7 @@ from fsstore import _layout
 from fsstore._keys import parse_key
 from fsstore._store import SyncStore
 
-from .conftest import KEY, entry
+from .conftest import KEY, entry, trash_left
 
 P = KEY["project_key"]  # "-home-user-repo": starts with "-"
 S = KEY["session_id"]
@@ -416,7 +416,7 @@ def test_prune_deletes_only_sessions_older_than_the_threshold(
 
     assert fsstore("prune", root, "--older-than", "30d").returncode == 0
     assert store.load(old_other) is None and store.load(fresh) == [entry(1)]
-    assert not any((root / _layout.TRASH).iterdir())
+    assert trash_left(root) == []
     assert fsstore("check", root).returncode == 0
 
 

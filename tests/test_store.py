@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 from fsstore import FsSessionStore, FsStoreError, _fsio, _layout, _store, _transcript
 from fsstore._store import SyncStore
 
-from .conftest import KEY, entry
+from .conftest import KEY, entry, trash_left
 
 SUB = {**KEY, "subpath": "subagents/agent-1"}
 
@@ -425,7 +425,7 @@ def test_delete_main_cascades_to_subpaths_and_summary(store: SyncStore, root: Pa
     assert store.list_subkeys(KEY) == []
     assert [s["session_id"] for s in store.list_session_summaries(KEY["project_key"])] == ["other"]
     assert store.load(other) == [entry(3)]
-    assert list((root / _layout.TRASH).iterdir()) == []
+    assert trash_left(root) == []
 
 
 def test_delete_subpath_removes_only_that_transcript(store: SyncStore) -> None:
@@ -791,7 +791,7 @@ def test_append_after_another_process_deleted_goes_to_the_new_transcript(root: P
     a.append(KEY, [entry(3)])
     a.append(SUB, [entry(4)])
     assert b.load(KEY) == [entry(3)] and b.load(SUB) == [entry(4)]
-    assert not list((root / _layout.TRASH).iterdir())
+    assert trash_left(root) == []
 
 
 def test_append_after_the_directory_was_moved_by_hand_goes_to_the_path(root: Path, tmp_path: Path) -> None:

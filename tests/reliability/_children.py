@@ -339,7 +339,7 @@ POINTS: dict[str, tuple[str, bool, Callable[[Tracer, str, str, tuple[str, ...], 
         lambda t, ph, c, n, ok: ph == "after" and ok and c == "rename" and n[1].endswith("-deleted")),
     "delete_midway_removing_trash": ("delete", False,
         lambda t, ph, c, n, ok: ph == "after" and c == "unlink" and t.done("rename", "-deleted$")
-        and sum(1 for x, _y, o in t.events if x == "unlink") >= 3),
+        and sum(1 for x, _y, o in t.events if x == "unlink") >= 2),
     # a new session whose id needs a hashed directory name (.key written, not yet renamed)
     "hashed_dir_before_rename": ("append_new_hashed", False,
         lambda t, ph, c, n, ok: ph == "before" and c == "rename" and n[0].endswith("-dir")),

@@ -488,15 +488,15 @@ def test_a_killed_holder_not_yet_reaped_is_dead(tmp_path: Path) -> None:
 
     root = str(tmp_path / "store")
     SyncStore(root, create=True).append(KEY, batch("before", 0, 1))
-    code = ("import sys, time; sys.path.insert(0, %r)\n"
+    code = (f"import sys, time; sys.path.insert(0, {str(REPO)!r})\n"
             "from fsstore._store import SyncStore\n"
-            "with SyncStore(%r).locked(%r):\n    print('locked', flush=True); time.sleep(60)\n") % (str(REPO), root, KEY)
+            f"with SyncStore({root!r}).locked({KEY!r}):\n    print('locked', flush=True); time.sleep(60)\n")
     child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
     try:
         assert child.stdout is not None and child.stdout.readline().strip() == "locked"
         os.kill(child.pid, signal.SIGKILL)
         deadline = time.monotonic() + 10
-        while open(f"/proc/{child.pid}/stat").read().rpartition(")")[2].split()[0] != "Z":
+        while Path(f"/proc/{child.pid}/stat").read_text().rpartition(")")[2].split()[0] != "Z":
             assert time.monotonic() < deadline
             time.sleep(0.01)
         store = SyncStore(root, stale_lock_seconds=30, lock_timeout_seconds=5)
