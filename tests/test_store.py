@@ -946,3 +946,46 @@ def test_a_first_commit_into_a_parent_replaced_while_empty_is_committed_again(
     store.append(KEY, [entry(2)])
     assert staged
     assert other.load(KEY) == [entry(1), entry(2)]
+
+
+def test_a_part_linked_above_a_hole_is_linked_again_lower(
+    root: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A number taken from a stale view (a client cache still naming a file of a
+    directory deleted and made anew) can leave a hole below the part: the check sees
+    it and links the batch again right above the highest other file."""
+    store = SyncStore(root, create=True)
+    for i in range(3):
+        store.append(KEY, [entry(i)])
+    stale = iter([6])
+    real = SyncStore._next_seq
+    monkeypatch.setattr(SyncStore, "_next_seq", lambda self, t, dfd: next(stale, None) or real(self, t, dfd))
+    store.append(KEY, [entry(3)])
+    assert sorted(p.name for p in tdir(root, KEY).iterdir() if _layout.parse_item(p.name)) == [
+        _layout.part_name(n) for n in (1, 2, 3, 4)]
+    assert SyncStore(root).load(KEY) == [entry(i) for i in range(4)]
+    assert any(getattr(r, "code", None) == "RELOCATED" for r in caplog.records)
+
+
+def test_a_session_deleted_between_a_link_and_its_check_gets_the_batch_anew(
+    root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The delete lands after the writer linked its part and before its check: the
+    delete leaves its marks in .trash (a tombstone), so the check, reading the
+    directory it holds, sees the mark; the batch is committed again in the session
+    made anew, never acknowledged inside the trash."""
+    store, deleter = SyncStore(root, create=True), SyncStore(root, create=True)
+    store.append(KEY, [entry(0)])
+    real = _transcript.check
+    raced = []
+
+    def check(dir_fd: int, seq: int, marker: str | None) -> Any:
+        if not raced:
+            raced.append(1)
+            deleter.delete(KEY)
+        return real(dir_fd, seq, marker)
+
+    monkeypatch.setattr(_transcript, "check", check)
+    store.append(KEY, [entry(1)])
+    assert raced and SyncStore(root).load(KEY) == [entry(1)]
+    assert trash_left(root) == []
