@@ -672,3 +672,18 @@ def test_every_command_is_safe_next_to_concurrent_writers(root: Path, tmp_path: 
     final = fsstore("check", root)
     assert final.returncode == 0, final.stdout
     assert rounds >= 2
+
+
+def test_a_deletes_tombstone_is_info_for_check_and_removed_by_gc_once_old(root: Path, store: SyncStore) -> None:
+    """A delete leaves its marks in .trash (``*-tomb``): `check` says so at info level
+    (exit 0), `gc` keeps it while young and removes it once older than --older-than."""
+    store.append(KEY, [entry(1)])
+    store.delete(KEY)
+    tombs = [p for p in (root / _layout.TRASH).iterdir() if p.name.endswith(_layout.TOMB_TAG)]
+    assert len(tombs) == 1 and trash_left(root) == []
+    check = fsstore("check", root)
+    assert check.returncode == 0 and "deleted transcript's marks" in check.stdout, check.stdout
+    assert fsstore("gc", root, "--older-than", "1h").returncode == 0 and tombs[0].exists()
+    time.sleep(1.1)  # gc ages by the later of mtime and ctime: wait, not utime
+    gc = fsstore("gc", root, "--older-than", "1s")
+    assert gc.returncode == 0 and not tombs[0].exists(), gc.stdout + gc.stderr
