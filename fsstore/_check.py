@@ -156,6 +156,10 @@ _WHAT = {"temp": "temp file", "trash": ".trash entry", "lock-recovery": "lock re
 
 
 def _garbage_problem(g: Garbage, older_than: float) -> Problem:
+    if g.kind == "orphan":
+        return Problem("error", "orphan", g.path, "a transcript a delete moved by mistake (made anew "
+                       "after the delete's mark) and could not move back: its batches are in no "
+                       "load; fsstore gc keeps it (docs/operations.md: Deletes that raced)")
     what = "temp directory" if g.kind == "temp" and g.is_dir else _WHAT[g.kind]
     if g.kind in ("fuse-hidden", "tomb"):  # never damage: left on purpose
         return Problem("info", g.kind, g.path, f"{what}, {age_text(g.age)} old: "

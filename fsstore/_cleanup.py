@@ -189,7 +189,8 @@ def gc(
         name_locks(found, seen)
         actions += [a for lk in found if (a := _break(lk, older_than, dry_run)) is not None]
         actions += [_remove_garbage(w, g, older_than, dry_run)
-                    for g in (*w.garbage, *w.trash(), *lock_garbage) if g.age > older_than]
+                    for g in (*w.garbage, *w.trash(), *lock_garbage)
+                    if g.age > older_than and g.kind != "orphan"]
         actions += [Action("skip", p.path, p.message, False, failed=True)
                     for p in w.problems if p.severity == "error" and p.kind == "unreadable"]
     return actions

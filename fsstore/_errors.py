@@ -44,8 +44,8 @@ STORE_CODES: dict[str, str] = {
     "overlapped); the batch was committed again above",
     "COMPACT_FAILED": "automatic compaction failed; the append itself succeeded",
     "TRASH_LEFT": "a delete left files in .trash",
-    "DELETE_RACED": "a delete that stalled past its lock's lease moved a session made anew "
-    "after its mark, and moved it back",
+    "DELETE_RACED": "a delete whose lock was overtaken moved a session made anew after its "
+    "mark, and moved it back (error level: could not, left as .trash/*-orphan for the operator)",
     "TEMP_LEFT": "a commit could not remove the temp name of the committed part",
     "GAP": "load() returned a transcript with a sequence gap",
     "DIR_FSYNC_UNSUPPORTED": "the mount refuses directory fsync",

@@ -32,6 +32,7 @@ from ._transcript import (
     Item,
     State,
     Vanished,
+    check_session_marker,
     commit,
     dedupe,
     encode_batch,
@@ -109,12 +110,28 @@ def _last_of(items: list[Item]) -> tuple[int, str | None]:
 
 
 def _marked(parent: int, name: str, below: str) -> bool:
-    """Whether ``parent/name`` (``below``: its ``main``) holds a ``.deleted`` mark."""
+    """Whether ``parent/name`` (``below``: its ``main``) holds a ``.deleted`` mark;
+    False where that cannot be told (the caller then leaves the directory where it is)."""
     rel = f"{name}/{below}/{_layout.DELETED}" if below else f"{name}/{_layout.DELETED}"
     try:
         return _fsio.exists(parent, rel)
-    except OSError:  # cannot tell: take it for ours (it is, but for a rare race)
-        return True
+    except OSError:
+        return False
+
+
+def _check_made(fd: int, names: list[str], t: _Appending) -> None:
+    """:class:`Deleted` if the subagent transcript just published at ``fd/names...``
+    belongs to a session marked deleted (a session delete that marked it before the
+    new directory appeared moves it away with the session: nothing of it is kept, and
+    what was made is removed)."""
+    if t.session_marker is None:
+        return
+    try:
+        check_session_marker(fd, "/".join([*names, t.session_marker]))
+    except Deleted:
+        with contextlib.suppress(OSError):
+            _fsio.remove_tree(fd, names[0])
+        raise
 
 
 def _tick_mtime(dfd: int, before_ns: int) -> None:
@@ -330,11 +347,14 @@ class SyncStore:
                 try:
                     self._append_once(t, payload)
                     return
-                except (FileNotFoundError, Deleted):
-                    # The transcript directory was moved away or is being deleted
-                    # (a concurrent delete) before our commit: nothing of ours is
-                    # visible; start over, in a new directory once it is gone.
-                    pass
+                except Deleted as exc:
+                    # A delete is committed once marked: finish it (its deleter may
+                    # have died) and start over in a new directory. Nothing of ours
+                    # is visible. Not under our lock: finishing takes the lock of
+                    # what it moves (the session's: its main transcript's).
+                    self._finish_delete(t.comps, t.path, session=exc.session)
+                except FileNotFoundError:
+                    pass  # moved away by a delete before our commit: start over
                 except OSError as exc:
                     if exc.errno != errno.ESTALE or attempt == _APPEND_ATTEMPTS - 1:
                         raise
@@ -380,13 +400,7 @@ class SyncStore:
                     now = os.fstat(dfd)  # after any commit that came before ours
                     seq = self._next_seq(t, dfd)
                     held.check(op)
-                    try:
-                        seq, items = commit(self._fs, dfd, tmp, seq, payload, t.session_marker)
-                    except Deleted as exc:
-                        # A delete is committed once marked: finish it (its deleter
-                        # may have died) and start over in a new directory.
-                        self._finish_delete(t.comps, t.path, session=exc.session)
-                        raise
+                    seq, items = commit(self._fs, dfd, tmp, seq, payload, t.session_marker)
                     t.next_seq, t.last_name = _last_of(items)
                     tmp = self._drop_temp(dfd, tmp, t.path)
                     self._after_commit(t, dfd, held, items, max(before.st_mtime_ns, now.st_mtime_ns))
@@ -419,8 +433,11 @@ class SyncStore:
             self._locks_dir("append")
             with self._locks.hold(t.lock_path, "append") as held:
                 held.check("append")
-                return self._fs.new_dir(parent, name, original, lambda tfd: self._fs.write_new(
+                made = self._fs.new_dir(parent, name, original, lambda tfd: self._fs.write_new(
                     tfd, _layout.part_name(1), payload))
+                if made:
+                    _check_made(parent, [name], t)
+                return made
         finally:
             os.close(parent)
 
@@ -447,7 +464,10 @@ class SyncStore:
                 self._locks_dir("append")
                 with self._locks.hold(t.lock_path, "append") as held:
                     held.check("append")
-                    return self._fs.new_dir(fd, name, original, self._filler(t.comps[i + 1:], payload))
+                    made = self._fs.new_dir(fd, name, original, self._filler(t.comps[i + 1:], payload))
+                    if made:
+                        _check_made(fd, [n for n, _ in t.comps[i:]], t)
+                    return made
             finally:
                 os.close(fd)
 
@@ -523,21 +543,18 @@ class SyncStore:
         """Move a marked transcript into the trash, or its whole session where the
         main transcript is marked (only a session delete marks it; ``session``: a
         subagent transcript saw that marker). Whoever finds a marked transcript
-        under its lock does this: its deleter may have died between mark and move."""
+        does this: its deleter may have died between mark and move. Called holding
+        no transcript lock (it takes the lock of what it moves)."""
         if comps[-1][0] == _layout.MAIN and len(comps) == 5:
-            comps = comps[:-1]  # <S>/main -> <S>
+            comps, mark = comps[:-1], _layout.MAIN  # <S>/main -> <S>
         elif session:
-            comps = comps[:-2]  # <S>/subkeys/<SP> -> <S>
-        with self._open_root(create=False) as rfd:
-            parent = self._open(rfd, comps[:-1], "delete") if rfd is not None else None
-            if rfd is None or parent is None:
-                return
-            try:
-                self._move_to_trash(rfd, parent, comps[-1][0], path)
-            except OSError as exc:  # a reader on a read-only mount: the delete stays marked
-                log.debug("could not finish a marked delete: %s", exc)
-            finally:
-                os.close(parent)
+            comps, mark = comps[:-2], _layout.MAIN  # <S>/subkeys/<SP> -> <S>
+        else:
+            mark = ""
+        try:
+            self._remove(comps, path, mark, "delete", None, finishing=True)
+        except (OSError, FsStoreError) as exc:  # a read-only mount: the delete stays marked
+            log.debug("could not finish a marked delete: %s", exc)
 
     # -- load ----------------------------------------------------------------------
 
@@ -577,14 +594,11 @@ class SyncStore:
                         if not _fsio.same_dir(dfd, rfd, names):
                             continue  # deleted (moved away) while we read: look again
                     except Deleted as exc:
-                        # A delete is committed once marked; under the lock nobody
-                        # is deleting it right now: its deleter died, finish it.
-                        if locked:
-                            self._finish_delete(comps, path, session=exc.session)
-                        if locked or deleting:
-                            return None
-                        deleting = True
-                        continue
+                        if not (locked or deleting):
+                            deleting = True
+                            continue
+                        marked = exc
+                        break  # out of the lock, to finish the delete
                     except Vanished as exc:
                         if isinstance(exc.__cause__, OSError) and exc.__cause__.errno == errno.ESTALE:
                             stale = exc.__cause__
@@ -608,15 +622,21 @@ class SyncStore:
                 if gap is not None:
                     warn_gap(gap, path, op)
                 return dedupe(batches) if batches else None
-            if stale is not None:
-                raise stale  # a mount that keeps answering ESTALE: say so, not "busy"
-            raise FsStoreError(
-                "EAGAIN",
-                f"transcript changed under the reader {_LOAD_ATTEMPTS} times in a row",
-                operation=op,
-                path=path,
-                errno=errno.EAGAIN,
-            )
+            else:
+                if stale is not None:
+                    raise stale  # a mount that keeps answering ESTALE: say so, not "busy"
+                raise FsStoreError(
+                    "EAGAIN",
+                    f"transcript changed under the reader {_LOAD_ATTEMPTS} times in a row",
+                    operation=op,
+                    path=path,
+                    errno=errno.EAGAIN,
+                )
+            # A delete is committed once marked. Seen under the transcript's lock, its
+            # deleter may have died: finish it (deleters hold the lock of what they move).
+            if locked:
+                self._finish_delete(comps, path, session=marked.session)
+            return None
 
     def _hold_for_reading(self, guard: contextlib.ExitStack, comps: list[Component]) -> bool:
         """Take the transcript's lock into ``guard`` for a reader that keeps losing races.
@@ -791,25 +811,62 @@ class SyncStore:
         else:
             comps = _layout.transcript_dirs(tk)
         path = self._path(comps)
-        with translating(op, path), self._open_root(create=False) as rfd:
+        with translating(op, path):
+            try:
+                self._remove(comps, path, _layout.MAIN if tk.subpath is None else "", op, keep)
+            finally:
+                self._forget(tk)
+
+    def _remove(
+        self, comps: list[Component], path: str, mark: str, op: str,
+        keep: Callable[[], bool] | None, *, finishing: bool = False,
+    ) -> None:
+        """Delete the session (``mark="main"``) or transcript (``mark=""``) at ``comps``
+        under the lock of its main transcript (or its own): :meth:`_move_to_trash`.
+
+        The lock serializes the deleters, and whoever finishes a delete, with the
+        writers that make the session (or transcript) anew: so what a delete moves is
+        what it marked. Correctness does not rest on it (see _move_to_trash)."""
+        lock_comps = [*comps, (_layout.MAIN, None)] if mark else comps
+        with self._open_root(create=False) as rfd:
             if rfd is None:
                 return
             parent = self._open(rfd, comps[:-1], op)
             if parent is None:
                 return
             try:
-                self._move_to_trash(rfd, parent, comps[-1][0], path,
-                                    mark=_layout.MAIN if tk.subpath is None else "", keep=keep)
+                with self._locks.hold(self._lock_path(_layout.lock_name(lock_comps), op), op):
+                    self._move_to_trash(rfd, parent, comps[-1][0], path, mark, keep, finishing=finishing)
             finally:
                 os.close(parent)
-                self._forget(tk)
 
     def _mark(self, parent: int, name: str, path: str, below: str, *, undo: bool = False) -> None:
         """Create (``undo``: remove) ``.deleted`` in the transcript directory
         ``parent/name`` (``below=""``), or for a session in ``parent/name/main`` first
         (the commit point of a session delete: its subagent transcripts look there
-        too), then in each of its subagent transcripts."""
+        too; made for the mark in a session without a main transcript), then in each
+        of its subagent transcripts."""
         base = path.rsplit("/", 1)[0]
+        if below:
+            top = self._fs.open_dir(parent, [(name, None)], create=False, base_path=base,
+                                    operation="delete")
+            if top is None:
+                return
+            try:
+                if undo:  # a main made for the mark goes with it (one with parts stays)
+                    self._mark_dirs(parent, name, base, below, undo=True)
+                    with contextlib.suppress(OSError):
+                        os.rmdir(below, dir_fd=top)
+                    return
+                made = self._fs.open_dir(top, [(below, None)], create=True, base_path=path,
+                                         operation="delete")
+                assert made is not None
+                os.close(made)
+            finally:
+                os.close(top)
+        self._mark_dirs(parent, name, base, below, undo=undo)
+
+    def _mark_dirs(self, parent: int, name: str, base: str, below: str, *, undo: bool) -> None:
         dirs = [[name]] if not below else [[name, below]] + [
             [name, _layout.SUBKEYS, sp]
             for sp in self._fs.subdirs_beneath(parent, [name, _layout.SUBKEYS], base, "delete")]
@@ -822,7 +879,8 @@ class SyncStore:
                 if undo:
                     _fsio.unlink_quiet(tfd, _layout.DELETED)
                 else:
-                    self._fs.mark(tfd, _layout.DELETED)
+                    with contextlib.suppress(FileNotFoundError):  # removed meanwhile
+                        self._fs.mark(tfd, _layout.DELETED)
             finally:
                 os.close(tfd)
 
@@ -838,20 +896,30 @@ class SyncStore:
                 del self._appending[ident]
 
     def _move_to_trash(
-        self, rfd: int, parent: int, name: str, path: str, mark: str | None = None,
-        keep: Callable[[], bool] | None = None,
+        self, rfd: int, parent: int, name: str, path: str, mark: str,
+        keep: Callable[[], bool] | None, *, finishing: bool,
     ) -> None:
-        """Rename ``parent/name`` into ``.trash`` (atomic), then remove it there.
+        """Mark, then rename ``parent/name`` into ``.trash`` (atomic), then remove it there.
 
-        With ``mark`` (``""``: ``name`` is a transcript directory; ``"main"``: a
-        session) the transcripts are marked ``.deleted`` first, so that a reader
+        ``mark``: ``""`` where ``name`` is a transcript directory, ``"main"`` where it
+        is a session. The transcripts are marked ``.deleted`` first, so that a reader
         holding a directory open, or a client whose cache still shows the old path,
         sees the delete (see delete); a move that fails takes the marks back.
+        ``finishing``: the marks are someone else's; move only what is marked.
+
+        What the rename moved is checked: one not marked was made anew after the
+        mark (a deleter, or one who finished its delete, stalled past its lock's
+        lease) and is put back. If yet another was made in its place meanwhile, the
+        one moved stays in ``.trash`` as ``*-orphan``, never removed by gc, an error
+        for ``fsstore check`` and in the log.
         """
         trash = self._open(rfd, [(_layout.TRASH, None)], "delete", create=True)
         assert trash is not None
         try:
-            if mark is not None:
+            if finishing:
+                if not _marked(parent, name, mark):
+                    return  # finished already: what is there now was made anew
+            else:
                 self._mark(parent, name, path, mark)
                 try:
                     kept = keep is not None and keep()
@@ -867,16 +935,11 @@ class SyncStore:
             except FileNotFoundError:
                 return  # never written, or deleted already: not an error
             except OSError:
-                if mark is not None:
+                if not finishing:
                     self._mark(parent, name, path, mark, undo=True)
                 raise
-            if mark is not None and not _marked(trash, aside, mark):
-                # Not what we marked: a writer finished our delete while we stalled
-                # and made the session anew (possible only past our lock's lease).
-                # Put it back; its batches were never ours to delete.
-                log.warning("a delete moved a session made anew after its mark; moved back",
-                            extra={"code": "DELETE_RACED", "operation": "delete", "path": path})
-                os.rename(aside, name, src_dir_fd=trash, dst_dir_fd=parent)
+            if not _marked(trash, aside, mark):
+                self._put_back(trash, aside, parent, name, path)
                 return
             self._fs.sync_dir(parent)
             try:
@@ -895,6 +958,27 @@ class SyncStore:
                     "code": "TRASH_LEFT", "operation": "delete", "path": path})
         finally:
             os.close(trash)
+
+    @staticmethod
+    def _put_back(trash: int, aside: str, parent: int, name: str, path: str) -> None:
+        """Move back a directory a delete moved that was not the one it marked (see
+        _move_to_trash): its batches were never the delete's to remove."""
+        try:
+            # Replaces only an empty directory (a writer's mkdir before its first
+            # commit into it: that commit then fails in the replaced one, and retries).
+            os.rename(aside, name, src_dir_fd=trash, dst_dir_fd=parent)
+        except OSError as exc:
+            orphan = _fsio.temp_name(_layout.ORPHAN_TAG)
+            with contextlib.suppress(OSError):
+                os.rename(aside, orphan, src_dir_fd=trash, dst_dir_fd=trash)
+                aside = orphan
+            log.error("a delete moved a transcript made anew after its mark and could not move "
+                      "it back (%s): its batches are in .trash/%s, in no load; see "
+                      "docs/operations.md", exc.strerror, aside, extra={
+                          "code": "DELETE_RACED", "operation": "delete", "path": path})
+            return
+        log.warning("a delete moved a transcript made anew after its mark; moved back",
+                    extra={"code": "DELETE_RACED", "operation": "delete", "path": path})
 
     # -- maintenance ---------------------------------------------------------------
 

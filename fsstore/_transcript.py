@@ -347,9 +347,9 @@ def check(dir_fd: int, seq: int, session_marker: str | None) -> tuple[list[Item]
     replaces it during it."""
     first, deleted = scan(dir_fd)
     again, deleted_again = scan(dir_fd)
+    check_session_marker(dir_fd, session_marker)  # first: the session's delete, if it is one
     if deleted or deleted_again:
         raise Deleted(_layout.part_name(seq))
-    check_session_marker(dir_fd, session_marker)
     cover = covering_segment(first, seq) or covering_segment(again, seq)
     return again, cover
 
@@ -493,12 +493,13 @@ def snapshot(
     if race is None and (after[: len(chain)] != chain
                          or any(f != l for f, l, _n in after[len(chain):])):
         race = Vanished(path)
-    deleted = Deleted(path) if marked or marked_again else None
-    if deleted is None:
-        try:
-            check_session_marker(dir_fd, session_marker)
-        except Deleted as exc:
-            deleted = exc
+    deleted = None
+    try:
+        check_session_marker(dir_fd, session_marker)  # first: the session's delete, if it is one
+    except Deleted as exc:
+        deleted = exc
+    if deleted is None and (marked or marked_again):
+        deleted = Deleted(path)
     return Snapshot(items, chain, gap, batches, damage, deleted, race)
 
 

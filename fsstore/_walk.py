@@ -135,7 +135,7 @@ class File:
 class Garbage:
     """A temp file, a ``.trash`` entry, a lock recovery file or a FUSE leftover, with its age."""
 
-    kind: str  # "temp", "trash", "tomb", "lock-recovery", "lock-record", "fuse-hidden"
+    kind: str  # "temp", "trash", "tomb", "orphan", "lock-recovery", "lock-record", "fuse-hidden"
     parent: tuple[str, ...]
     name: str
     path: str
@@ -511,7 +511,8 @@ class Walker:
     def trash(self) -> list[Garbage]:
         """Every entry of ``.trash`` (deletes in progress, or their leftovers)."""
         comps = (_layout.TRASH,)
-        return [self.garbage_entry("tomb" if entry.name.endswith(_layout.TOMB_TAG) else "trash",
+        kinds = {_layout.TOMB_TAG: "tomb", _layout.ORPHAN_TAG: "orphan"}
+        return [self.garbage_entry(next((k for tag, k in kinds.items() if entry.name.endswith(tag)), "trash"),
                                    comps, entry, st)
                 for _fd, entry, st in self.entries(comps)]
 

@@ -4,6 +4,7 @@ and writers running at the same time."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shlex
@@ -14,7 +15,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from fsstore import _layout
+import pytest
+
+from fsstore import _layout, _store
 from fsstore._keys import parse_key
 from fsstore._store import SyncStore
 
@@ -687,3 +690,43 @@ def test_a_deletes_tombstone_is_info_for_check_and_removed_by_gc_once_old(root: 
     time.sleep(1.1)  # gc ages by the later of mtime and ctime: wait, not utime
     gc = fsstore("gc", root, "--older-than", "1s")
     assert gc.returncode == 0 and not tombs[0].exists(), gc.stdout + gc.stderr
+
+
+def test_a_session_a_delete_could_not_move_back_is_kept_and_an_error_for_check(
+    root: Path, store: SyncStore, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The residual of a delete whose lock overlapped (docs/format.md, "Deletes"): it
+    marked the session, a writer finished the delete and made the session anew with a
+    batch, the delete moved that one, and before it could move it back yet another
+    writer made the session again. The moved session is kept in .trash as ``*-orphan``
+    (its batch intact), logged as an error, an error for `check`, never removed by gc."""
+    deleter, other = SyncStore(root), SyncStore(root)
+    monkeypatch.setattr(deleter._locks, "hold", lambda path, op: contextlib.nullcontext())
+    store.append(KEY, [entry(0)])
+    real, armed = _store._marked, []
+
+    def marked(parent: int, name: str, below: str) -> bool:
+        if armed == [1]:  # the deleter's look at what it moved: meanwhile, a session made again
+            armed.append(2)
+            other.append(KEY, [entry(2)])
+        return real(parent, name, below)
+
+    def keep() -> bool:
+        # Between the delete's mark and its move, a writer finishes it and makes the session anew.
+        store.append(KEY, [entry(1)])
+        armed.append(1)
+        return False
+
+    monkeypatch.setattr(_store, "_marked", marked)
+    deleter.delete_unless(KEY, keep)
+    assert armed == [1, 2]
+    monkeypatch.undo()
+    assert SyncStore(root).load(KEY) == [entry(2)]
+    orphans = [p for p in (root / _layout.TRASH).iterdir() if p.name.endswith(_layout.ORPHAN_TAG)]
+    assert len(orphans) == 1 and [json.loads(line) for part in sorted((orphans[0] / "main").glob("*.jsonl"))
+                                  for line in part.read_text().splitlines()] == [entry(1)]
+    assert any(r.levelname == "ERROR" and getattr(r, "code", None) == "DELETE_RACED" for r in caplog.records)
+    check = fsstore("check", root)
+    assert check.returncode != 0 and "orphan" in check.stdout, check.stdout
+    time.sleep(1.1)
+    assert fsstore("gc", root, "--older-than", "1s").returncode == 0 and orphans[0].exists()

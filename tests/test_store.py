@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import hashlib
 import json
@@ -493,6 +494,48 @@ def test_append_racing_delete_leaves_no_half_deleted_session(store: SyncStore, r
     assert store.list_subkeys(KEY) == [] and store.list_sessions(KEY["project_key"]) == []
 
 
+def test_appends_racing_deletes_keep_every_batch_acknowledged_after_the_last_delete(root: Path) -> None:
+    """Writers of the main and a subagent transcript (each its own store, as another
+    host) append while a third deletes the session again and again. Every batch whose
+    append began after the last delete returned is loaded, in order, once; no session
+    is left aside in .trash (what a writer still wrote into a moved directory, never
+    acknowledged, may stay there for `fsstore gc`: TRASH_LEFT)."""
+    stop = threading.Event()
+    began: dict[str, list[tuple[float, int]]] = {"main": [], "sub": []}
+    errors: list[Exception] = []
+
+    def writer(key: dict[str, Any], log_: list[tuple[float, int]]) -> None:
+        w = SyncStore(root, create=True)
+        i = 0
+        try:
+            while not stop.is_set() or i < 400:
+                log_.append((time.monotonic(), i))
+                w.append(key, [entry(i)])
+                i += 1
+        except Exception as exc:  # noqa: BLE001 - collected and asserted below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=writer, args=(KEY, began["main"])),
+               threading.Thread(target=writer, args=(SUB, began["sub"]))]
+    for t in threads:
+        t.start()
+    deleter = SyncStore(root, create=True)
+    for _ in range(30):
+        deleter.delete(KEY)
+        time.sleep(0.003)
+    last_delete = time.monotonic()
+    stop.set()
+    for t in threads:
+        t.join()
+    assert not errors
+    for name, key in (("main", KEY), ("sub", SUB)):
+        after = [entry(i) for at, i in began[name] if at > last_delete]
+        loaded = SyncStore(root).load(key) or []
+        assert after and loaded[-len(after):] == after, name
+        assert len({e["uuid"] for e in loaded}) == len(loaded)
+    assert not [p for p in (root / _layout.TRASH).iterdir() if p.name.endswith(_layout.ORPHAN_TAG)]
+
+
 # -- locking and concurrency ------------------------------------------------------
 
 
@@ -973,8 +1016,11 @@ def test_a_session_deleted_between_a_link_and_its_check_gets_the_batch_anew(
     """The delete lands after the writer linked its part and before its check: the
     delete leaves its marks in .trash (a tombstone), so the check, reading the
     directory it holds, sees the mark; the batch is committed again in the session
-    made anew, never acknowledged inside the trash."""
+    made anew, never acknowledged inside the trash. The deleter's lock overlaps the
+    writer's (a holder past its lease): deletes take the session's lock, so without
+    an overlap the delete would wait for the commit."""
     store, deleter = SyncStore(root, create=True), SyncStore(root, create=True)
+    monkeypatch.setattr(deleter._locks, "hold", lambda path, op: contextlib.nullcontext())
     store.append(KEY, [entry(0)])
     real = _transcript.check
     raced = []
@@ -988,4 +1034,43 @@ def test_a_session_deleted_between_a_link_and_its_check_gets_the_batch_anew(
     monkeypatch.setattr(_transcript, "check", check)
     store.append(KEY, [entry(1)])
     assert raced and SyncStore(root).load(KEY) == [entry(1)]
+    assert trash_left(root) == []
+
+
+def test_a_writer_finishing_a_delete_never_moves_the_session_made_anew(
+    root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A deleter died right after its commit point: the session's ``main/.deleted``
+    (docs/format.md, "Deletes"). The main transcript's writer finds the mark, finishes
+    the delete and makes the session anew with its batch; then a subagent writer's check
+    sees the mark through the old directory it holds. Finishing the delete again must
+    leave the new session alone (it used to move it into .trash: the batch was lost)."""
+    main_w, sub_w = SyncStore(root, create=True), SyncStore(root, create=True)
+    main_w.append(KEY, [entry(0)])
+    sub_w.append(SUB, [entry(1)])
+    (tdir(root, KEY) / ".deleted").touch()
+    real = _transcript.check
+    raced = []
+
+    def check(dir_fd: int, seq: int, marker: str | None) -> Any:
+        if not raced:
+            raced.append(1)
+            main_w.append(KEY, [entry(2)])  # finishes the delete, makes the session anew
+        return real(dir_fd, seq, marker)
+
+    monkeypatch.setattr(_transcript, "check", check)
+    sub_w.append(SUB, [entry(3)])
+    assert raced
+    reader = SyncStore(root)
+    assert reader.load(KEY) == [entry(2)] and reader.load(SUB) == [entry(3)]
+    assert trash_left(root) == []
+
+
+def test_a_session_with_only_subagent_transcripts_is_deleted_whole(root: Path) -> None:
+    store = SyncStore(root, create=True)
+    store.append(SUB, [entry(0)])
+    store.delete(KEY)
+    assert store.load(SUB) is None and store.list_subkeys(KEY) == []
+    assert store.list_sessions(KEY["project_key"]) == []
+    assert not tdir(root, KEY).parent.exists()
     assert trash_left(root) == []
