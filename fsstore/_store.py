@@ -51,6 +51,7 @@ from ._transcript import (
 _LOAD_ATTEMPTS, _OPTIMISTIC_LOADS = READ_ATTEMPTS, UNLOCKED_READS
 # An append whose transcript directory is deleted under it starts over this often.
 _APPEND_ATTEMPTS = 50
+_STALE_VIEW_PAUSE = 1.1  # s: a GlusterFS client's cached lookups (1 s) lapse unused
 
 
 # Transcripts an appending process remembers (validated key, paths, next number).
@@ -353,6 +354,11 @@ class SyncStore:
                     # is visible. Not under our lock: finishing takes the lock of
                     # what it moves (the session's: its main transcript's).
                     self._finish_delete(t.comps, t.path, session=exc.session)
+                    # Where this client still reaches the deleted directory by its path.
+                    with contextlib.suppress(Deleted, FileNotFoundError):
+                        if self._recreate(t, payload):
+                            t.next_seq, t.last_name = 2, _layout.part_name(1)
+                            return
                 except FileNotFoundError:
                     pass  # moved away by a delete before our commit: start over
                 except OSError as exc:
@@ -445,7 +451,8 @@ class SyncStore:
         """Commit the batch as part 1 of the transcript made anew where its directory is
         gone on the server while its path still opens here: another host deleted the
         session and this client answers from a cache (sshfs keeps names 20 s; mkdir
-        there says EEXIST). The missing part of the path is made under a temp name,
+        there says EEXIST; a GlusterFS client keeps reaching the moved directory while
+        it uses it, see _fsio.listed_dir). The missing part of the path is made under a temp name,
         part 1 inside, and renamed over the stale name (a rename reaches the server).
         False if nothing is missing there (the caller starts over)."""
         with self._open_root(create=True, path_only=True) as rfd:
@@ -454,7 +461,7 @@ class SyncStore:
             try:
                 for i, (name, original) in enumerate(t.comps):
                     nfd = os.open(name, _fsio.PATH_FLAGS, dir_fd=fd)
-                    if not _fsio.refresh_listing(nfd):
+                    if _fsio.gone_on_server(self._fs, rfd, fd, name, nfd):
                         os.close(nfd)
                         break  # comps[i] is gone on the server: make comps[i:] anew
                     os.close(fd)
@@ -465,9 +472,14 @@ class SyncStore:
                 with self._locks.hold(t.lock_path, "append") as held:
                     held.check("append")
                     made = self._fs.new_dir(fd, name, original, self._filler(t.comps[i + 1:], payload))
-                    if made:
-                        _check_made(fd, [n for n, _ in t.comps[i:]], t)
-                    return made
+                if made:
+                    _check_made(fd, [n for n, _ in t.comps[i:]], t)
+                elif self._fs.listed_ino_ok:
+                    # Another directory is there on the server, and this client reaches the
+                    # old one: its view lapses once unused (GlusterFS: about 1 s). Not
+                    # touching it meanwhile is what lets it lapse.
+                    time.sleep(_STALE_VIEW_PAUSE)
+                return made
             finally:
                 os.close(fd)
 
@@ -907,15 +919,21 @@ class SyncStore:
         sees the delete (see delete); a move that fails takes the marks back.
         ``finishing``: the marks are someone else's; move only what is marked.
 
-        What the rename moved is checked: one not marked was made anew after the
-        mark (a deleter, or one who finished its delete, stalled past its lock's
-        lease) and is put back. If yet another was made in its place meanwhile, the
+        What the rename moved is checked: one not marked, or (where listings can
+        tell) not the directory marked, was made anew after the mark (a deleter, or
+        one who finished its delete, stalled past its lock's lease, or looked up
+        through a stale client cache) and is put back. If yet another was made in its place meanwhile, the
         one moved stays in ``.trash`` as ``*-orphan``, never removed by gc, an error
         for ``fsstore check`` and in the log.
         """
         trash = self._open(rfd, [(_layout.TRASH, None)], "delete", create=True)
         assert trash is not None
         try:
+            # What the name stands for on the server: what is marked and moved must be
+            # that directory, whatever this client's lookups remember (_fsio.listed_dir).
+            ident = _fsio.listed_dir(self._fs, rfd, parent, name, wait=not finishing)
+            if ident is None:
+                return  # never written, or deleted already
             if finishing:
                 if not _marked(parent, name, mark):
                     return  # finished already: what is there now was made anew
@@ -938,7 +956,10 @@ class SyncStore:
                 if not finishing:
                     self._mark(parent, name, path, mark, undo=True)
                 raise
-            if not _marked(trash, aside, mark):
+            # The rename went by name, to what the server has there: a listing tells
+            # whether that is the directory marked (a lookup may not: a client's
+            # stale entry moves with its rename to the new name).
+            if (ident and _fsio.listed_ino(trash, aside) != ident) or not _marked(trash, aside, mark):
                 self._put_back(trash, aside, parent, name, path)
                 return
             self._fs.sync_dir(parent)

@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from fsstore import _layout, _store
+from fsstore import _layout
 from fsstore._keys import parse_key
 from fsstore._store import SyncStore
 
@@ -703,13 +703,12 @@ def test_a_session_a_delete_could_not_move_back_is_kept_and_an_error_for_check(
     deleter, other = SyncStore(root), SyncStore(root)
     monkeypatch.setattr(deleter._locks, "hold", lambda path, op: contextlib.nullcontext())
     store.append(KEY, [entry(0)])
-    real, armed = _store._marked, []
+    real, armed = SyncStore._put_back, []
 
-    def marked(parent: int, name: str, below: str) -> bool:
-        if armed == [1]:  # the deleter's look at what it moved: meanwhile, a session made again
-            armed.append(2)
-            other.append(KEY, [entry(2)])
-        return real(parent, name, below)
+    def put_back(*args: Any) -> None:
+        armed.append(2)
+        other.append(KEY, [entry(2)])  # meanwhile, yet another writer made the session again
+        real(*args)
 
     def keep() -> bool:
         # Between the delete's mark and its move, a writer finishes it and makes the session anew.
@@ -717,7 +716,7 @@ def test_a_session_a_delete_could_not_move_back_is_kept_and_an_error_for_check(
         armed.append(1)
         return False
 
-    monkeypatch.setattr(_store, "_marked", marked)
+    monkeypatch.setattr(SyncStore, "_put_back", staticmethod(put_back))
     deleter.delete_unless(KEY, keep)
     assert armed == [1, 2]
     monkeypatch.undo()

@@ -53,12 +53,14 @@ def writer(spec: dict[str, Any]) -> dict[str, Any]:
     sizes = spec.get("sizes") or [1 + (wid_hash(wid) + b) % 4 for b in range(spec["batches"])]
     acked: list[list[int]] = []
     failed: list[list[Any]] = []
+    began: dict[int, float] = {}  # when each append was called (time.time())
     codes: collections.Counter[str] = collections.Counter()
     _wait_start(spec)
     deadline = time.monotonic() + spec.get("seconds", 600)
     for b, n in enumerate(sizes):
         if _stopped(spec) or time.monotonic() > deadline:
             break
+        began[b] = time.time()
         try:
             store.append(key, batch(wid, b, n))
         except FsStoreError as exc:
@@ -66,7 +68,7 @@ def writer(spec: dict[str, Any]) -> dict[str, Any]:
             codes[exc.code] += 1
         else:
             acked.append([b, n])
-    return {"acked": acked, "failed": failed, "codes": dict(codes)}
+    return {"acked": acked, "failed": failed, "codes": dict(codes), "began": began}
 
 
 def wid_hash(wid: str) -> int:
@@ -145,7 +147,9 @@ def deleter(spec: dict[str, Any]) -> dict[str, Any]:
             store.delete(key)
         except FsStoreError as exc:
             codes[exc.code] += 1
-    return {"deleted": len(spec["keys"]), "codes": dict(codes)}
+    ended = time.time()
+    time.sleep(spec.get("linger", 0))  # the others go on this long after the last delete
+    return {"deleted": len(spec["keys"]), "codes": dict(codes), "ended": ended}
 
 
 def compactor(spec: dict[str, Any]) -> dict[str, Any]:

@@ -355,8 +355,26 @@ class ThirdMount:
 
 
 @contextlib.contextmanager
-def third_mount(pair: Pair, mnt: Path) -> Iterator[ThirdMount]:
-    """The sshfs export of ``pair`` mounted once more (a third host); gone on exit."""
+def third_mount(pair: Pair, mnt: Path) -> Iterator[ThirdMount | Path]:
+    """The sshfs export (or the GlusterFS volume) of ``pair`` mounted once more (a third
+    host); gone on exit. For GlusterFS, the mount point."""
+    if pair.volume is not None:
+        mnt.mkdir(parents=True, exist_ok=True)
+
+        def unmount() -> None:
+            _unmount_all(mnt)
+
+        CLEANUPS.append(unmount)
+        try:
+            r = _run("mount", "-t", "glusterfs", f"127.0.0.1:/{pair.volume}", str(mnt), timeout=60)
+            if r.returncode != 0:
+                raise RuntimeError(f"mount (third): {r.stdout}{r.stderr}")
+            yield mnt
+        finally:
+            unmount()
+            with contextlib.suppress(ValueError):
+                CLEANUPS.remove(unmount)
+        return
     m = ThirdMount(pair, mnt)
     CLEANUPS.append(m.close)
     try:
