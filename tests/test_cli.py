@@ -18,56 +18,23 @@ from typing import Any
 import pytest
 
 from fsstore import _layout
-from fsstore._keys import parse_key
 from fsstore._store import SyncStore
 
+from ._helpers import (
+    DAY,
+    SUB,
+    P,
+    S,
+    age,
+    age_tree,
+    fsstore,
+    fsstore_json,
+    lock_file,
+    snapshot,
+    tdir,
+    write_jsonl,
+)
 from .conftest import KEY, entry, trash_left
-
-P = KEY["project_key"]  # "-home-user-repo": starts with "-"
-S = KEY["session_id"]
-SUB = {**KEY, "subpath": "subagents/agent-1"}
-DAY = 86400.0
-
-
-def fsstore(*args: object, timeout: float = 60) -> subprocess.CompletedProcess[str]:
-    """Run the CLI exactly as a user would (``python -m fsstore``)."""
-    return subprocess.run(
-        [sys.executable, "-m", "fsstore", *map(str, args)],
-        check=False, capture_output=True, text=True, timeout=timeout,
-    )
-
-
-def fsstore_json(*args: object, rc: int = 0) -> Any:
-    proc = fsstore(*args, "--json")
-    assert proc.returncode == rc, proc.stdout + proc.stderr
-    return json.loads(proc.stdout)
-
-
-def tdir(root: Path, key: dict[str, str]) -> Path:
-    return root / _layout.rel(_layout.transcript_dirs(parse_key(key, "test")))
-
-
-def lock_file(root: Path, key: dict[str, str]) -> Path:
-    """Where the store keeps a transcript's commit lock (``<root>/.locks/<hash>.lock``)."""
-    locks = root / _layout.LOCKS
-    locks.mkdir(parents=True, exist_ok=True)
-    return locks / _layout.lock_name(_layout.transcript_dirs(parse_key(key, "test")))
-
-
-def age(path: Path, seconds: float) -> None:
-    t = time.time() - seconds
-    os.utime(path, (t, t), follow_symlinks=False)
-
-
-def age_tree(path: Path, seconds: float) -> None:
-    for p in [path, *path.rglob("*")]:
-        age(p, seconds)
-
-
-def snapshot(root: Path) -> dict[str, tuple[int, int]]:
-    return {str(p.relative_to(root)): (p.lstat().st_size, p.lstat().st_mtime_ns)
-            for p in root.rglob("*")}
-
 
 # -- usage ---------------------------------------------------------------------------
 
@@ -467,11 +434,6 @@ def test_compact_does_not_paper_over_a_gap(root: Path, store: SyncStore) -> None
 
 
 # -- import and export ---------------------------------------------------------------
-
-
-def write_jsonl(path: Path, entries: list[dict[str, Any]], tail: str = "") -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("".join(json.dumps(e) + "\n" for e in entries) + tail)
 
 
 def test_import_is_idempotent_and_keys_match_the_sdk(root: Path, tmp_path: Path) -> None:

@@ -19,8 +19,8 @@ import pytest
 from fsstore import _layout
 from fsstore._store import SyncStore
 
+from ._helpers import SUB, P, S, fsstore, lock_file, tdir, write_jsonl
 from .conftest import KEY, entry
-from .test_cli import SUB, P, S, fsstore, lock_file, tdir, write_jsonl
 
 TOP = Path(__file__).resolve().parents[1]
 #: Terminal escape sequences: set the window title, clear the screen, colour.

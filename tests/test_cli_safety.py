@@ -22,8 +22,8 @@ import pytest
 from fsstore import _check, _cleanup, _transfer
 from fsstore._store import SyncStore
 
+from ._helpers import DAY, P, S, age, age_tree, fsstore, lock_file, tdir, write_jsonl
 from .conftest import KEY, entry
-from .test_cli import DAY, P, S, age, age_tree, fsstore, lock_file, tdir, write_jsonl
 
 SUB = {**KEY, "subpath": "subagents/a"}
 NOBODY = 65534

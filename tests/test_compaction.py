@@ -18,8 +18,8 @@ import pytest
 from fsstore import FsStoreError, _compact, _layout
 from fsstore._store import SyncStore
 
+from ._helpers import parts_of, tdir
 from .conftest import KEY, entry
-from .test_store import parts_of, tdir
 
 
 def files_of(root: Path) -> list[tuple[int, int]]:

@@ -25,8 +25,8 @@ import pytest
 from fsstore import FsSessionStore, FsStoreError, _layout
 from fsstore._store import SyncStore
 
+from ._helpers import DAY, P, S, age, age_tree, fsstore, lock_file, snapshot, tdir, write_jsonl
 from .conftest import KEY, entry
-from .test_cli import DAY, P, S, age, age_tree, fsstore, lock_file, snapshot, tdir, write_jsonl
 from .test_cli_safety import NOBODY, as_nobody, chown_tree, shared  # noqa: F401 - fixture
 
 #: The nesting depth append accepts (README: "Entries").

@@ -22,25 +22,8 @@ from hypothesis import strategies as st
 from fsstore import FsSessionStore, FsStoreError, _fsio, _layout, _store, _transcript
 from fsstore._store import SyncStore
 
+from ._helpers import SUB, lock_file, parts_of, tdir
 from .conftest import KEY, entry, trash_left
-
-SUB = {**KEY, "subpath": "subagents/agent-1"}
-
-
-def tdir(root: Path, key: dict[str, Any]) -> Path:
-    from fsstore._keys import parse_key
-
-    return root / _layout.rel(_layout.transcript_dirs(parse_key(key, "test")))
-
-
-def lock_file(root: Path, key: dict[str, Any]) -> Path:
-    from fsstore._keys import parse_key
-
-    return root / _layout.LOCKS / _layout.lock_name(_layout.transcript_dirs(parse_key(key, "test")))
-
-
-def parts_of(root: Path, key: dict[str, Any]) -> list[str]:
-    return sorted(p.name for p in tdir(root, key).iterdir() if _layout.parse_item(p.name))
 
 
 def all_files(root: Path) -> list[Path]:

@@ -1,0 +1,74 @@
+"""Helpers shared by the test modules: where the documented on-disk format puts a
+transcript, its parts and its lock (docs/format.md), and the ``fsstore`` command line
+run as a user runs it."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from fsstore import _layout
+from fsstore._keys import parse_key
+
+from .conftest import KEY
+
+P = KEY["project_key"]  # "-home-user-repo": starts with "-"
+S = KEY["session_id"]
+SUB = {**KEY, "subpath": "subagents/agent-1"}
+DAY = 86400.0
+
+
+def tdir(root: Path, key: dict[str, Any]) -> Path:
+    """A transcript's directory."""
+    return root / _layout.rel(_layout.transcript_dirs(parse_key(key, "test")))
+
+
+def lock_file(root: Path, key: dict[str, Any]) -> Path:
+    """Where the store keeps a transcript's commit lock (``<root>/.locks/<hash>.lock``)."""
+    locks = root / _layout.LOCKS
+    locks.mkdir(parents=True, exist_ok=True)
+    return locks / _layout.lock_name(_layout.transcript_dirs(parse_key(key, "test")))
+
+
+def parts_of(root: Path, key: dict[str, Any]) -> list[str]:
+    """The names of a transcript's parts and segments, sorted."""
+    return sorted(p.name for p in tdir(root, key).iterdir() if _layout.parse_item(p.name))
+
+
+def fsstore(*args: object, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    """Run the CLI exactly as a user would (``python -m fsstore``)."""
+    return subprocess.run(
+        [sys.executable, "-m", "fsstore", *map(str, args)],
+        check=False, capture_output=True, text=True, timeout=timeout,
+    )
+
+
+def fsstore_json(*args: object, rc: int = 0) -> Any:
+    proc = fsstore(*args, "--json")
+    assert proc.returncode == rc, proc.stdout + proc.stderr
+    return json.loads(proc.stdout)
+
+
+def age(path: Path, seconds: float) -> None:
+    t = time.time() - seconds
+    os.utime(path, (t, t), follow_symlinks=False)
+
+
+def age_tree(path: Path, seconds: float) -> None:
+    for p in [path, *path.rglob("*")]:
+        age(p, seconds)
+
+
+def snapshot(root: Path) -> dict[str, tuple[int, int]]:
+    return {str(p.relative_to(root)): (p.lstat().st_size, p.lstat().st_mtime_ns)
+            for p in root.rglob("*")}
+
+
+def write_jsonl(path: Path, entries: list[dict[str, Any]], tail: str = "") -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(e) + "\n" for e in entries) + tail)
