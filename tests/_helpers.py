@@ -12,10 +12,13 @@ import time
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from fsstore import _layout
 from fsstore._keys import parse_key
+from fsstore._store import SyncStore
 
-from .conftest import KEY
+from .conftest import KEY, entry
 
 P = KEY["project_key"]  # "-home-user-repo": starts with "-"
 S = KEY["session_id"]
@@ -72,3 +75,31 @@ def snapshot(root: Path) -> dict[str, tuple[int, int]]:
 def write_jsonl(path: Path, entries: list[dict[str, Any]], tail: str = "") -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("".join(json.dumps(e) + "\n" for e in entries) + tail)
+
+
+def fast_writer(root: str, stop: Any) -> None:
+    """Append to KEY, compacting every 4 appends, until ``stop`` is set (a process)."""
+    store = SyncStore(root, create=True, compact_every=4, summaries=False)
+    i = 0
+    while not stop.is_set():
+        store.append(KEY, [entry(100_000 + i)])
+        i += 1
+
+
+def no_lock_taken_twice(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Fail at once where a thread would wait for a transcript lock it holds already
+    (the in-process lock is not reentrant: only a hold taken through ``locked`` on the
+    same store is used again; anything else would wait for itself until LOCK_TIMEOUT)."""
+    import contextlib
+
+    from fsstore import _lock
+
+    real = _lock.Locks.hold
+
+    def hold(self: Any, lock_path: str, operation: str) -> Any:
+        cm = real(self, lock_path, operation)
+        assert isinstance(cm, contextlib.nullcontext) or not self.held_here(lock_path), (
+            f"{operation} waits for its own lock")
+        return cm
+
+    monkeypatch.setattr(_lock.Locks, "hold", hold)

@@ -18,7 +18,7 @@ import pytest
 from fsstore import FsStoreError, _compact, _layout
 from fsstore._store import SyncStore
 
-from ._helpers import parts_of, tdir
+from ._helpers import fast_writer, no_lock_taken_twice, parts_of, tdir
 from .conftest import KEY, entry
 
 
@@ -513,14 +513,6 @@ def test_a_real_gap_is_loaded_with_a_warning_while_appends_go_on(
     assert [r for r in caplog.records if getattr(r, "code", None) == "GAP"]
 
 
-def _fast_writer(root: str, stop: Any) -> None:
-    store = SyncStore(root, create=True, compact_every=4, summaries=False)
-    i = 0
-    while not stop.is_set():
-        store.append(KEY, [entry(100_000 + i)])
-        i += 1
-
-
 def test_a_reader_outpaced_by_compaction_reads_under_the_lock(
     root: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -535,7 +527,7 @@ def test_a_reader_outpaced_by_compaction_reads_under_the_lock(
     monkeypatch.setattr(_store, "_OPTIMISTIC_LOADS", 3)
     ctx = mp.get_context("fork")
     stop = ctx.Event()
-    writers = [ctx.Process(target=_fast_writer, args=(str(root), stop)) for _ in range(3)]
+    writers = [ctx.Process(target=fast_writer, args=(str(root), stop)) for _ in range(3)]
     for w in writers:
         w.start()
     try:
@@ -553,78 +545,6 @@ def test_a_reader_outpaced_by_compaction_reads_under_the_lock(
     assert loads >= 5
 
 
-_DIES_BEFORE_STATE = r'''
-import os, sys
-import fsstore._store as s
-s.write_state = lambda *a, **k: os._exit(9)  # killed right after its commit point
-s.SyncStore(sys.argv[1], create=True, compact_every=0, summaries=False).append(
-    {"project_key": "-home-user-repo", "session_id": sys.argv[2]}, [{"uuid": sys.argv[3]}])
-'''
-
-
-def test_check_reports_the_leftovers_of_an_interrupted_compaction(
-    root: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    from fsstore import _check
-
-    store = SyncStore(root, create=True, compact_every=0)
-    for i in range(4):
-        store.append(KEY, [entry(i)])
-    monkeypatch.setattr(_compact, "_remove_covered", lambda *a: None)  # killed before step 6
-    store.compact(KEY)
-    monkeypatch.undo()
-    problems = _check.check(str(root)).problems
-    assert sorted(p.kind for p in problems) == ["leftover"] * 4
-    assert store.load(KEY) == [entry(i) for i in range(4)]
-
-
-def test_check_next_to_a_writer_compacting_faster_than_it_reads_finds_nothing(root: Path) -> None:
-    """`fsstore check` lists and reads every file of a transcript; a writer compacting
-    every few appends can change each listing before check has read it. Check looks
-    under the transcript lock once it has lost a few times (it used to give up after
-    20 and report a merged file as unreadable)."""
-    from fsstore import _check
-
-    seed = SyncStore(root, create=True, compact_every=0, summaries=False)
-    for i in range(1000):
-        seed.append(KEY, [entry(i)])
-    ctx = mp.get_context("fork")
-    stop = ctx.Event()
-    writer = ctx.Process(target=_fast_writer, args=(str(root), stop))
-    writer.start()
-    try:
-        runs, bad = 0, []
-        deadline = time.monotonic() + 5
-        while time.monotonic() < deadline:
-            runs += 1
-            bad += [p for p in _check.check(str(root)).problems if p.severity != "info"]
-    finally:
-        stop.set()
-        writer.join(30)
-    assert writer.exitcode == 0
-    assert bad == [], f"{len(bad)} problems in {runs} checks: {bad[:3]}"
-    assert runs > 5
-
-
-def _no_lock_taken_twice(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Fail at once where a thread would wait for a transcript lock it holds already
-    (the in-process lock is not reentrant: only a hold taken through ``locked`` on the
-    same store is used again; anything else would wait for itself until LOCK_TIMEOUT)."""
-    import contextlib
-
-    from fsstore import _lock
-
-    real = _lock.Locks.hold
-
-    def hold(self: Any, lock_path: str, operation: str) -> Any:
-        cm = real(self, lock_path, operation)
-        assert isinstance(cm, contextlib.nullcontext) or not self.held_here(lock_path), (
-            f"{operation} waits for its own lock")
-        return cm
-
-    monkeypatch.setattr(_lock.Locks, "hold", hold)
-
-
 @pytest.mark.parametrize("api", ["sync", "async"])
 def test_a_damaged_transcript_loaded_under_its_own_lock_does_not_wait_for_it(
     root: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, api: str
@@ -640,7 +560,7 @@ def test_a_damaged_transcript_loaded_under_its_own_lock_does_not_wait_for_it(
     for i in range(4):
         store.append(KEY, [entry(i)])
     (tdir(root, KEY) / _layout.part_name(2)).unlink()
-    _no_lock_taken_twice(monkeypatch)
+    no_lock_taken_twice(monkeypatch)
     if api == "sync":
         with store.locked(KEY):
             got = store.load(KEY)
@@ -654,25 +574,6 @@ def test_a_damaged_transcript_loaded_under_its_own_lock_does_not_wait_for_it(
         got = anyio.run(main)
     assert got == [entry(0), entry(2), entry(3)]
     assert [r for r in caplog.records if getattr(r, "code", None) == "GAP"]
-
-
-def test_prune_of_an_old_damaged_session_does_not_wait_for_its_own_locks(
-    root: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """prune looks at a session again under its locks; a gap there (a settled
-    listing) must not make it ask for those locks again."""
-    from fsstore import _cleanup
-
-    store = SyncStore(root, create=True, compact_every=0)
-    for i in range(4):
-        store.append(KEY, [entry(i)])
-    (tdir(root, KEY) / _layout.part_name(2)).unlink()
-    old = time.time() - 40 * 86400
-    for p in tdir(root, KEY).iterdir():
-        os.utime(p, (old, old))
-    _no_lock_taken_twice(monkeypatch)
-    actions, looked = _cleanup.prune(str(root), older_than=30 * 86400)
-    assert looked == 1 and len(actions) == 1, actions
 
 
 @pytest.mark.parametrize("compacted", [False, True], ids=["parts", "a segment"])
