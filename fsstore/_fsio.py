@@ -593,7 +593,10 @@ def listings_number_alike(fs: Fs, root_fd: int) -> bool:
     on the store's ``projects`` directory, which is never replaced): true on local
     disks, NFS and GlusterFS; not on sshfs or overlayfs."""
     if fs.listed_ino_ok is None:
-        fs.listed_ino_ok = listed_ino(root_fd, "projects") == looked_up_ino(root_fd, "projects")
+        listed, looked = listed_ino(root_fd, "projects"), looked_up_ino(root_fd, "projects")
+        if listed is None or looked is None:
+            return False  # nothing to learn from yet
+        fs.listed_ino_ok = listed == looked
     return fs.listed_ino_ok
 
 
