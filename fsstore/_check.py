@@ -157,8 +157,8 @@ _WHAT = {"temp": "temp file", "trash": ".trash entry", "lock-recovery": "lock re
 
 def _garbage_problem(g: Garbage, older_than: float) -> Problem:
     if g.kind == "orphan":
-        return Problem("error", "orphan", g.path, "a transcript a delete moved by mistake (made anew "
-                       "after the delete's mark) and could not move back: its batches are in no "
+        return Problem("error", "orphan", g.path, "a transcript a delete moved by mistake (not marked, "
+                       "or seen through a stale client cache) and could not move back: its batches are in no "
                        "load; fsstore gc keeps it (docs/operations.md: Deletes that raced)")
     what = "temp directory" if g.kind == "temp" and g.is_dir else _WHAT[g.kind]
     if g.kind in ("fuse-hidden", "tomb"):  # never damage: left on purpose

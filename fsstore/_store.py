@@ -956,10 +956,12 @@ class SyncStore:
                 if not finishing:
                     self._mark(parent, name, path, mark, undo=True)
                 raise
-            # The rename went by name, to what the server has there: a listing tells
-            # whether that is the directory marked (a lookup may not: a client's
-            # stale entry moves with its rename to the new name).
-            if (ident and _fsio.listed_ino(trash, aside) != ident) or not _marked(trash, aside, mark):
+            # The rename went by name, to what the server has there. Marked (by us, or
+            # made anew and deleted again), it is a committed delete; else put back. A
+            # mark is believed only through a lookup that agrees with the listing: a
+            # client's stale entry moves with its rename to the new name (GlusterFS).
+            agrees = not ident or _fsio.listed_ino(trash, aside) == _fsio.looked_up_ino(trash, aside)
+            if not (agrees and _marked(trash, aside, mark)):
                 self._put_back(trash, aside, parent, name, path)
                 return
             self._fs.sync_dir(parent)
