@@ -17,10 +17,12 @@ transcript directory:
 
 from __future__ import annotations
 
+import errno
 import hashlib
+import os
 import re
 
-from . import _keys
+from . import _fsio, _keys
 from ._keys import TranscriptKey
 
 PROJECTS = "projects"
@@ -100,3 +102,30 @@ def parse_item(name: str) -> tuple[int, int] | None:
     first = int(m.group(1))
     last = int(m.group(2)) if m.group(2) else first
     return (first, last) if first >= 1 and last >= first else None
+
+
+def decode_entry(parent_fd: int, entry: os.DirEntry[str]) -> str | None:
+    """The key part a directory entry stands for; None for anything not ours.
+
+    Hashed names are decoded from their ``.key`` file, which must encode back to
+    the name; store-internal names (starting with ``.``) and non-directories are
+    not keys.
+    """
+    name = entry.name
+    if name.startswith(".") or not _fsio.is_dir_entry(entry):
+        return None
+    if not _keys.is_hashed(name):
+        return _keys.decode(name)
+    try:
+        fd = os.open(name, _fsio.DIR_FLAGS, dir_fd=parent_fd)
+        try:
+            original = _fsio.read_file(fd, _fsio.KEY_FILE).decode("utf-8")
+        finally:
+            os.close(fd)
+    except (FileNotFoundError, NotADirectoryError, _fsio.NotAFile, UnicodeDecodeError):
+        return None  # vanished meanwhile, or not a directory/.key fsstore made
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            return None  # a symlink: never ours
+        raise
+    return original if _keys.matches(name, original) else None

@@ -19,7 +19,7 @@ import time
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
-from . import _compact, _fsio, _keys, _layout, _summaries
+from . import _compact, _delete, _fsio, _keys, _layout, _summaries
 from ._errors import FsStoreError, log, translating
 from ._fsio import Fs
 from ._keys import TranscriptKey
@@ -77,47 +77,10 @@ class _Appending:
     last_name: str | None = None
 
 
-def decode_entry(parent_fd: int, entry: os.DirEntry[str]) -> str | None:
-    """The key part a directory entry stands for; None for anything not ours.
-
-    Hashed names are decoded from their ``.key`` file, which must encode back to
-    the name; store-internal names (starting with ``.``) and non-directories are
-    not keys.
-    """
-    name = entry.name
-    if name.startswith(".") or not _fsio.is_dir_entry(entry):
-        return None
-    if not _keys.is_hashed(name):
-        return _keys.decode(name)
-    try:
-        fd = os.open(name, _fsio.DIR_FLAGS, dir_fd=parent_fd)
-        try:
-            original = _fsio.read_file(fd, _fsio.KEY_FILE).decode("utf-8")
-        finally:
-            os.close(fd)
-    except (FileNotFoundError, NotADirectoryError, _fsio.NotAFile, UnicodeDecodeError):
-        return None  # vanished meanwhile, or not a directory/.key fsstore made
-    except OSError as exc:
-        if exc.errno == errno.ELOOP:
-            return None  # a symlink: never ours
-        raise
-    return original if _keys.matches(name, original) else None
-
-
 def _last_of(items: list[Item]) -> tuple[int, str | None]:
     """One above the highest number of a listing, and the name of a file holding it."""
     last = max(items, key=lambda it: it[1], default=None)
     return (1, None) if last is None else (last[1] + 1, last[2])
-
-
-def _marked(parent: int, name: str, below: str) -> bool:
-    """Whether ``parent/name`` (``below``: its ``main``) holds a ``.deleted`` mark;
-    False where that cannot be told (the caller then leaves the directory where it is)."""
-    rel = f"{name}/{below}/{_layout.DELETED}" if below else f"{name}/{_layout.DELETED}"
-    try:
-        return _fsio.exists(parent, rel)
-    except OSError:
-        return False
 
 
 def _check_made(fd: int, names: list[str], t: _Appending) -> None:
@@ -353,7 +316,7 @@ class SyncStore:
                     # have died) and start over in a new directory. Nothing of ours
                     # is visible. Not under our lock: finishing takes the lock of
                     # what it moves (the session's: its main transcript's).
-                    self._finish_delete(t.comps, t.path, session=exc.session)
+                    _delete.finish(self, t.comps, t.path, session=exc.session)
                     # Where this client still reaches the deleted directory by its path.
                     with contextlib.suppress(Deleted, FileNotFoundError):
                         if self._recreate(t, payload):
@@ -551,23 +514,6 @@ class SyncStore:
             return None
         return self._fold, {"project_key": tk.project_key, "session_id": tk.session_id}
 
-    def _finish_delete(self, comps: list[Component], path: str, *, session: bool) -> None:
-        """Move a marked transcript into the trash, or its whole session where the
-        main transcript is marked (only a session delete marks it; ``session``: a
-        subagent transcript saw that marker). Whoever finds a marked transcript
-        does this: its deleter may have died between mark and move. Called holding
-        no transcript lock (it takes the lock of what it moves)."""
-        if comps[-1][0] == _layout.MAIN and len(comps) == 5:
-            comps, mark = comps[:-1], _layout.MAIN  # <S>/main -> <S>
-        elif session:
-            comps, mark = comps[:-2], _layout.MAIN  # <S>/subkeys/<SP> -> <S>
-        else:
-            mark = ""
-        try:
-            self._remove(comps, path, mark, "delete", None, finishing=True)
-        except (OSError, FsStoreError) as exc:  # a read-only mount: the delete stays marked
-            log.debug("could not finish a marked delete: %s", exc)
-
     # -- load ----------------------------------------------------------------------
 
     def load(self, key: Mapping[str, Any]) -> list[Any] | None:
@@ -647,7 +593,7 @@ class SyncStore:
             # A delete is committed once marked. Seen under the transcript's lock, its
             # deleter may have died: finish it (deleters hold the lock of what they move).
             if locked:
-                self._finish_delete(comps, path, session=marked.session)
+                _delete.finish(self, comps, path, session=marked.session)
             return None
 
     def _hold_for_reading(self, guard: contextlib.ExitStack, comps: list[Component]) -> bool:
@@ -720,7 +666,7 @@ class SyncStore:
                         if own(name):
                             if is_dir(entry):
                                 add((name, name))
-                        elif (part := decode_entry(pfd, entry)) is not None:
+                        elif (part := _layout.decode_entry(pfd, entry)) is not None:
                             add((name, part))
                 yield pfd, children
             finally:
@@ -808,7 +754,7 @@ class SyncStore:
         Each transcript directory is marked (``.deleted``) before the session is moved
         into ``.trash`` in one rename and removed there: a reader on any host sees the
         whole transcript or None, and an append that was not yet committed starts
-        over in a new directory.
+        over in a new directory (:mod:`fsstore._delete`).
         """
         self.delete_unless(key, None)
 
@@ -825,76 +771,9 @@ class SyncStore:
         path = self._path(comps)
         with translating(op, path):
             try:
-                self._remove(comps, path, _layout.MAIN if tk.subpath is None else "", op, keep)
+                _delete.remove(self, comps, path, _layout.MAIN if tk.subpath is None else "", op, keep)
             finally:
                 self._forget(tk)
-
-    def _remove(
-        self, comps: list[Component], path: str, mark: str, op: str,
-        keep: Callable[[], bool] | None, *, finishing: bool = False,
-    ) -> None:
-        """Delete the session (``mark="main"``) or transcript (``mark=""``) at ``comps``
-        under the lock of its main transcript (or its own): :meth:`_move_to_trash`.
-
-        The lock serializes the deleters, and whoever finishes a delete, with the
-        writers that make the session (or transcript) anew: so what a delete moves is
-        what it marked. Correctness does not rest on it (see _move_to_trash)."""
-        lock_comps = [*comps, (_layout.MAIN, None)] if mark else comps
-        with self._open_root(create=False) as rfd:
-            if rfd is None:
-                return
-            parent = self._open(rfd, comps[:-1], op)
-            if parent is None:
-                return
-            try:
-                with self._locks.hold(self._lock_path(_layout.lock_name(lock_comps), op), op):
-                    self._move_to_trash(rfd, parent, comps[-1][0], path, mark, keep, finishing=finishing)
-            finally:
-                os.close(parent)
-
-    def _mark(self, parent: int, name: str, path: str, below: str, *, undo: bool = False) -> None:
-        """Create (``undo``: remove) ``.deleted`` in the transcript directory
-        ``parent/name`` (``below=""``), or for a session in ``parent/name/main`` first
-        (the commit point of a session delete: its subagent transcripts look there
-        too; made for the mark in a session without a main transcript), then in each
-        of its subagent transcripts."""
-        base = path.rsplit("/", 1)[0]
-        if below:
-            top = self._fs.open_dir(parent, [(name, None)], create=False, base_path=base,
-                                    operation="delete")
-            if top is None:
-                return
-            try:
-                if undo:  # a main made for the mark goes with it (one with parts stays)
-                    self._mark_dirs(parent, name, base, below, undo=True)
-                    with contextlib.suppress(OSError):
-                        os.rmdir(below, dir_fd=top)
-                    return
-                made = self._fs.open_dir(top, [(below, None)], create=True, base_path=path,
-                                         operation="delete")
-                assert made is not None
-                os.close(made)
-            finally:
-                os.close(top)
-        self._mark_dirs(parent, name, base, below, undo=undo)
-
-    def _mark_dirs(self, parent: int, name: str, base: str, below: str, *, undo: bool) -> None:
-        dirs = [[name]] if not below else [[name, below]] + [
-            [name, _layout.SUBKEYS, sp]
-            for sp in self._fs.subdirs_beneath(parent, [name, _layout.SUBKEYS], base, "delete")]
-        for names in dirs:
-            tfd = self._fs.open_dir(parent, [(n, None) for n in names], create=False,
-                                    base_path=base, operation="delete")
-            if tfd is None:
-                continue
-            try:
-                if undo:
-                    _fsio.unlink_quiet(tfd, _layout.DELETED)
-                else:
-                    with contextlib.suppress(FileNotFoundError):  # removed meanwhile
-                        self._fs.mark(tfd, _layout.DELETED)
-            finally:
-                os.close(tfd)
 
     def _forget(self, tk: TranscriptKey) -> None:
         """Drop what appends remember of a deleted session (or subagent transcript).
@@ -906,102 +785,6 @@ class SyncStore:
             for ident in [i for i in self._appending if i[:2] == (tk.project_key, tk.session_id)
                           and (tk.subpath is None or i[2] == tk.subpath)]:
                 del self._appending[ident]
-
-    def _move_to_trash(
-        self, rfd: int, parent: int, name: str, path: str, mark: str,
-        keep: Callable[[], bool] | None, *, finishing: bool,
-    ) -> None:
-        """Mark, then rename ``parent/name`` into ``.trash`` (atomic), then remove it there.
-
-        ``mark``: ``""`` where ``name`` is a transcript directory, ``"main"`` where it
-        is a session. The transcripts are marked ``.deleted`` first, so that a reader
-        holding a directory open, or a client whose cache still shows the old path,
-        sees the delete (see delete); a move that fails takes the marks back.
-        ``finishing``: the marks are someone else's; move only what is marked.
-
-        What the rename moved is checked: one not marked, or (where listings can
-        tell) not the directory marked, was made anew after the mark (a deleter, or
-        one who finished its delete, stalled past its lock's lease, or looked up
-        through a stale client cache) and is put back. If yet another was made in its place meanwhile, the
-        one moved stays in ``.trash`` as ``*-orphan``, never removed by gc, an error
-        for ``fsstore check`` and in the log.
-        """
-        trash = self._open(rfd, [(_layout.TRASH, None)], "delete", create=True)
-        assert trash is not None
-        try:
-            # What the name stands for on the server: what is marked and moved must be
-            # that directory, whatever this client's lookups remember (_fsio.listed_dir).
-            ident = _fsio.listed_dir(self._fs, rfd, parent, name, wait=not finishing)
-            if ident is None:
-                return  # never written, or deleted already
-            if finishing:
-                if not _marked(parent, name, mark):
-                    return  # finished already: what is there now was made anew
-            else:
-                self._mark(parent, name, path, mark)
-                try:
-                    kept = keep is not None and keep()
-                except BaseException:
-                    self._mark(parent, name, path, mark, undo=True)
-                    raise
-                if kept:
-                    self._mark(parent, name, path, mark, undo=True)
-                    return
-            aside = _fsio.temp_name("-deleted")
-            try:
-                os.rename(name, aside, src_dir_fd=parent, dst_dir_fd=trash)
-            except FileNotFoundError:
-                return  # never written, or deleted already: not an error
-            except OSError:
-                if not finishing:
-                    self._mark(parent, name, path, mark, undo=True)
-                raise
-            # The rename went by name, to what the server has there. Marked (by us, or
-            # made anew and deleted again), it is a committed delete; else put back. A
-            # mark is believed only through a lookup that agrees with the listing: a
-            # client's stale entry moves with its rename to the new name (GlusterFS).
-            agrees = not ident or _fsio.listed_ino(trash, aside) == _fsio.looked_up_ino(trash, aside)
-            if not (agrees and _marked(trash, aside, mark)):
-                self._put_back(trash, aside, parent, name, path)
-                return
-            self._fs.sync_dir(parent)
-            try:
-                # Everything but the marks: a writer whose client still resolves the old
-                # path (GlusterFS for its 1 s entry cache, NFS) or holds the directory
-                # open can still link a part into it; its check must still see the
-                # mark. What is left (a tombstone) is removed by `fsstore gc` once old.
-                if _fsio.empty_tree(trash, aside, _layout.DELETED):
-                    os.rename(aside, _fsio.temp_name(_layout.TOMB_TAG), src_dir_fd=trash, dst_dir_fd=trash)
-                else:
-                    _fsio.remove_tree(trash, aside)
-            except OSError as exc:
-                # The transcript is already gone from every reader's view; what is left
-                # in .trash (e.g. a racing writer's file) is removed by `fsstore gc`.
-                log.warning("leftovers in .trash: %s", exc, extra={
-                    "code": "TRASH_LEFT", "operation": "delete", "path": path})
-        finally:
-            os.close(trash)
-
-    @staticmethod
-    def _put_back(trash: int, aside: str, parent: int, name: str, path: str) -> None:
-        """Move back a directory a delete moved that was not the one it marked (see
-        _move_to_trash): its batches were never the delete's to remove."""
-        try:
-            # Replaces only an empty directory (a writer's mkdir before its first
-            # commit into it: that commit then fails in the replaced one, and retries).
-            os.rename(aside, name, src_dir_fd=trash, dst_dir_fd=parent)
-        except OSError as exc:
-            orphan = _fsio.temp_name(_layout.ORPHAN_TAG)
-            with contextlib.suppress(OSError):
-                os.rename(aside, orphan, src_dir_fd=trash, dst_dir_fd=trash)
-                aside = orphan
-            log.error("a delete moved a transcript made anew after its mark and could not move "
-                      "it back (%s): its batches are in .trash/%s, in no load; see "
-                      "docs/operations.md", exc.strerror, aside, extra={
-                          "code": "DELETE_RACED", "operation": "delete", "path": path})
-            return
-        log.warning("a delete moved a transcript made anew after its mark; moved back",
-                    extra={"code": "DELETE_RACED", "operation": "delete", "path": path})
 
     # -- maintenance ---------------------------------------------------------------
 

@@ -43,7 +43,7 @@ from typing import Any
 from . import _fsio, _keys, _layout
 from ._errors import FsStoreError
 from ._keys import TranscriptKey
-from ._store import SyncStore, decode_entry
+from ._store import SyncStore
 from ._transcript import READ_ATTEMPTS, UNLOCKED_READS, Damage, Item, Snapshot, snapshot
 
 #: ``progress(done, total)``: called as a walk advances (the CLI draws a bar).
@@ -384,7 +384,7 @@ class Walker:
         """The key part a directory name stands for; a problem and None if it has none."""
         path = self.path((*comps, entry.name))
         try:
-            part = decode_entry(parent_fd, entry)
+            part = _layout.decode_entry(parent_fd, entry)
         except OSError as exc:
             self.problems += unreadable(f"{path}/{_fsio.KEY_FILE}", "cannot read", exc)
             return None

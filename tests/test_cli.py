@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from fsstore import _layout
+from fsstore import FsStoreError, _delete, _layout
 from fsstore._store import SyncStore
 
 from ._helpers import (
@@ -654,36 +654,68 @@ def test_a_deletes_tombstone_is_info_for_check_and_removed_by_gc_once_old(root: 
     assert gc.returncode == 0 and not tombs[0].exists(), gc.stdout + gc.stderr
 
 
-def test_a_session_a_delete_could_not_move_back_is_kept_and_an_error_for_check(
-    root: Path, store: SyncStore, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
-) -> None:
-    """The residual of a delete whose lock overlapped (docs/format.md, "Deletes"): it
-    marked the session, a writer finished the delete and made the session anew with a
-    batch, the delete moved that one, and before it could move it back yet another
-    writer made the session again. The moved session is kept in .trash as ``*-orphan``
-    (its batch intact), logged as an error, an error for `check`, never removed by gc."""
-    deleter, other = SyncStore(root), SyncStore(root)
-    monkeypatch.setattr(deleter._locks, "hold", lambda path, op: contextlib.nullcontext())
+def _delete_racing_two_remakes(root: Path, store: SyncStore, deleter: SyncStore,
+                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """A delete whose lock overlapped (docs/format.md, "Deletes"): it marks the session,
+    a writer finishes the delete and makes the session anew with a batch, the delete
+    moves that one, and before it can move it back yet another writer makes the
+    session again."""
+    other = SyncStore(root)
+    hold = deleter._locks.hold  # the delete's own lock overtaken; its appends lock as always
+    monkeypatch.setattr(deleter._locks, "hold",
+                        lambda path, op: contextlib.nullcontext() if op == "delete" else hold(path, op))
     store.append(KEY, [entry(0)])
-    real, armed = SyncStore._put_back, []
+    real, armed = _delete._put_back, []
 
-    def put_back(*args: Any) -> None:
+    def put_back(*args: Any) -> str | None:
         armed.append(2)
         other.append(KEY, [entry(2)])  # meanwhile, yet another writer made the session again
-        real(*args)
+        return real(*args)
 
     def keep() -> bool:
-        # Between the delete's mark and its move, a writer finishes it and makes the session anew.
-        store.append(KEY, [entry(1)])
+        store.append(KEY, [entry(1)])  # between the mark and the move: finished and made anew
         armed.append(1)
         return False
 
-    monkeypatch.setattr(SyncStore, "_put_back", staticmethod(put_back))
+    monkeypatch.setattr(_delete, "_put_back", put_back)
     deleter.delete_unless(KEY, keep)
     assert armed == [1, 2]
     monkeypatch.undo()
+
+
+def _orphans(root: Path) -> list[Path]:
+    return [p for p in (root / _layout.TRASH).iterdir() if p.name.endswith(_layout.ORPHAN_TAG)]
+
+
+def test_a_session_a_delete_could_not_move_back_is_merged_into_the_one_made_since(
+    root: Path, store: SyncStore, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The session moved by mistake cannot go back (another is at its name): its batch
+    is appended to the one made since, nothing is left in .trash, `check` is clean."""
+    _delete_racing_two_remakes(root, store, SyncStore(root), monkeypatch)
+    assert SyncStore(root).load(KEY) == [entry(2), entry(1)]
+    assert _orphans(root) == []
+    raced = [r for r in caplog.records if getattr(r, "code", None) == "DELETE_RACED"]
+    assert raced and all(r.levelname == "WARNING" for r in raced)
+    check = fsstore("check", root)
+    assert check.returncode == 0, check.stdout
+
+
+def test_a_session_a_delete_could_neither_move_back_nor_merge_is_kept_and_an_error_for_check(
+    root: Path, store: SyncStore, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Where the merge fails too (here its append), the moved session stays in .trash
+    as ``*-orphan`` with its batch intact: logged as an error, an error for `check`,
+    never removed by gc."""
+    deleter = SyncStore(root)
+
+    def failing_append(key: Any, entries: Any) -> None:
+        raise FsStoreError("EIO", "injected", operation="append", path="-")
+
+    monkeypatch.setattr(deleter, "append", failing_append)
+    _delete_racing_two_remakes(root, store, deleter, monkeypatch)
     assert SyncStore(root).load(KEY) == [entry(2)]
-    orphans = [p for p in (root / _layout.TRASH).iterdir() if p.name.endswith(_layout.ORPHAN_TAG)]
+    orphans = _orphans(root)
     assert len(orphans) == 1 and [json.loads(line) for part in sorted((orphans[0] / "main").glob("*.jsonl"))
                                   for line in part.read_text().splitlines()] == [entry(1)]
     assert any(r.levelname == "ERROR" and getattr(r, "code", None) == "DELETE_RACED" for r in caplog.records)

@@ -1,0 +1,298 @@
+"""Deletes: a session (its main and subagent transcripts) or one subagent transcript.
+
+A delete, holding the lock of what it moves (a session's: its main transcript's):
+
+1. identifies the directory by a listing of its parent (:func:`_fsio.listed_dir`:
+   the server's inode for the name, whatever this client's lookups remember);
+2. marks it: ``.deleted`` in ``main/`` first (the commit point of a session delete:
+   subagent transcripts look there too; made for the mark where the session has no
+   main transcript), then in each subagent transcript. From here the delete is
+   committed: whoever finds a mark under the lock finishes it (its deleter may have
+   died). A reader holding the directory open, or reaching it through a stale client
+   cache, sees the mark: whole transcript or None;
+3. renames it into ``.trash`` (one atomic rename: every reader on every host sees it
+   gone at once);
+4. checks what the rename moved: the rename went by name, so a deleter whose lock
+   was overtaken (stalled past its lease, a clock ahead) can move a session another
+   writer finished the delete of and made anew. What is not marked, or not the
+   directory listed (where listings can tell), is put back. If yet another session
+   was made at the name meanwhile, the one moved cannot go back: its batches are
+   appended to the one made since (:func:`_merge_back`), so nothing acknowledged
+   leaves the loads; only where that fails it stays as ``.trash/*-orphan`` (an error
+   in the log and for ``fsstore check``, never removed by gc);
+5. empties it there, keeping the marks (a tombstone ``.trash/*-tomb``: a writer whose
+   client still reaches the old path sees the delete; ``fsstore gc`` removes it once
+   old).
+
+Crash table: before 2, nothing happened; after 2, the next writer or reader under
+the lock finishes it (and ``fsstore prune`` takes its marks back where its last look
+says keep); after 3, what is left in ``.trash`` is garbage for ``fsstore gc``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from . import _fsio, _keys, _layout
+from ._errors import FsStoreError, log
+from ._layout import Component
+from ._transcript import read_snapshot
+
+if TYPE_CHECKING:
+    from ._store import SyncStore
+
+
+def remove(
+    store: SyncStore, comps: list[Component], path: str, mark: str, op: str,
+    keep: Callable[[], bool] | None, *, finishing: bool = False,
+) -> None:
+    """Delete the session (``mark="main"``) or transcript (``mark=""``) at ``comps``
+    under the lock of its main transcript (or its own): see the module docstring.
+    ``keep`` is asked after the marks and before the move: True takes the marks back
+    (``fsstore prune``'s last look). ``finishing``: the marks are someone else's.
+
+    The lock serializes the deleters, and whoever finishes a delete, with the writers
+    that make the session (or transcript) anew: so what a delete moves is what it
+    marked. Correctness does not rest on it (step 4)."""
+    lock_comps = [*comps, (_layout.MAIN, None)] if mark else comps
+    with store._open_root(create=False) as rfd:
+        if rfd is None:
+            return
+        parent = store._open(rfd, comps[:-1], op)
+        if parent is None:
+            return
+        try:
+            with store._locks.hold(store._lock_path(_layout.lock_name(lock_comps), op), op):
+                orphan = _move_to_trash(store, rfd, parent, comps[-1][0], path, mark, keep,
+                                        finishing=finishing)
+        finally:
+            os.close(parent)
+    if orphan is not None:  # not under the lock: appending takes the locks it needs
+        _merge_back(store, orphan, comps, mark, path)
+
+
+def finish(store: SyncStore, comps: list[Component], path: str, *, session: bool) -> None:
+    """Move a marked transcript into the trash, or its whole session where the main
+    transcript is marked (``session``: a subagent transcript saw that mark). Called
+    by whoever finds a mark, holding no transcript lock."""
+    if comps[-1][0] == _layout.MAIN and len(comps) == 5:
+        comps, mark = comps[:-1], _layout.MAIN  # <S>/main -> <S>
+    elif session:
+        comps, mark = comps[:-2], _layout.MAIN  # <S>/subkeys/<SP> -> <S>
+    else:
+        mark = ""
+    try:
+        remove(store, comps, path, mark, "delete", None, finishing=True)
+    except (OSError, FsStoreError) as exc:  # a read-only mount: the delete stays marked
+        log.debug("could not finish a marked delete: %s", exc)
+
+
+def marked(parent: int, name: str, below: str) -> bool:
+    """Whether ``parent/name`` (``below``: its ``main``) holds a ``.deleted`` mark;
+    False where that cannot be told (the caller then leaves the directory where it is)."""
+    rel = f"{name}/{below}/{_layout.DELETED}" if below else f"{name}/{_layout.DELETED}"
+    try:
+        return _fsio.exists(parent, rel)
+    except OSError:
+        return False
+
+
+def _move_to_trash(
+    store: SyncStore, rfd: int, parent: int, name: str, path: str, mark: str,
+    keep: Callable[[], bool] | None, *, finishing: bool,
+) -> str | None:
+    """Steps 1 to 5 for ``parent/name``; the name of an orphan left in ``.trash``
+    (step 4: to be merged back), else None."""
+    trash = store._open(rfd, [(_layout.TRASH, None)], "delete", create=True)
+    assert trash is not None
+    try:
+        ident = _fsio.listed_dir(store._fs, rfd, parent, name, wait=not finishing)
+        if ident is None:
+            return None  # never written, or deleted already
+        if finishing:
+            if not marked(parent, name, mark):
+                return None  # finished already: what is there now was made anew
+        else:
+            _mark(store, parent, name, path, mark)
+            try:
+                kept = keep is not None and keep()
+            except BaseException:
+                _mark(store, parent, name, path, mark, undo=True)
+                raise
+            if kept:
+                _mark(store, parent, name, path, mark, undo=True)
+                return None
+        aside = _fsio.temp_name("-deleted")
+        try:
+            os.rename(name, aside, src_dir_fd=parent, dst_dir_fd=trash)
+        except FileNotFoundError:
+            return None  # never written, or deleted already: not an error
+        except OSError:
+            if not finishing:
+                _mark(store, parent, name, path, mark, undo=True)
+            raise
+        # Marked (by us, or made anew and deleted again), it is a committed delete;
+        # else put back. A mark is believed only through a lookup that agrees with the
+        # listing: a client's stale entry moves with its rename to the new name (GlusterFS).
+        agrees = not ident or _fsio.listed_ino(trash, aside) == _fsio.looked_up_ino(trash, aside)
+        if not (agrees and marked(trash, aside, mark)):
+            return _put_back(trash, aside, parent, name, path)
+        store._fs.sync_dir(parent)
+        try:
+            # Everything but the marks (step 5).
+            if _fsio.empty_tree(trash, aside, _layout.DELETED):
+                os.rename(aside, _fsio.temp_name(_layout.TOMB_TAG), src_dir_fd=trash, dst_dir_fd=trash)
+            else:
+                _fsio.remove_tree(trash, aside)
+        except OSError as exc:
+            # Gone from every reader's view already; what is left in .trash (e.g. a
+            # racing writer's file) is removed by `fsstore gc`.
+            log.warning("leftovers in .trash: %s", exc, extra={
+                "code": "TRASH_LEFT", "operation": "delete", "path": path})
+        return None
+    finally:
+        os.close(trash)
+
+
+def _put_back(trash: int, aside: str, parent: int, name: str, path: str) -> str | None:
+    """Move back a directory a delete moved that was not the one it marked; where
+    another is at the name now, rename it to an orphan name and return that."""
+    try:
+        # Replaces only an empty directory (a writer's mkdir before its first commit
+        # into it: that commit then fails in the replaced one, and retries).
+        os.rename(aside, name, src_dir_fd=trash, dst_dir_fd=parent)
+    except OSError as exc:
+        orphan = _fsio.temp_name(_layout.ORPHAN_TAG)
+        try:
+            os.rename(aside, orphan, src_dir_fd=trash, dst_dir_fd=trash)
+        except OSError:
+            _orphaned(aside, path, exc)
+            return None
+        log.warning("a delete moved a transcript made anew after its mark and could not move "
+                    "it back (%s): merging it into the one made since", exc.strerror, extra={
+                        "code": "DELETE_RACED", "operation": "delete", "path": path})
+        return orphan
+    log.warning("a delete moved a transcript made anew after its mark; moved back",
+                extra={"code": "DELETE_RACED", "operation": "delete", "path": path})
+    return None
+
+
+def _merge_back(store: SyncStore, orphan: str, comps: list[Component], mark: str, path: str) -> None:
+    """Append the batches of ``.trash/<orphan>`` (each transcript's, in order, one
+    append a batch) to the transcripts at its old name, then remove it. Entries with
+    a ``uuid`` are loaded once whatever is appended twice (a crash between the appends
+    and the removal); an orphan that now looks marked or cannot be read whole stays,
+    for the operator."""
+    try:
+        with store._open_root(create=False) as rfd:
+            trash = store._open(rfd, [(_layout.TRASH, None)], "delete") if rfd is not None else None
+            if trash is None:
+                return
+            try:
+                if marked(trash, orphan, mark):
+                    raise FsStoreError("DELETE_RACED", "it is marked deleted now", operation="delete",
+                                       path=path)
+                for key, names in _transcripts(store, trash, orphan, comps, mark):
+                    tfd = store._open(trash, [(n, None) for n in [orphan, *names]], "delete")
+                    if tfd is None:
+                        continue
+                    try:
+                        batches, gap = read_snapshot(tfd, f"{path}/{'/'.join(names)}", "delete")
+                    finally:
+                        os.close(tfd)
+                    if gap is not None:
+                        raise FsStoreError("GAP", f"part {gap} is missing", operation="delete", path=path)
+                    for _last, entries in batches:
+                        store.append(key, entries)
+                _fsio.remove_tree(trash, orphan)
+            finally:
+                os.close(trash)
+    except (OSError, FsStoreError) as exc:
+        _orphaned(orphan, path, exc)
+        return
+    log.warning("merged the transcript a delete moved by mistake into the one made since",
+                extra={"code": "DELETE_RACED", "operation": "delete", "path": path})
+
+
+def _transcripts(
+    store: SyncStore, trash: int, orphan: str, comps: list[Component], mark: str,
+) -> list[tuple[dict[str, Any], list[str]]]:
+    """``(key, directory names below the orphan)`` of each transcript in it."""
+    project, session = _part(comps[1]), _part(comps[3])
+    if not mark:  # a subagent transcript: .../<S>/subkeys/<SP>
+        return [({"project_key": project, "session_id": session, "subpath": _part(comps[5])}, [])]
+    found: list[tuple[dict[str, Any], list[str]]] = [
+        ({"project_key": project, "session_id": session}, [_layout.MAIN])]
+    subkeys = store._open(trash, [(orphan, None), (_layout.SUBKEYS, None)], "delete")
+    if subkeys is not None:
+        try:
+            for entry in os.scandir(subkeys):
+                sub = _layout.decode_entry(subkeys, entry)
+                if sub is not None:
+                    found.append(({"project_key": project, "session_id": session, "subpath": sub},
+                                  [_layout.SUBKEYS, entry.name]))
+        finally:
+            os.close(subkeys)
+    return found
+
+
+def _part(comp: Component) -> str:
+    name, original = comp
+    part = original if original is not None else _keys.decode(name)
+    assert part is not None  # comps come from a parsed key
+    return part
+
+
+def _orphaned(name: str, path: str, exc: BaseException) -> None:
+    log.error("a delete moved a transcript made anew after its mark and could not move it "
+              "back or merge it (%s): its batches are in .trash/%s, in no load; see "
+              "docs/operations.md", exc, name, extra={
+                  "code": "DELETE_RACED", "operation": "delete", "path": path})
+
+
+def _mark(store: SyncStore, parent: int, name: str, path: str, below: str, *, undo: bool = False) -> None:
+    """Create (``undo``: remove) ``.deleted`` in the transcript directory
+    ``parent/name`` (``below=""``), or for a session in ``parent/name/main`` first
+    (made for the mark in a session without a main transcript), then in each of its
+    subagent transcripts."""
+    base = path.rsplit("/", 1)[0]
+    if below:
+        top = store._fs.open_dir(parent, [(name, None)], create=False, base_path=base,
+                                 operation="delete")
+        if top is None:
+            return
+        try:
+            if undo:  # a main made for the mark goes with it (one with parts stays)
+                _mark_dirs(store, parent, name, base, below, undo=True)
+                with contextlib.suppress(OSError):
+                    os.rmdir(below, dir_fd=top)
+                return
+            made = store._fs.open_dir(top, [(below, None)], create=True, base_path=path,
+                                      operation="delete")
+            assert made is not None
+            os.close(made)
+        finally:
+            os.close(top)
+    _mark_dirs(store, parent, name, base, below, undo=undo)
+
+
+def _mark_dirs(store: SyncStore, parent: int, name: str, base: str, below: str, *, undo: bool) -> None:
+    dirs = [[name]] if not below else [[name, below]] + [
+        [name, _layout.SUBKEYS, sp]
+        for sp in store._fs.subdirs_beneath(parent, [name, _layout.SUBKEYS], base, "delete")]
+    for names in dirs:
+        tfd = store._fs.open_dir(parent, [(n, None) for n in names], create=False,
+                                 base_path=base, operation="delete")
+        if tfd is None:
+            continue
+        try:
+            if undo:
+                _fsio.unlink_quiet(tfd, _layout.DELETED)
+            else:
+                with contextlib.suppress(FileNotFoundError):  # removed meanwhile
+                    store._fs.mark(tfd, _layout.DELETED)
+        finally:
+            os.close(tfd)
