@@ -20,7 +20,7 @@ by hand).
 
 Age-based expiry can admit a second holder while a stalled first one still runs.
 fsstore is built so that this costs ordering at worst, never data: commits use a
-no-replace link and a check (see :mod:`fsstore._transcript`); nothing on the append
+no-replace link and a check (see :mod:`fsstore._commit`); nothing on the append
 path is a shared file to roll back.
 
 Threads and tasks of one process first queue on a ``threading.Lock`` per lock path,

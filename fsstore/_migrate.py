@@ -30,9 +30,10 @@ from collections.abc import Callable
 
 from . import _compact, _fsio, _layout
 from ._cleanup import Action
+from ._commit import link_and_check
 from ._errors import FsStoreError
 from ._store import SyncStore
-from ._transcript import Item, commit, plan, scan, top
+from ._transcript import Item, plan, scan, top
 from ._walk import Progress, TranscriptRef, Walker, tick, walking
 
 
@@ -122,7 +123,7 @@ def _fix(fs: _fsio.Fs, fd: int, path: str, dry_run: bool, *, gaps: bool, spare: 
             actions.append(Action("recommit", f"{path}/{name}", "a batch inside a segment's range, "
                                   "committed after it: would be committed again above", False))
             continue
-        seq, items = commit(fs, fd, name, top(items) + 1, data)
+        seq, items = link_and_check(fs, fd, name, top(items) + 1, data)
         _fsio.unlink_quiet(fd, name)
         actions.append(Action("recommit", f"{path}/{name}",
                               f"committed again as {_layout.part_name(seq)}", True))

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import dataclasses
 import errno
 import json
 import os
@@ -19,7 +18,7 @@ import time
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
-from . import _compact, _delete, _fsio, _keys, _layout, _summaries
+from . import _commit, _compact, _delete, _fsio, _keys, _layout, _summaries
 from ._errors import FsStoreError, log, translating
 from ._fsio import Fs
 from ._keys import TranscriptKey
@@ -29,19 +28,14 @@ from ._transcript import (
     READ_ATTEMPTS,
     UNLOCKED_READS,
     Deleted,
-    Item,
     State,
     Vanished,
-    check_session_marker,
-    commit,
     dedupe,
-    encode_batch,
     parse,
     plan,
     read_snapshot,
     read_state,
     scan,
-    scan_items,
     warn_gap,
 )
 
@@ -49,64 +43,10 @@ from ._transcript import (
 # many reads, and after the second number reads under the transcript lock (see
 # _hold_for_reading): the readers' limits, in _transcript.
 _LOAD_ATTEMPTS, _OPTIMISTIC_LOADS = READ_ATTEMPTS, UNLOCKED_READS
-# An append whose transcript directory is deleted under it starts over this often.
-_APPEND_ATTEMPTS = 50
-_STALE_VIEW_PAUSE = 1.1  # s: a GlusterFS client's cached lookups (1 s) lapse unused
 
 
 # Transcripts an appending process remembers (validated key, paths, next number).
 _APPENDING = 64
-
-
-@dataclasses.dataclass(eq=False)
-class _Appending:
-    """One transcript as a process that appends to it remembers it between appends:
-    the key validated and its paths worked out once, and where the next part goes."""
-
-    key: TranscriptKey
-    comps: list[Component]
-    path: str  # <root>/<rel>, for messages
-    lock_path: str  # <root>/.locks/<lock name>
-    sdk_key: dict[str, str]  # the key as the SDK's summary fold takes it
-    session_marker: str | None  # see _layout.session_marker
-    # One above the highest number this process saw at its last commit, and the name
-    # of the file that held it: while that file is still there, no compaction merged
-    # it and no delete took the directory (a directory made anew can even reuse the
-    # inode), so the number is still the next one or a link to it finds EEXIST.
-    next_seq: int = 0
-    last_name: str | None = None
-
-
-def _last_of(items: list[Item]) -> tuple[int, str | None]:
-    """One above the highest number of a listing, and the name of a file holding it."""
-    last = max(items, key=lambda it: it[1], default=None)
-    return (1, None) if last is None else (last[1] + 1, last[2])
-
-
-def _check_made(fd: int, names: list[str], t: _Appending) -> None:
-    """:class:`Deleted` if the subagent transcript just published at ``fd/names...``
-    belongs to a session marked deleted (a session delete that marked it before the
-    new directory appeared moves it away with the session: nothing of it is kept, and
-    what was made is removed)."""
-    if t.session_marker is None:
-        return
-    try:
-        check_session_marker(fd, "/".join([*names, t.session_marker]))
-    except Deleted:
-        with contextlib.suppress(OSError):
-            _fsio.remove_tree(fd, names[0])
-        raise
-
-
-def _tick_mtime(dfd: int, before_ns: int) -> None:
-    """Make the directory's mtime (the session's mtime) at least 1 ms later than
-    before the commit. The SDK compares a summary's mtime with list_sessions' in
-    whole milliseconds, and file systems stamp with a coarse clock (ext4: a few
-    ms): without this, a commit within the same tick would leave a summary made
-    before it looking fresh. Only ever moves forward, from the storage's own times."""
-    st = os.fstat(dfd)
-    if st.st_mtime_ns // 1_000_000 <= before_ns // 1_000_000:
-        os.utime(".", ns=(st.st_atime_ns, (before_ns // 1_000_000 + 1) * 1_000_000), dir_fd=dfd)
 
 
 class SyncStore:
@@ -150,8 +90,8 @@ class SyncStore:
     def _forget_appending(self) -> None:
         """Remember no transcript (also in a forked child, where a thread that held
         the guard does not exist)."""
-        # The transcripts this process appended to lately (see _Appending).
-        self._appending: collections.OrderedDict[tuple[str, str, str | None], _Appending] = (
+        # The transcripts this process appended to lately (see _commit.Appending).
+        self._appending: collections.OrderedDict[tuple[str, str, str | None], _commit.Appending] = (
             collections.OrderedDict()
         )
         self._appending_guard = threading.Lock()
@@ -268,7 +208,7 @@ class SyncStore:
 
     # -- append --------------------------------------------------------------------
 
-    def _appending_to(self, key: Mapping[str, Any], operation: str) -> _Appending:
+    def _appending_to(self, key: Mapping[str, Any], operation: str) -> _commit.Appending:
         """The transcript ``key`` names, validated once per process and then remembered."""
         ident: Any = None
         if type(key) is dict:
@@ -284,7 +224,7 @@ class SyncStore:
                     return known
         tk = _keys.parse_key(key, operation)
         comps = _layout.transcript_dirs(tk)
-        t = _Appending(key=tk, comps=comps, path=self._path(comps),
+        t = _commit.Appending(key=tk, comps=comps, path=self._path(comps),
                        lock_path=f"{self._locks_path}/{_layout.lock_name(comps)}", sdk_key=tk.as_dict(),
                        session_marker=_layout.session_marker(tk))
         with self._appending_guard:
@@ -294,7 +234,7 @@ class SyncStore:
         return t
 
     def append(self, key: Mapping[str, Any], entries: list[Any]) -> None:
-        """Commit ``entries`` as one batch (see :mod:`fsstore._transcript` for the protocol).
+        """Commit ``entries`` as one batch (see :mod:`fsstore._commit` for the protocol).
 
         When it returns, the batch is in every later ``load()`` on every host whose
         client sees the file, exactly once and whole. An empty list writes nothing.
@@ -305,208 +245,9 @@ class SyncStore:
         t = self._appending_to(key, op)
         if isinstance(entries, list) and not entries:
             return
-        payload = encode_batch(entries, op)
+        payload = _commit.encode_batch(entries, op)
         with translating(op, t.path):
-            for attempt in range(_APPEND_ATTEMPTS):
-                try:
-                    self._append_once(t, payload)
-                    return
-                except Deleted as exc:
-                    # A delete is committed once marked: finish it (its deleter may
-                    # have died) and start over in a new directory. Nothing of ours
-                    # is visible. Not under our lock: finishing takes the lock of
-                    # what it moves (the session's: its main transcript's).
-                    _delete.finish(self, t.comps, t.path, session=exc.session)
-                    # Where this client still reaches the deleted directory by its path.
-                    with contextlib.suppress(Deleted, FileNotFoundError):
-                        if self._recreate(t, payload):
-                            t.next_seq, t.last_name = 2, _layout.part_name(1)
-                            return
-                except FileNotFoundError:
-                    pass  # moved away by a delete before our commit: start over
-                except OSError as exc:
-                    if exc.errno != errno.ESTALE or attempt == _APPEND_ATTEMPTS - 1:
-                        raise
-                    # NFS: a directory another host replaced (deleted and made anew)
-                    # since this client looked it up; looked up again next time.
-                t.last_name = None
-                time.sleep(min(0.001 * attempt, 0.05))
-            raise FsStoreError(
-                "ENOENT",
-                "transcript directory kept disappearing (concurrent deletes)",
-                operation=op,
-                path=t.path,
-                errno=errno.ENOENT,
-            )
-
-    def _append_once(self, t: _Appending, payload: bytes) -> None:
-        op = "append"
-        with self._open_root(create=False, path_only=True) as rfd:
-            dfd = self._open(rfd, t.comps, op, path_only=True) if rfd is not None else None
-        if dfd is None:
-            with self._open_root(create=True, path_only=True) as rfd:
-                assert rfd is not None
-                if self._first_commit(rfd, t, payload):
-                    t.next_seq, t.last_name = 2, _layout.part_name(1)
-                    return
-            raise FileNotFoundError(errno.ENOENT, "created and deleted meanwhile", t.path)
-        try:
-            # The directory as it was: the temp file's creation can move its mtime back
-            # (a coarse clock behind the last commit's tick: see _tick_mtime).
-            before = os.fstat(dfd)
-            tmp = _fsio.temp_name()
-            try:
-                self._fs.write_temp(dfd, tmp, payload)
-            except FileNotFoundError:
-                tmp = ""
-                if self._recreate(t, payload):
-                    t.next_seq, t.last_name = 2, _layout.part_name(1)
-                    return
-                raise
-            try:
-                self._locks_dir(op)
-                with self._locks.hold(t.lock_path, op) as held:
-                    now = os.fstat(dfd)  # after any commit that came before ours
-                    seq = self._next_seq(t, dfd)
-                    held.check(op)
-                    seq, items = commit(self._fs, dfd, tmp, seq, payload, t.session_marker)
-                    t.next_seq, t.last_name = _last_of(items)
-                    tmp = self._drop_temp(dfd, tmp, t.path)
-                    self._after_commit(t, dfd, held, items, max(before.st_mtime_ns, now.st_mtime_ns))
-            finally:
-                if tmp:
-                    _fsio.unlink_quiet(dfd, tmp)
-        finally:
-            os.close(dfd)
-
-    @staticmethod
-    def _drop_temp(dfd: int, tmp: str, path: str) -> str:
-        """Unlink a committed batch's temp name (a second link to its part). After the
-        commit point: a failure is logged (the name is garbage for ``fsstore gc``),
-        since raising would make the SDK retry a committed batch. Returns ``""``."""
-        try:
-            _fsio.unlink_quiet(dfd, tmp)
-        except OSError as exc:
-            log.warning("temp link left after commit: %s", exc, extra={
-                "code": "TEMP_LEFT", "operation": "append", "path": f"{path}/{tmp}"})
-        return ""
-
-    def _first_commit(self, rfd: int, t: _Appending, payload: bytes) -> bool:
-        """Commit the first batch of a new transcript: its directory appears with part
-        1 already in it (one rename), so no reader or listing ever sees a transcript
-        without a part. False if another writer's directory appeared first."""
-        parent = self._open(rfd, t.comps[:-1], "append", create=True, path_only=True)
-        assert parent is not None
-        name, original = t.comps[-1]
-        try:
-            self._locks_dir("append")
-            with self._locks.hold(t.lock_path, "append") as held:
-                held.check("append")
-                made = self._fs.new_dir(parent, name, original, lambda tfd: self._fs.write_new(
-                    tfd, _layout.part_name(1), payload))
-                if made:
-                    _check_made(parent, [name], t)
-                return made
-        finally:
-            os.close(parent)
-
-    def _recreate(self, t: _Appending, payload: bytes) -> bool:
-        """Commit the batch as part 1 of the transcript made anew where its directory is
-        gone on the server while its path still opens here: another host deleted the
-        session and this client answers from a cache (sshfs keeps names 20 s; mkdir
-        there says EEXIST; a GlusterFS client keeps reaching the moved directory while
-        it uses it, see _fsio.listed_dir). The missing part of the path is made under a temp name,
-        part 1 inside, and renamed over the stale name (a rename reaches the server).
-        False if nothing is missing there (the caller starts over)."""
-        with self._open_root(create=True, path_only=True) as rfd:
-            assert rfd is not None
-            fd = os.dup(rfd)
-            try:
-                for i, (name, original) in enumerate(t.comps):
-                    nfd = os.open(name, _fsio.PATH_FLAGS, dir_fd=fd)
-                    if _fsio.gone_on_server(self._fs, rfd, fd, name, nfd):
-                        os.close(nfd)
-                        break  # comps[i] is gone on the server: make comps[i:] anew
-                    os.close(fd)
-                    fd = nfd
-                else:
-                    return False
-                self._locks_dir("append")
-                with self._locks.hold(t.lock_path, "append") as held:
-                    held.check("append")
-                    made = self._fs.new_dir(fd, name, original, self._filler(t.comps[i + 1:], payload))
-                if made:
-                    _check_made(fd, [n for n, _ in t.comps[i:]], t)
-                elif self._fs.listed_ino_ok:
-                    # Another directory is there on the server, and this client reaches the
-                    # old one: its view lapses once unused (GlusterFS: about 1 s). Not
-                    # touching it meanwhile is what lets it lapse.
-                    time.sleep(_STALE_VIEW_PAUSE)
-                return made
-            finally:
-                os.close(fd)
-
-    def _filler(self, comps: list[Component], payload: bytes) -> Callable[[int], object]:
-        """What :meth:`_fsio.Fs.new_dir` writes into a new directory: the directories
-        ``comps`` below it (each with its ``.key`` where hashed), part 1 in the last."""
-        def fill(dir_fd: int) -> None:
-            if not comps:
-                self._fs.write_new(dir_fd, _layout.part_name(1), payload)
-                return
-            (name, original), below = comps[0], self._filler(comps[1:], payload)
-            os.mkdir(name, self._fs.dir_mode, dir_fd=dir_fd)
-            sub = os.open(name, _fsio.DIR_FLAGS, dir_fd=dir_fd)
-            try:
-                self._fs.fix_mode(sub)
-                if original is not None:
-                    self._fs.write_new(sub, _fsio.KEY_FILE, original.encode("utf-8"))
-                below(sub)
-            finally:
-                os.close(sub)
-        return fill
-
-    def _next_seq(self, t: _Appending, dfd: int) -> int:
-        """Where this process's next part goes (step 4 of the commit)."""
-        if t.last_name is not None:
-            try:
-                os.stat(t.last_name, dir_fd=dfd, follow_symlinks=False)
-                return t.next_seq
-            except FileNotFoundError:
-                pass
-        t.next_seq, t.last_name = _last_of(scan_items(dfd))
-        return t.next_seq
-
-    def _after_commit(
-        self, t: _Appending, dfd: int, held: Held, items: list[Item], before_ns: int
-    ) -> None:
-        """After the commit point. Nothing here fails the append.
-
-        The batch is committed; raising now would make the SDK retry it, and a
-        retried batch is stored twice (entries without a uuid are not de-duplicated).
-        So failures are logged: a failed directory fsync is the operator's to see, a
-        failed compaction only costs load speed.
-        """
-        try:
-            _tick_mtime(dfd, before_ns)
-            self._fs.sync_dir(dfd)
-        except OSError as exc:
-            code = errno.errorcode.get(exc.errno or 0, "EIO")
-            log.error(
-                "batch committed and visible, but the directory fsync failed (%s): it may not "
-                "survive a power loss", exc,
-                extra={"code": code, "operation": "append", "path": t.path, "errno": exc.errno},
-            )
-        if not self._compact_every:
-            return
-        compacted = max((last for first, last, _ in items if first != last), default=0)
-        if sum(1 for first, last, _ in items if first == last and first > compacted) < self._compact_every:
-            return
-        try:
-            _compact.compact(self._fs, dfd, t.path, held, everything=False, operation="compact",
-                             summary=self._summary_of(t.key))
-        except (OSError, FsStoreError, Vanished) as exc:
-            log.warning("automatic compaction failed: %s", exc,
-                        extra={"code": "COMPACT_FAILED", "operation": "compact", "path": t.path})
+            _commit.append(self, t, payload)
 
     def _summary_of(self, tk: TranscriptKey) -> _compact.Summary | None:
         """What compaction needs to keep the summary sidecar: main transcripts only."""

@@ -9,49 +9,6 @@ any other file (a part inside a segment's range, a segment overlapping the chain
 is not part of it. Nothing in this module needs the transcript lock to be
 exclusive: the lock orders writers and keeps contention cheap.
 
-Commit (``append``), step by step, and what a crash at each step leaves:
-
-1. Encode the batch (one JSON object per line). Bad input raises ``INVALID_ENTRY``
-   here, before anything touches disk.
-2. Write it to ``.tmp-<pid>-<random>`` in the transcript directory (``O_EXCL``);
-   with ``fsync=True``, fsync it. Readers ignore temp files. Crash: a temp file,
-   removed by ``fsstore gc`` once old.
-3. Take the transcript lock (:mod:`fsstore._lock`). Crash: a lock file, reclaimed
-   (a dead holder on this host at once, others by age).
-4. Choose ``n``: one above the highest number this process saw at its last
-   commit while the file that held it is still there (nothing merged or deleted
-   since), else one above the highest of a listing.
-5. ``link(temp, n)``: a link never replaces, so a committed file is never
-   overwritten, whoever holds the lock. ``EEXIST``: list, ``n`` = highest + 1,
-   again.
-6. List the directory twice (the *check*: :func:`check`; a segment in either
-   listing counts, since one listing can be torn by a compaction). A segment
-   covering ``n`` that does not hold the batch's bytes means that another writer
-   used ``n`` and a compaction merged and removed it while this writer's view was
-   old (two holders overlapped: a stall, a clock, a reclaimed lock). A part inside
-   a segment's range is not in the chain, so the batch is not committed: link it
-   again above the highest number, remove the misplaced name, check again. (A
-   covering segment that holds the bytes merged this very part after the link:
-   committed.) Likewise a part above a hole (``n - 1`` in no file): ``n`` came
-   from a stale view (a client cache still showing a file of a directory another
-   host deleted and made anew): link it again above the highest number of the
-   others. A ``.deleted`` marker means the transcript is being deleted: remove
-   the name, and start over in a new directory. Otherwise the part is in the chain
-   of every listing from now on (a segment made later over its number was made
-   from a listing that held it): **the batch is committed**. Crash before the
-   check passed: an unacknowledged part, in the chain or skipped; both fine.
-7. With ``fsync=True``, fsync the directory.
-8. Unlink the temp name (a second link to the part; crash: gc removes it), release
-   the lock. Compaction may follow (:mod:`fsstore._compact`).
-
-A failed append leaves no part: every name it linked is unlinked before it
-raises. Errors come out as :class:`~fsstore.FsStoreError` with the POSIX code.
-
-Why order holds without the lock: numbers are taken first come, first served by
-``link``, and a writer only keeps a number above everything committed when it
-linked (a free number below the highest is always inside a segment: step 6). Two
-overlapping holders may therefore reorder their own batches, nothing else.
-
 Reading (:func:`read_snapshot`): list, plan, read every file of the chain, list
 again. A listing is not atomic once it takes more than one ``getdents`` call: it
 can miss a segment made behind its cursor while the parts it merged are gone
@@ -75,42 +32,10 @@ from typing import Any
 
 from . import _fsio, _layout
 from ._errors import FsStoreError, log
-from ._limits import beyond_limits
 
-_ENCODER = json.JSONEncoder(ensure_ascii=True, separators=(",", ":"), allow_nan=True)
-
+ENCODER = json.JSONEncoder(ensure_ascii=True, separators=(",", ":"), allow_nan=True)
 
 
-
-def encode_batch(entries: object, operation: str) -> bytes:
-    """The part-file bytes for a batch: one JSON object per line, ASCII only."""
-    if not isinstance(entries, list):
-        raise FsStoreError(
-            "INVALID_ENTRY",
-            f"entries must be a list, not {type(entries).__name__}",
-            operation=operation,
-        )
-    lines = []
-    for i, entry in enumerate(entries):
-        if not isinstance(entry, dict):
-            raise FsStoreError(
-                "INVALID_ENTRY",
-                f"entry {i} must be a JSON object (dict), not {type(entry).__name__}",
-                operation=operation,
-            )
-        try:
-            line = _ENCODER.encode(entry)
-        except (TypeError, ValueError, RecursionError) as exc:
-            why = "nested too deeply" if isinstance(exc, RecursionError) else exc
-            raise FsStoreError(
-                "INVALID_ENTRY", f"entry {i} is not JSON-serializable: {why}", operation=operation
-            ) from exc
-        beyond = beyond_limits(entry, line)  # what readers could not parse back
-        if beyond is not None:
-            raise FsStoreError("INVALID_ENTRY", f"entry {i} {beyond}", operation=operation)
-        lines.append(line)
-    lines.append("")
-    return "\n".join(lines).encode("ascii")
 
 
 # -- the state file: the Claude summary, written by compaction -------------------
@@ -124,7 +49,7 @@ class State:
     summary: dict[str, Any] | None = None
 
     def to_bytes(self) -> bytes:
-        return _ENCODER.encode({"format": 2, "folded": self.folded,
+        return ENCODER.encode({"format": 2, "folded": self.folded,
                                 "summary": self.summary}).encode("ascii")
 
 
@@ -271,87 +196,6 @@ def plan(items: list[Item]) -> tuple[list[Item], int | None]:
         chosen.append(item)
         covered = item[1]
     return chosen, gap
-
-
-# -- commit ----------------------------------------------------------------------
-
-
-# How often a commit that landed above a hole links again lower (a client whose cache
-# still names files that are gone can refuse every lower number: sshfs's 20 s cache).
-_HOLE_RETRIES = 2
-
-
-def commit(
-    fs: _fsio.Fs, dir_fd: int, tmp: str, seq: int, payload: bytes,
-    session_marker: str | None = None,
-) -> tuple[int, list[Item]]:
-    """Give the temp file ``tmp`` (holding ``payload``) a part name from ``seq`` on
-    (steps 5 and 6 of the module docstring); return its number and the listing that
-    checked it.
-
-    Raises :class:`Deleted` (nothing left behind) when the directory is being
-    deleted, FileNotFoundError when the directory or the batch vanished under us
-    (the caller starts over; nothing of the batch is committed).
-    """
-    misplaced: list[str] = []
-    src = tmp
-    holes = 0
-    try:
-        while True:
-            name = _layout.part_name(seq)
-            linked = _fsio.link_noreplace(fs, dir_fd, src, name)
-            if linked is None:  # taken: our view was old; a client cache may be too (sshfs)
-                _fsio.refresh_listing(dir_fd)
-                seq = max(seq, top(scan_items(dir_fd))) + 1
-                continue
-            if not linked:
-                src = name  # moved, not linked (a mount without hard links)
-            try:
-                items, cover = check(dir_fd, seq, session_marker)
-                if cover is not None and payload in _fsio.read_file(dir_fd, cover):
-                    # A compaction that listed our part after we linked it merged it:
-                    # the batch is in the chain, in that segment.
-                    return seq, items
-            except BaseException:
-                misplaced.append(name)  # not committed: the check did not pass
-                raise
-            others = [it for it in items if it[2] != name and it[2] not in misplaced]
-            hole = seq > 1 and not any(f <= seq - 1 <= last for f, last, _n in others)
-            if cover is None and (not hole or holes >= _HOLE_RETRIES):
-                return seq, items  # (past the retries: a client that keeps naming gone files)
-            holes += cover is None
-            # Not in the chain: inside a compacted range (two lock holders overlapped),
-            # or above a hole (a number taken from a stale view: a client cache that
-            # still shows a file of a directory deleted and made anew).
-            log.warning("part %s landed %s; committing it again", name,
-                        "inside a compacted range (two lock holders overlapped)" if cover
-                        else "above a hole (a stale view of the directory)", extra={
-                            "code": "RELOCATED", "operation": "append", "path": name})
-            if linked:
-                misplaced.append(name)
-            seq = top(others) + 1
-    finally:
-        for name in misplaced:
-            _fsio.unlink_quiet(dir_fd, name)
-
-
-def check(dir_fd: int, seq: int, session_marker: str | None) -> tuple[list[Item], str | None]:
-    """The commit's check of part ``seq``: the listing, and a segment whose range holds
-    ``seq`` (None: the part is in the chain); :class:`Deleted` if marked.
-
-    Two listings, and a segment in either counts: one listing that takes several
-    ``getdents`` calls can miss a segment that a compaction made behind its cursor
-    while removing, ahead of it, the segment it replaced (found by review: a stale
-    writer then took its misplaced part for committed). A segment made over ``seq``
-    exists for the whole of the second listing unless yet another compaction
-    replaces it during it."""
-    first, deleted = scan(dir_fd)
-    again, deleted_again = scan(dir_fd)
-    check_session_marker(dir_fd, session_marker)  # first: the session's delete, if it is one
-    if deleted or deleted_again:
-        raise Deleted(_layout.part_name(seq))
-    cover = covering_segment(first, seq) or covering_segment(again, seq)
-    return again, cover
 
 
 # -- reading ---------------------------------------------------------------------

@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from fsstore import FsStoreError, _compact, _layout
+from fsstore import FsStoreError, _commit, _compact, _layout, _transcript
 from fsstore._store import SyncStore
 
 from ._helpers import fast_writer, no_lock_taken_twice, parts_of, tdir
@@ -119,13 +119,13 @@ def test_summary_heals_across_a_compaction(root: Path) -> None:
 def test_a_holder_past_half_its_lease_publishes_nothing(root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     store = SyncStore(root, create=True, stale_lock_seconds=0.2)
     store.append(KEY, [entry(1)])
-    real = SyncStore._next_seq
+    real = _commit._next_seq
 
-    def slow_read(self: SyncStore, *args: Any) -> Any:
+    def slow_read(*args: Any) -> Any:
         time.sleep(0.15)  # a stall (hung NFS server) between taking the lock and committing
-        return real(self, *args)
+        return real(*args)
 
-    monkeypatch.setattr(SyncStore, "_next_seq", slow_read)
+    monkeypatch.setattr(_commit, "_next_seq", slow_read)
     with pytest.raises(FsStoreError) as info:
         store.append(KEY, [entry(2)])
     assert info.value.code == "LOCK_EXPIRED" and info.value.operation == "append"
@@ -261,12 +261,10 @@ def test_a_part_merged_by_an_overlapping_compaction_before_its_check_is_committe
     an overlapping holder merges that very part into a segment. The check finds the
     number inside a segment's range; the segment holds a's bytes, so the batch is
     committed there, once (it used to be committed again above: twice)."""
-    from fsstore import _transcript
-
     a = SyncStore(root, create=True, compact_every=0)
     for i in range(3):
         a.append(KEY, [entry(i)])
-    real = _transcript.check
+    real = _commit.check
     merged: list[int] = []
 
     def compaction_first(dir_fd: int, seq: int, marker: Any) -> Any:
@@ -276,7 +274,7 @@ def test_a_part_merged_by_an_overlapping_compaction_before_its_check_is_committe
             SyncStore(root, compact_every=0, stale_lock_seconds=0.05).compact(KEY)
         return real(dir_fd, seq, marker)
 
-    monkeypatch.setattr(_transcript, "check", compaction_first)
+    monkeypatch.setattr(_commit, "check", compaction_first)
     a.append(KEY, [{"type": "no-uuid", "n": 3}])  # no uuid: a copy would show
     monkeypatch.undo()
     assert merged == [4] and files_of(root) == [(1, 4)]
@@ -290,8 +288,6 @@ def test_a_check_listing_torn_by_a_compaction_still_sees_the_segment(
     missed both the segment a compaction made behind its cursor and the one it removed
     ahead of it, and took its misplaced part for committed (lost). The check lists
     twice; a segment in either listing counts."""
-    from fsstore import _transcript
-
     a = SyncStore(root, create=True, compact_every=0)
     a.append(KEY, [entry(0)])
     a.append(KEY, [entry(1)])  # a remembers 3 as next
@@ -388,7 +384,6 @@ def _racing_listings(
     """Listings as a reader racing writers sees them: the first ``times`` unlocked
     listings are ``torn(n, real listing)``, and before each another store appends a
     batch (the directory moves on). A listing made under the lock is the real one."""
-    from fsstore import _transcript
 
     real_scan = _transcript.scan
     calls: list[int] = []
@@ -583,7 +578,6 @@ def test_a_transcript_deleted_while_loaded_is_gone_not_damaged(
     """A delete (from another process, without the lock) marks the transcript, moves
     the session away and removes its files while a reader is between its listing and
     its reads: the reader sees a delete, not damage: no GAP warning, no CORRUPT, None."""
-    from fsstore import _transcript
 
     store = SyncStore(root, create=True, compact_every=0)
     for i in range(4):

@@ -19,7 +19,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from fsstore import FsSessionStore, FsStoreError, _fsio, _layout, _store, _transcript
+from fsstore import FsSessionStore, FsStoreError, _commit, _fsio, _layout, _store
 from fsstore._store import SyncStore
 
 from ._helpers import SUB, lock_file, parts_of, tdir
@@ -102,7 +102,7 @@ def test_entries_round_trip_deep_equal(tmp_path: Path, batch: list[dict[str, Any
 @given(value=st.dictionaries(st.text(max_size=8), json_values | st.floats(), max_size=6))
 def test_a_part_file_holds_what_json_dumps_writes(value: dict[str, Any]) -> None:
     # Part files hold json.dumps(entry, separators=(",", ":")) exactly, one a line.
-    assert _transcript.encode_batch([value], "append") == (json.dumps(value, separators=(",", ":")) + "\n").encode()
+    assert _commit.encode_batch([value], "append") == (json.dumps(value, separators=(",", ":")) + "\n").encode()
 
 
 def test_a_circular_entry_is_invalid_even_under_a_raised_recursion_limit(tmp_path: Path) -> None:
@@ -984,8 +984,8 @@ def test_a_part_linked_above_a_hole_is_linked_again_lower(
     for i in range(3):
         store.append(KEY, [entry(i)])
     stale = iter([6])
-    real = SyncStore._next_seq
-    monkeypatch.setattr(SyncStore, "_next_seq", lambda self, t, dfd: next(stale, None) or real(self, t, dfd))
+    real = _commit._next_seq
+    monkeypatch.setattr(_commit, "_next_seq", lambda t, dfd: next(stale, None) or real(t, dfd))
     store.append(KEY, [entry(3)])
     assert sorted(p.name for p in tdir(root, KEY).iterdir() if _layout.parse_item(p.name)) == [
         _layout.part_name(n) for n in (1, 2, 3, 4)]
@@ -1005,7 +1005,7 @@ def test_a_session_deleted_between_a_link_and_its_check_gets_the_batch_anew(
     store, deleter = SyncStore(root, create=True), SyncStore(root, create=True)
     monkeypatch.setattr(deleter._locks, "hold", lambda path, op: contextlib.nullcontext())
     store.append(KEY, [entry(0)])
-    real = _transcript.check
+    real = _commit.check
     raced = []
 
     def check(dir_fd: int, seq: int, marker: str | None) -> Any:
@@ -1014,7 +1014,7 @@ def test_a_session_deleted_between_a_link_and_its_check_gets_the_batch_anew(
             deleter.delete(KEY)
         return real(dir_fd, seq, marker)
 
-    monkeypatch.setattr(_transcript, "check", check)
+    monkeypatch.setattr(_commit, "check", check)
     store.append(KEY, [entry(1)])
     assert raced and SyncStore(root).load(KEY) == [entry(1)]
     assert trash_left(root) == []
@@ -1032,7 +1032,7 @@ def test_a_writer_finishing_a_delete_never_moves_the_session_made_anew(
     main_w.append(KEY, [entry(0)])
     sub_w.append(SUB, [entry(1)])
     (tdir(root, KEY) / ".deleted").touch()
-    real = _transcript.check
+    real = _commit.check
     raced = []
 
     def check(dir_fd: int, seq: int, marker: str | None) -> Any:
@@ -1041,7 +1041,7 @@ def test_a_writer_finishing_a_delete_never_moves_the_session_made_anew(
             main_w.append(KEY, [entry(2)])  # finishes the delete, makes the session anew
         return real(dir_fd, seq, marker)
 
-    monkeypatch.setattr(_transcript, "check", check)
+    monkeypatch.setattr(_commit, "check", check)
     sub_w.append(SUB, [entry(3)])
     assert raced
     reader = SyncStore(root)

@@ -1,0 +1,463 @@
+"""Committing a batch (format 2): the append path, in the order of its steps.
+
+Commit (``append``), step by step, and what a crash at each step leaves:
+
+1. Encode the batch (one JSON object per line). Bad input raises ``INVALID_ENTRY``
+   here, before anything touches disk.
+2. Write it to ``.tmp-<pid>-<random>`` in the transcript directory (``O_EXCL``);
+   with ``fsync=True``, fsync it. Readers ignore temp files. Crash: a temp file,
+   removed by ``fsstore gc`` once old.
+3. Take the transcript lock (:mod:`fsstore._lock`). Crash: a lock file, reclaimed
+   (a dead holder on this host at once, others by age).
+4. Choose ``n``: one above the highest number this process saw at its last
+   commit while the file that held it is still there (nothing merged or deleted
+   since), else one above the highest of a listing.
+5. ``link(temp, n)``: a link never replaces, so a committed file is never
+   overwritten, whoever holds the lock. ``EEXIST``: list, ``n`` = highest + 1,
+   again.
+6. List the directory twice (the *check*: :func:`check`; a segment in either
+   listing counts, since one listing can be torn by a compaction). A segment
+   covering ``n`` that does not hold the batch's bytes means that another writer
+   used ``n`` and a compaction merged and removed it while this writer's view was
+   old (two holders overlapped: a stall, a clock, a reclaimed lock). A part inside
+   a segment's range is not in the chain, so the batch is not committed: link it
+   again above the highest number, remove the misplaced name, check again. (A
+   covering segment that holds the bytes merged this very part after the link:
+   committed.) Likewise a part above a hole (``n - 1`` in no file): ``n`` came
+   from a stale view (a client cache still showing a file of a directory another
+   host deleted and made anew): link it again above the highest number of the
+   others. A ``.deleted`` marker means the transcript is being deleted: remove
+   the name, and start over in a new directory. Otherwise the part is in the chain
+   of every listing from now on (a segment made later over its number was made
+   from a listing that held it): **the batch is committed**. Crash before the
+   check passed: an unacknowledged part, in the chain or skipped; both fine.
+7. With ``fsync=True``, fsync the directory.
+8. Unlink the temp name (a second link to the part; crash: gc removes it), release
+   the lock. Compaction may follow (:mod:`fsstore._compact`).
+
+A failed append leaves no part: every name it linked is unlinked before it
+raises. Errors come out as :class:`~fsstore.FsStoreError` with the POSIX code.
+
+Why order holds without the lock: numbers are taken first come, first served by
+``link``, and a writer only keeps a number above everything committed when it
+linked (a free number below the highest is always inside a segment: step 6). Two
+overlapping holders may therefore reorder their own batches, nothing else.
+
+A transcript's first batch is committed by making its directory with part 1
+already in it (one rename: :func:`_first_commit`); an append to a session another
+host deleted makes it anew (:func:`_recreate`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import errno
+import os
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from . import _compact, _delete, _fsio, _layout, _transcript
+from ._errors import FsStoreError, log
+from ._keys import TranscriptKey
+from ._layout import Component
+from ._limits import beyond_limits
+from ._lock import Held
+from ._transcript import (
+    ENCODER,
+    Deleted,
+    Item,
+    Vanished,
+    check_session_marker,
+    covering_segment,
+    top,
+)
+
+if TYPE_CHECKING:
+    from ._store import SyncStore
+
+# An append whose transcript directory is deleted under it starts over this often.
+_APPEND_ATTEMPTS = 50
+_STALE_VIEW_PAUSE = 1.1  # s: a GlusterFS client's cached lookups (1 s) lapse unused
+
+
+@dataclasses.dataclass(eq=False)
+class Appending:
+    """One transcript as a process that appends to it remembers it between appends:
+    the key validated and its paths worked out once, and where the next part goes."""
+
+    key: TranscriptKey
+    comps: list[Component]
+    path: str  # <root>/<rel>, for messages
+    lock_path: str  # <root>/.locks/<lock name>
+    sdk_key: dict[str, str]  # the key as the SDK's summary fold takes it
+    session_marker: str | None  # see _layout.session_marker
+    # One above the highest number this process saw at its last commit, and the name
+    # of the file that held it: while that file is still there, no compaction merged
+    # it and no delete took the directory (a directory made anew can even reuse the
+    # inode), so the number is still the next one or a link to it finds EEXIST.
+    next_seq: int = 0
+    last_name: str | None = None
+
+
+def _last_of(items: list[Item]) -> tuple[int, str | None]:
+    """One above the highest number of a listing, and the name of a file holding it."""
+    last = max(items, key=lambda it: it[1], default=None)
+    return (1, None) if last is None else (last[1] + 1, last[2])
+
+
+# -- step 1 ------------------------------------------------------------------------
+
+
+def encode_batch(entries: object, operation: str) -> bytes:
+    """The part-file bytes for a batch: one JSON object per line, ASCII only."""
+    if not isinstance(entries, list):
+        raise FsStoreError(
+            "INVALID_ENTRY",
+            f"entries must be a list, not {type(entries).__name__}",
+            operation=operation,
+        )
+    lines = []
+    for i, entry in enumerate(entries):
+        if not isinstance(entry, dict):
+            raise FsStoreError(
+                "INVALID_ENTRY",
+                f"entry {i} must be a JSON object (dict), not {type(entry).__name__}",
+                operation=operation,
+            )
+        try:
+            line = ENCODER.encode(entry)
+        except (TypeError, ValueError, RecursionError) as exc:
+            why = "nested too deeply" if isinstance(exc, RecursionError) else exc
+            raise FsStoreError(
+                "INVALID_ENTRY", f"entry {i} is not JSON-serializable: {why}", operation=operation
+            ) from exc
+        beyond = beyond_limits(entry, line)  # what readers could not parse back
+        if beyond is not None:
+            raise FsStoreError("INVALID_ENTRY", f"entry {i} {beyond}", operation=operation)
+        lines.append(line)
+    lines.append("")
+    return "\n".join(lines).encode("ascii")
+
+
+# -- steps 2 to 8 ------------------------------------------------------------------
+
+
+def append(store: SyncStore, t: Appending, payload: bytes) -> None:
+    """Commit ``payload`` (step 1 done) to ``t``, starting over where a delete took
+    its directory away (see :func:`_delete.finish`)."""
+    for attempt in range(_APPEND_ATTEMPTS):
+        try:
+            _append_once(store, t, payload)
+            return
+        except Deleted as exc:
+            # A delete is committed once marked: finish it (its deleter may
+            # have died) and start over in a new directory. Nothing of ours
+            # is visible. Not under our lock: finishing takes the lock of
+            # what it moves (the session's: its main transcript's).
+            _delete.finish(store, t.comps, t.path, session=exc.session)
+            # Where this client still reaches the deleted directory by its path.
+            with contextlib.suppress(Deleted, FileNotFoundError):
+                if _recreate(store, t, payload):
+                    t.next_seq, t.last_name = 2, _layout.part_name(1)
+                    return
+        except FileNotFoundError:
+            pass  # moved away by a delete before our commit: start over
+        except OSError as exc:
+            if exc.errno != errno.ESTALE or attempt == _APPEND_ATTEMPTS - 1:
+                raise
+            # NFS: a directory another host replaced (deleted and made anew)
+            # since this client looked it up; looked up again next time.
+        t.last_name = None
+        time.sleep(min(0.001 * attempt, 0.05))
+    raise FsStoreError(
+        "ENOENT",
+        "transcript directory kept disappearing (concurrent deletes)",
+        operation="append",
+        path=t.path,
+        errno=errno.ENOENT,
+    )
+
+
+def _append_once(store: SyncStore, t: Appending, payload: bytes) -> None:
+    """Steps 2 to 8 (the first batch of a transcript: :func:`_first_commit`)."""
+    op = "append"
+    with store._open_root(create=False, path_only=True) as rfd:
+        dfd = store._open(rfd, t.comps, op, path_only=True) if rfd is not None else None
+    if dfd is None:
+        with store._open_root(create=True, path_only=True) as rfd:
+            assert rfd is not None
+            if _first_commit(store, rfd, t, payload):
+                t.next_seq, t.last_name = 2, _layout.part_name(1)
+                return
+        raise FileNotFoundError(errno.ENOENT, "created and deleted meanwhile", t.path)
+    try:
+        # The directory as it was: the temp file's creation can move its mtime back
+        # (a coarse clock behind the last commit's tick: see _tick_mtime).
+        before = os.fstat(dfd)
+        tmp = _fsio.temp_name()
+        try:
+            store._fs.write_temp(dfd, tmp, payload)
+        except FileNotFoundError:
+            tmp = ""
+            if _recreate(store, t, payload):
+                t.next_seq, t.last_name = 2, _layout.part_name(1)
+                return
+            raise
+        try:
+            store._locks_dir(op)
+            with store._locks.hold(t.lock_path, op) as held:
+                now = os.fstat(dfd)  # after any commit that came before ours
+                seq = _next_seq(t, dfd)
+                held.check(op)
+                seq, items = link_and_check(store._fs, dfd, tmp, seq, payload, t.session_marker)
+                t.next_seq, t.last_name = _last_of(items)
+                tmp = _drop_temp(dfd, tmp, t.path)
+                _after_commit(store, t, dfd, held, items, max(before.st_mtime_ns, now.st_mtime_ns))
+        finally:
+            if tmp:
+                _fsio.unlink_quiet(dfd, tmp)
+    finally:
+        os.close(dfd)
+
+
+def _next_seq(t: Appending, dfd: int) -> int:
+    """Where this process's next part goes (step 4 of the commit)."""
+    if t.last_name is not None:
+        try:
+            os.stat(t.last_name, dir_fd=dfd, follow_symlinks=False)
+            return t.next_seq
+        except FileNotFoundError:
+            pass
+    t.next_seq, t.last_name = _last_of(_transcript.scan_items(dfd))
+    return t.next_seq
+
+
+# How often a commit that landed above a hole links again lower (a client whose cache
+# still names files that are gone can refuse every lower number: sshfs's 20 s cache).
+_HOLE_RETRIES = 2
+
+
+def link_and_check(
+    fs: _fsio.Fs, dir_fd: int, tmp: str, seq: int, payload: bytes,
+    session_marker: str | None = None,
+) -> tuple[int, list[Item]]:
+    """Give the temp file ``tmp`` (holding ``payload``) a part name from ``seq`` on
+    (steps 5 and 6 of the module docstring); return its number and the listing that
+    checked it.
+
+    Raises :class:`Deleted` (nothing left behind) when the directory is being
+    deleted, FileNotFoundError when the directory or the batch vanished under us
+    (the caller starts over; nothing of the batch is committed).
+    """
+    misplaced: list[str] = []
+    src = tmp
+    holes = 0
+    try:
+        while True:
+            name = _layout.part_name(seq)
+            linked = _fsio.link_noreplace(fs, dir_fd, src, name)
+            if linked is None:  # taken: our view was old; a client cache may be too (sshfs)
+                _fsio.refresh_listing(dir_fd)
+                seq = max(seq, top(_transcript.scan_items(dir_fd))) + 1
+                continue
+            if not linked:
+                src = name  # moved, not linked (a mount without hard links)
+            try:
+                items, cover = check(dir_fd, seq, session_marker)
+                if cover is not None and payload in _fsio.read_file(dir_fd, cover):
+                    # A compaction that listed our part after we linked it merged it:
+                    # the batch is in the chain, in that segment.
+                    return seq, items
+            except BaseException:
+                misplaced.append(name)  # not committed: the check did not pass
+                raise
+            others = [it for it in items if it[2] != name and it[2] not in misplaced]
+            hole = seq > 1 and not any(f <= seq - 1 <= last for f, last, _n in others)
+            if cover is None and (not hole or holes >= _HOLE_RETRIES):
+                return seq, items  # (past the retries: a client that keeps naming gone files)
+            holes += cover is None
+            # Not in the chain: inside a compacted range (two lock holders overlapped),
+            # or above a hole (a number taken from a stale view: a client cache that
+            # still shows a file of a directory deleted and made anew).
+            log.warning("part %s landed %s; committing it again", name,
+                        "inside a compacted range (two lock holders overlapped)" if cover
+                        else "above a hole (a stale view of the directory)", extra={
+                            "code": "RELOCATED", "operation": "append", "path": name})
+            if linked:
+                misplaced.append(name)
+            seq = top(others) + 1
+    finally:
+        for name in misplaced:
+            _fsio.unlink_quiet(dir_fd, name)
+
+
+def check(dir_fd: int, seq: int, session_marker: str | None) -> tuple[list[Item], str | None]:
+    """The commit's check of part ``seq``: the listing, and a segment whose range holds
+    ``seq`` (None: the part is in the chain); :class:`Deleted` if marked.
+
+    Two listings, and a segment in either counts: one listing that takes several
+    ``getdents`` calls can miss a segment that a compaction made behind its cursor
+    while removing, ahead of it, the segment it replaced (found by review: a stale
+    writer then took its misplaced part for committed). A segment made over ``seq``
+    exists for the whole of the second listing unless yet another compaction
+    replaces it during it."""
+    first, deleted = _transcript.scan(dir_fd)
+    again, deleted_again = _transcript.scan(dir_fd)
+    check_session_marker(dir_fd, session_marker)  # first: the session's delete, if it is one
+    if deleted or deleted_again:
+        raise Deleted(_layout.part_name(seq))
+    cover = covering_segment(first, seq) or covering_segment(again, seq)
+    return again, cover
+
+
+def _drop_temp(dfd: int, tmp: str, path: str) -> str:
+    """Unlink a committed batch's temp name (a second link to its part). After the
+    commit point: a failure is logged (the name is garbage for ``fsstore gc``),
+    since raising would make the SDK retry a committed batch. Returns ``""``."""
+    try:
+        _fsio.unlink_quiet(dfd, tmp)
+    except OSError as exc:
+        log.warning("temp link left after commit: %s", exc, extra={
+            "code": "TEMP_LEFT", "operation": "append", "path": f"{path}/{tmp}"})
+    return ""
+
+
+def _after_commit(
+    store: SyncStore, t: Appending, dfd: int, held: Held, items: list[Item], before_ns: int
+) -> None:
+    """After the commit point. Nothing here fails the append.
+
+    The batch is committed; raising now would make the SDK retry it, and a
+    retried batch is stored twice (entries without a uuid are not de-duplicated).
+    So failures are logged: a failed directory fsync is the operator's to see, a
+    failed compaction only costs load speed.
+    """
+    try:
+        _tick_mtime(dfd, before_ns)
+        store._fs.sync_dir(dfd)
+    except OSError as exc:
+        code = errno.errorcode.get(exc.errno or 0, "EIO")
+        log.error(
+            "batch committed and visible, but the directory fsync failed (%s): it may not "
+            "survive a power loss", exc,
+            extra={"code": code, "operation": "append", "path": t.path, "errno": exc.errno},
+        )
+    if not store._compact_every:
+        return
+    compacted = max((last for first, last, _ in items if first != last), default=0)
+    if sum(1 for first, last, _ in items if first == last and first > compacted) < store._compact_every:
+        return
+    try:
+        _compact.compact(store._fs, dfd, t.path, held, everything=False, operation="compact",
+                         summary=store._summary_of(t.key))
+    except (OSError, FsStoreError, Vanished) as exc:
+        log.warning("automatic compaction failed: %s", exc,
+                    extra={"code": "COMPACT_FAILED", "operation": "compact", "path": t.path})
+
+
+def _tick_mtime(dfd: int, before_ns: int) -> None:
+    """Make the directory's mtime (the session's mtime) at least 1 ms later than
+    before the commit. The SDK compares a summary's mtime with list_sessions' in
+    whole milliseconds, and file systems stamp with a coarse clock (ext4: a few
+    ms): without this, a commit within the same tick would leave a summary made
+    before it looking fresh. Only ever moves forward, from the storage's own times."""
+    st = os.fstat(dfd)
+    if st.st_mtime_ns // 1_000_000 <= before_ns // 1_000_000:
+        os.utime(".", ns=(st.st_atime_ns, (before_ns // 1_000_000 + 1) * 1_000_000), dir_fd=dfd)
+
+
+# -- a new transcript, or one made anew ------------------------------------------
+
+
+def _first_commit(store: SyncStore, rfd: int, t: Appending, payload: bytes) -> bool:
+    """Commit the first batch of a new transcript: its directory appears with part
+    1 already in it (one rename), so no reader or listing ever sees a transcript
+    without a part. False if another writer's directory appeared first."""
+    parent = store._open(rfd, t.comps[:-1], "append", create=True, path_only=True)
+    assert parent is not None
+    name, original = t.comps[-1]
+    try:
+        store._locks_dir("append")
+        with store._locks.hold(t.lock_path, "append") as held:
+            held.check("append")
+            made = store._fs.new_dir(parent, name, original, lambda tfd: store._fs.write_new(
+                tfd, _layout.part_name(1), payload))
+            if made:
+                _check_made(parent, [name], t)
+            return made
+    finally:
+        os.close(parent)
+
+
+def _recreate(store: SyncStore, t: Appending, payload: bytes) -> bool:
+    """Commit the batch as part 1 of the transcript made anew where its directory is
+    gone on the server while its path still opens here: another host deleted the
+    session and this client answers from a cache (sshfs keeps names 20 s; mkdir
+    there says EEXIST; a GlusterFS client keeps reaching the moved directory while
+    it uses it, see _fsio.listed_dir). The missing part of the path is made under a temp name,
+    part 1 inside, and renamed over the stale name (a rename reaches the server).
+    False if nothing is missing there (the caller starts over)."""
+    with store._open_root(create=True, path_only=True) as rfd:
+        assert rfd is not None
+        fd = os.dup(rfd)
+        try:
+            for i, (name, original) in enumerate(t.comps):
+                nfd = os.open(name, _fsio.PATH_FLAGS, dir_fd=fd)
+                if _fsio.gone_on_server(store._fs, rfd, fd, name, nfd):
+                    os.close(nfd)
+                    break  # comps[i] is gone on the server: make comps[i:] anew
+                os.close(fd)
+                fd = nfd
+            else:
+                return False
+            store._locks_dir("append")
+            with store._locks.hold(t.lock_path, "append") as held:
+                held.check("append")
+                made = store._fs.new_dir(fd, name, original, _filler(store, t.comps[i + 1:], payload))
+            if made:
+                _check_made(fd, [n for n, _ in t.comps[i:]], t)
+            elif store._fs.listed_ino_ok:
+                # Another directory is there on the server, and this client reaches the
+                # old one: its view lapses once unused (GlusterFS: about 1 s). Not
+                # touching it meanwhile is what lets it lapse.
+                time.sleep(_STALE_VIEW_PAUSE)
+            return made
+        finally:
+            os.close(fd)
+
+
+def _filler(store: SyncStore, comps: list[Component], payload: bytes) -> Callable[[int], object]:
+    """What :meth:`_fsio.Fs.new_dir` writes into a new directory: the directories
+    ``comps`` below it (each with its ``.key`` where hashed), part 1 in the last."""
+    def fill(dir_fd: int) -> None:
+        if not comps:
+            store._fs.write_new(dir_fd, _layout.part_name(1), payload)
+            return
+        (name, original), below = comps[0], _filler(store, comps[1:], payload)
+        os.mkdir(name, store._fs.dir_mode, dir_fd=dir_fd)
+        sub = os.open(name, _fsio.DIR_FLAGS, dir_fd=dir_fd)
+        try:
+            store._fs.fix_mode(sub)
+            if original is not None:
+                store._fs.write_new(sub, _fsio.KEY_FILE, original.encode("utf-8"))
+            below(sub)
+        finally:
+            os.close(sub)
+    return fill
+
+
+def _check_made(fd: int, names: list[str], t: Appending) -> None:
+    """:class:`Deleted` if the subagent transcript just published at ``fd/names...``
+    belongs to a session marked deleted (a session delete that marked it before the
+    new directory appeared moves it away with the session: nothing of it is kept, and
+    what was made is removed)."""
+    if t.session_marker is None:
+        return
+    try:
+        check_session_marker(fd, "/".join([*names, t.session_marker]))
+    except Deleted:
+        with contextlib.suppress(OSError):
+            _fsio.remove_tree(fd, names[0])
+        raise
