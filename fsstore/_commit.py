@@ -58,7 +58,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from . import _compact, _delete, _fsio, _layout, _transcript
+from . import _compact, _delete, _fsio, _layout, _transcript, _views
 from ._errors import FsStoreError, log
 from ._keys import TranscriptKey
 from ._layout import Component
@@ -259,7 +259,7 @@ def link_and_check(
             name = _layout.part_name(seq)
             linked = _fsio.link_noreplace(fs, dir_fd, src, name)
             if linked is None:  # taken: our view was old; a client cache may be too (sshfs)
-                _fsio.refresh_listing(dir_fd)
+                _views.refresh_listing(dir_fd)
                 seq = max(seq, top(_transcript.scan_items(dir_fd))) + 1
                 continue
             if not linked:
@@ -396,7 +396,7 @@ def _recreate(store: SyncStore, t: Appending, payload: bytes) -> bool:
     gone on the server while its path still opens here: another host deleted the
     session and this client answers from a cache (sshfs keeps names 20 s; mkdir
     there says EEXIST; a GlusterFS client keeps reaching the moved directory while
-    it uses it, see _fsio.listed_dir). The missing part of the path is made under a temp name,
+    it uses it, see _views.listed_dir). The missing part of the path is made under a temp name,
     part 1 inside, and renamed over the stale name (a rename reaches the server).
     False if nothing is missing there (the caller starts over)."""
     with store._open_root(create=True, path_only=True) as rfd:
@@ -405,7 +405,7 @@ def _recreate(store: SyncStore, t: Appending, payload: bytes) -> bool:
         try:
             for i, (name, original) in enumerate(t.comps):
                 nfd = os.open(name, _fsio.PATH_FLAGS, dir_fd=fd)
-                if _fsio.gone_on_server(store._fs, rfd, fd, name, nfd):
+                if _views.gone_on_server(store._fs, rfd, fd, name, nfd):
                     os.close(nfd)
                     break  # comps[i] is gone on the server: make comps[i:] anew
                 os.close(fd)

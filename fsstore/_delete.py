@@ -2,7 +2,7 @@
 
 A delete, holding the lock of what it moves (a session's: its main transcript's):
 
-1. identifies the directory by a listing of its parent (:func:`_fsio.listed_dir`:
+1. identifies the directory by a listing of its parent (:func:`_views.listed_dir`:
    the server's inode for the name, whatever this client's lookups remember);
 2. marks it: ``.deleted`` in ``main/`` first (the commit point of a session delete:
    subagent transcripts look there too; made for the mark where the session has no
@@ -36,7 +36,7 @@ import os
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from . import _fsio, _keys, _layout
+from . import _fsio, _keys, _layout, _views
 from ._errors import FsStoreError, log
 from ._layout import Component
 from ._transcript import read_snapshot
@@ -109,7 +109,7 @@ def _move_to_trash(
     trash = store._open(rfd, [(_layout.TRASH, None)], "delete", create=True)
     assert trash is not None
     try:
-        ident = _fsio.listed_dir(store._fs, rfd, parent, name, wait=not finishing)
+        ident = _views.listed_dir(store._fs, rfd, parent, name, wait=not finishing)
         if ident is None:
             return None  # never written, or deleted already
         if finishing:
@@ -137,7 +137,7 @@ def _move_to_trash(
         # Marked (by us, or made anew and deleted again), it is a committed delete;
         # else put back. A mark is believed only through a lookup that agrees with the
         # listing: a client's stale entry moves with its rename to the new name (GlusterFS).
-        agrees = not ident or _fsio.listed_ino(trash, aside) == _fsio.looked_up_ino(trash, aside)
+        agrees = not ident or _views.listed_ino(trash, aside) == _views.looked_up_ino(trash, aside)
         if not (agrees and marked(trash, aside, mark)):
             return _put_back(trash, aside, parent, name, path)
         store._fs.sync_dir(parent)

@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
-from . import _commit, _compact, _delete, _fsio, _keys, _layout, _summaries
+from . import _commit, _compact, _delete, _fsio, _keys, _layout, _summaries, _views
 from ._errors import FsStoreError, log, translating
 from ._fsio import Fs
 from ._keys import TranscriptKey
@@ -302,14 +302,14 @@ class SyncStore:
                         if isinstance(exc.__cause__, OSError) and exc.__cause__.errno == errno.ESTALE:
                             stale = exc.__cause__
                         # Listed files gone again: our client may list from a cache.
-                        if attempt and not _fsio.refresh_listing(dfd):
+                        if attempt and not _views.refresh_listing(dfd):
                             return None  # the directory is gone on the server: deleted
                         continue
                     except OSError as exc:
                         if exc.errno not in (errno.ENOENT, errno.ESTALE):
                             raise
                         stale = exc if exc.errno == errno.ESTALE else stale
-                        if attempt and not _fsio.refresh_listing(dfd):
+                        if attempt and not _views.refresh_listing(dfd):
                             return None
                         continue  # the directory went away under us (another host's delete)
                     except FsStoreError:

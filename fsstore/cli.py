@@ -1,6 +1,6 @@
 """The ``fsstore`` command line (also ``python -m fsstore``).
 
-Argument parsing and printing only; the work is done by :mod:`fsstore._check`
+Argument parsing and what each command prints (the printing itself: :mod:`fsstore._output`); the work is done by :mod:`fsstore._check`
 (ls, check), :mod:`fsstore._cleanup` (gc, prune, compact), :mod:`fsstore._lockfiles`
 (locks), :mod:`fsstore._transfer` (import, export), :mod:`fsstore._migrate` (init,
 migrate, check --repair) and :class:`fsstore._store.SyncStore` (cat). Every command
@@ -27,17 +27,26 @@ import json
 import logging
 import os
 import re
-import shlex
 import sys
-import time
 from collections.abc import Callable, Sequence
 from typing import Any, NoReturn, TextIO, final
 
 from . import _check, _cleanup, _lockfiles, _migrate, _transfer
 from ._errors import FsStoreError
 from ._keys import check_part
+from ._output import (
+    Progress,
+    age_or_dash,
+    clean,
+    dump_json,
+    rel_path,
+    shown,
+    size_text,
+    table,
+    when_text,
+)
 from ._store import SyncStore
-from ._walk import NoStore, Problem, age_text, is_store, require_store
+from ._walk import NoStore, Problem, is_store, require_store
 
 EXIT_OK = 0
 EXIT_PROBLEMS = 1
@@ -270,136 +279,6 @@ def _version() -> str:
     return "unknown"  # not installed as a distribution (a checkout on PYTHONPATH)
 
 
-def _raw(c: str) -> bytes:
-    """The bytes a character stands for on the command line: a lone surrogate from
-    os.fsdecode is the byte it escapes (the shell passes that byte back)."""
-    try:
-        return c.encode("utf-8", "surrogateescape")
-    except UnicodeEncodeError:  # a lone surrogate that escapes no byte
-        return c.encode("utf-8", "surrogatepass")
-
-
-def shown(key: str) -> str:
-    """A key as the tables print it: as it is when the shell would pass it back unchanged."""
-    if key.isprintable():
-        return shlex.quote(key)
-    body = "".join(
-        c if c.isprintable() and c not in "'\\" else
-        ("\\'" if c == "'" else "\\\\" if c == "\\" else
-         "".join(f"\\x{b:02x}" for b in _raw(c)))
-        for c in key
-    )
-    return f"$'{body}'"
-
-
-def _size(n: int) -> str:
-    if n < 1024:
-        return f"{n} B"
-    value = n / 1024
-    for unit in ("KiB", "MiB", "GiB"):
-        if value < 1024:
-            return f"{value:.1f} {unit}"
-        value /= 1024
-    return f"{value:.1f} TiB"
-
-
-def _when(ns: int | None) -> str:
-    if ns is None:
-        return "-"
-    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(ns / 1e9))
-
-
-def _age(seconds: float | None) -> str:
-    return "-" if seconds is None else age_text(max(seconds, 0.0))
-
-
-def _rel(root: str, path: str) -> str:
-    """``path`` relative to ``root`` where it is inside it, for a person (:func:`clean`)."""
-    try:
-        rel = os.path.relpath(path, root)
-    except ValueError:
-        return clean(path)
-    return clean(path if rel.startswith("..") else rel)
-
-
-def clean(text: str) -> str:
-    """``text`` safe for a terminal: every character that is not printable (control
-    characters, so escape sequences; the lone surrogates of names that are not UTF-8)
-    as a backslash escape. File names, lock records and local file names are written
-    by whoever can write to the store or the directory: they never reach the
-    terminal raw. Everything printed for a person goes through here or :func:`shown`."""
-    if text.isprintable():
-        return text
-    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii")
-                   for c in text)
-
-
-def table(
-    out: TextIO, headers: Sequence[str], rows: Sequence[Sequence[str]], right: Sequence[int] = ()
-) -> None:
-    """Print aligned columns; column indexes in ``right`` are right-aligned."""
-    widths = [len(h) for h in headers]
-    for row in rows:
-        for i, cell in enumerate(row):
-            widths[i] = max(widths[i], len(cell))
-
-    def line(cells: Sequence[str]) -> str:
-        parts = []
-        for i, cell in enumerate(cells):
-            last = i == len(cells) - 1
-            if i in right:
-                parts.append(cell.rjust(widths[i]))
-            else:
-                parts.append(cell if last else cell.ljust(widths[i]))
-        return "  ".join(parts).rstrip()
-
-    out.write(line(headers) + "\n")
-    for row in rows:
-        out.write(line(row) + "\n")
-
-
-def _dump(out: TextIO, doc: Any) -> None:
-    # ASCII: a name that is not UTF-8 (a lone surrogate from os.fsdecode) is written as
-    # a \udcXX escape, which any JSON reader accepts, whatever the output encoding.
-    json.dump(doc, out, indent=2, ensure_ascii=True)
-    out.write("\n")
-
-
-class Progress:
-    """A ``\\r`` progress counter on a terminal; silent when the stream is not a TTY."""
-
-    def __init__(self, label: str, stream: TextIO, *, interval: float = 0.1) -> None:
-        self.label = label
-        self.stream = stream
-        self.interval = interval
-        try:
-            self.enabled = stream.isatty()
-        except (AttributeError, ValueError):
-            self.enabled = False
-        self._last = 0.0
-        self._shown = False
-
-    def __call__(self, done: int, total: int) -> None:
-        if not self.enabled:
-            return
-        now = time.monotonic()
-        if done < total and now - self._last < self.interval:
-            return
-        self._last = now
-        width = 24
-        filled = width * done // total if total else width
-        bar = "#" * filled + "." * (width - filled)
-        self.stream.write(f"\r{self.label} [{bar}] {done}/{total}")
-        self.stream.flush()
-        self._shown = True
-
-    def close(self) -> None:
-        if self._shown:
-            self.stream.write("\r\033[K")
-            self.stream.flush()
-            self._shown = False
-
-
 # -- commands ----------------------------------------------------------------------
 
 Handler = Callable[[argparse.Namespace, TextIO, TextIO, Progress], int]
@@ -411,19 +290,19 @@ def cmd_ls(args: argparse.Namespace, out: TextIO, err: TextIO, progress: Progres
     # Exit 1 only when the listing itself is incomplete; damage is check's business.
     errors = [p for p in problems if p.kind in ("unreadable", "symlink")]
     if args.json:
-        _dump(out, {"root": args.root, "sessions": [s.as_dict() for s in sessions],
+        dump_json(out, {"root": args.root, "sessions": [s.as_dict() for s in sessions],
                     "problems": [p.as_dict() for p in problems]})
     else:
         rows = [
-            [shown(s.ref.project_key), shown(s.ref.session_id), _when(s.mtime_ns),
-             str(s.parts + s.segments), _size(s.bytes), str(s.subagents)]
+            [shown(s.ref.project_key), shown(s.ref.session_id), when_text(s.mtime_ns),
+             str(s.parts + s.segments), size_text(s.bytes), str(s.subagents)]
             for s in sessions
         ]
         table(out, ["PROJECT", "SESSION", "MODIFIED", "PARTS", "BYTES", "SUBAGENTS"], rows,
               right=(3, 4, 5))
         projects = len({s.ref.project_key for s in sessions})
         total = sum(s.bytes for s in sessions)
-        out.write(f"{projects} project(s), {len(sessions)} session(s), {_size(total)}\n")
+        out.write(f"{projects} project(s), {len(sessions)} session(s), {size_text(total)}\n")
     _problems(args, err, problems)
     if problems:
         err.write("fsstore: run `fsstore check` for the details\n")
@@ -432,7 +311,7 @@ def cmd_ls(args: argparse.Namespace, out: TextIO, err: TextIO, progress: Progres
 
 def _problems(args: argparse.Namespace, err: TextIO, problems: Sequence[Problem]) -> None:
     """What a command could not look at, on stderr (also with --json: stdout has it too)."""
-    err.writelines(f"fsstore: {p.severity}: {_rel(args.root, p.path)}: {clean(p.message)}\n"
+    err.writelines(f"fsstore: {p.severity}: {rel_path(args.root, p.path)}: {clean(p.message)}\n"
                    for p in problems)
 
 
@@ -449,7 +328,7 @@ def cmd_cat(args: argparse.Namespace, out: TextIO, err: TextIO, progress: Progre
         err.write(f"fsstore: no transcript: {what}session {args.session!r} "
                   f"in project {args.project!r}\n")
         if args.json:
-            _dump(out, {"error": {"code": "NOT_FOUND", "message": "no such transcript"}})
+            dump_json(out, {"error": {"code": "NOT_FOUND", "message": "no such transcript"}})
         return EXIT_PROBLEMS
     if args.json:
         json.dump(entries, out, separators=(",", ":"))
@@ -492,23 +371,23 @@ def cmd_check(args: argparse.Namespace, out: TextIO, err: TextIO, progress: Prog
         repairs = _migrate.repair(args.root, dry_run=args.dry_run,
                                   stale_lock_seconds=args.stale_lock_seconds)
         if not args.json:
-            out.writelines(f"{'REPAIR' if a.done else 'WOULD':<8} {_rel(args.root, a.path)}  "
+            out.writelines(f"{'REPAIR' if a.done else 'WOULD':<8} {rel_path(args.root, a.path)}  "
                           f"{clean(a.detail)}\n" for a in repairs)
     report = _check.check(args.root, older_than=args.older_than,
                           stale_lock_seconds=args.stale_lock_seconds, progress=progress)
     progress.close()
     if args.json:
-        _dump(out, {"root": args.root, **report.as_dict(),
+        dump_json(out, {"root": args.root, **report.as_dict(),
                     **({"repairs": [a.as_dict() for a in repairs]} if args.repair else {})})
     else:
         for p in report.problems:
-            where = _rel(args.root, p.path) + (f":{p.line}" if p.line else "")
+            where = rel_path(args.root, p.path) + (f":{p.line}" if p.line else "")
             code = f"{p.code} " if p.code and p.code not in p.message else ""
             out.write(f"{p.severity.upper():<8} {where}  {code}{clean(p.message)}\n")
         verdict = "ok" if report.ok else (
             f"{report.errors} error(s), {report.warnings} warning(s)")
         out.write(f"checked {report.sessions} session(s), {report.transcripts} transcript(s), "
-                  f"{report.entries} entries, {_size(report.bytes)}: {verdict}\n")
+                  f"{report.entries} entries, {size_text(report.bytes)}: {verdict}\n")
     return EXIT_OK if report.ok else EXIT_PROBLEMS
 
 
@@ -539,7 +418,7 @@ def _actions(
         doc: dict[str, Any] = {"root": args.root, "dry_run": dry, **(extra or {}),
                                "actions": [a.as_dict() for a in actions],
                                "failed": len(failed)}
-        _dump(out, doc)
+        dump_json(out, doc)
     else:
         for a in actions:
             if a.failed:
@@ -548,7 +427,7 @@ def _actions(
                 verb = (_DRY_VERB if dry else _DONE_VERB)[a.action]
             else:
                 verb = {"keep": "kept", "skip": "skipped"}.get(a.action, "nothing")
-            out.write(f"{verb:<17} {_rel(args.root, a.path)}  {clean(a.detail)}\n")
+            out.write(f"{verb:<17} {rel_path(args.root, a.path)}  {clean(a.detail)}\n")
         done = sum(1 for a in actions if a.done)
         summary = (f"{what}: {len(actions)} action(s) in a dry run; nothing changed" if dry
                    else f"{what}: {done} done, {len(failed)} failed")
@@ -560,7 +439,7 @@ def cmd_init(args: argparse.Namespace, out: TextIO, err: TextIO, progress: Progr
     existed = is_store(args.root) if os.path.isdir(args.root) else False
     _migrate.init(args.root)
     if args.json:
-        _dump(out, {"root": args.root, "created": not existed})
+        dump_json(out, {"root": args.root, "created": not existed})
     else:
         out.write(f"{clean(args.root)}: {'a store already' if existed else 'store created'}\n")
     return EXIT_OK
@@ -604,7 +483,7 @@ def cmd_locks(args: argparse.Namespace, out: TextIO, err: TextIO, progress: Prog
     progress.close()
     stale = [lk for lk in found if lk.stale]
     if args.json:
-        _dump(out, {"root": args.root, "locks": [lk.as_dict() for lk in found],
+        dump_json(out, {"root": args.root, "locks": [lk.as_dict() for lk in found],
                     "stale": len(stale), "problems": [p.as_dict() for p in problems]})
     else:
         rows = []
@@ -613,9 +492,9 @@ def cmd_locks(args: argparse.Namespace, out: TextIO, err: TextIO, progress: Prog
                 label = "(unknown: deleted, or not written yet)"
             else:
                 label = " ".join(shown(v) for v in lk.key.values())
-            since = _when(int(lk.mtime * 1e9))
+            since = when_text(int(lk.mtime * 1e9))
             rows.append([label, "-" if lk.pid is None else str(lk.pid), clean(lk.host or "-"),
-                         since, _age(lk.age), lk.status + (" (this host)" if lk.local else "")])
+                         since, age_or_dash(lk.age), lk.status + (" (this host)" if lk.local else "")])
         table(out, ["TRANSCRIPT", "PID", "HOST", "SINCE", "AGE", "STATUS"], rows, right=(1, 4))
         incomplete = (f"; incomplete: {len(problems)} place(s) could not be read"
                       if problems else "")
@@ -644,7 +523,7 @@ def _transfers(
 ) -> int:
     failed = [t for t in transfers if t.failed] + [p for p in problems if p.severity == "error"]
     if args.json:
-        _dump(out, {"root": args.root, "dry_run": args.dry_run,
+        dump_json(out, {"root": args.root, "dry_run": args.dry_run,
                     "files": [t.as_dict() for t in transfers],
                     "problems": [p.as_dict() for p in problems], "failed": len(failed)})
     else:
@@ -744,13 +623,13 @@ def _run(argv: Sequence[str] | None) -> int:
         progress.close()
         err.write(f"fsstore: {clean(str(exc))}\n")
         if args.json:
-            _dump(out, {"error": {"code": "NOT_FOUND", "message": str(exc)}})
+            dump_json(out, {"error": {"code": "NOT_FOUND", "message": str(exc)}})
         return EXIT_PROBLEMS
     except FsStoreError as exc:
         progress.close()
         err.write(f"{clean(str(exc))}\n")
         if args.json:
-            _dump(out, {"error": {"code": exc.code, "message": exc.message,
+            dump_json(out, {"error": {"code": exc.code, "message": exc.message,
                                   "operation": exc.operation, "path": exc.path}})
         return EXIT_USAGE if exc.code == "INVALID_KEY" else EXIT_PROBLEMS
     except KeyboardInterrupt:

@@ -1,0 +1,143 @@
+"""What the command line prints: aligned tables and JSON, names made safe for a
+terminal, and a progress counter (:mod:`fsstore.cli` decides what; this, how)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import time
+from collections.abc import Sequence
+from typing import Any, TextIO
+
+from ._walk import age_text
+
+
+def _raw(c: str) -> bytes:
+    """The bytes a character stands for on the command line: a lone surrogate from
+    os.fsdecode is the byte it escapes (the shell passes that byte back)."""
+    try:
+        return c.encode("utf-8", "surrogateescape")
+    except UnicodeEncodeError:  # a lone surrogate that escapes no byte
+        return c.encode("utf-8", "surrogatepass")
+
+
+def shown(key: str) -> str:
+    """A key as the tables print it: as it is when the shell would pass it back unchanged."""
+    if key.isprintable():
+        return shlex.quote(key)
+    body = "".join(
+        c if c.isprintable() and c not in "'\\" else
+        ("\\'" if c == "'" else "\\\\" if c == "\\" else
+         "".join(f"\\x{b:02x}" for b in _raw(c)))
+        for c in key
+    )
+    return f"$'{body}'"
+
+
+def size_text(n: int) -> str:
+    if n < 1024:
+        return f"{n} B"
+    value = n / 1024
+    for unit in ("KiB", "MiB", "GiB"):
+        if value < 1024:
+            return f"{value:.1f} {unit}"
+        value /= 1024
+    return f"{value:.1f} TiB"
+
+
+def when_text(ns: int | None) -> str:
+    if ns is None:
+        return "-"
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(ns / 1e9))
+
+
+def age_or_dash(seconds: float | None) -> str:
+    return "-" if seconds is None else age_text(max(seconds, 0.0))
+
+
+def rel_path(root: str, path: str) -> str:
+    """``path`` relative to ``root`` where it is inside it, for a person (:func:`clean`)."""
+    try:
+        rel = os.path.relpath(path, root)
+    except ValueError:
+        return clean(path)
+    return clean(path if rel.startswith("..") else rel)
+
+
+def clean(text: str) -> str:
+    """``text`` safe for a terminal: every character that is not printable (control
+    characters, so escape sequences; the lone surrogates of names that are not UTF-8)
+    as a backslash escape. File names, lock records and local file names are written
+    by whoever can write to the store or the directory: they never reach the
+    terminal raw. Everything printed for a person goes through here or :func:`shown`."""
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii")
+                   for c in text)
+
+
+def table(
+    out: TextIO, headers: Sequence[str], rows: Sequence[Sequence[str]], right: Sequence[int] = ()
+) -> None:
+    """Print aligned columns; column indexes in ``right`` are right-aligned."""
+    widths = [len(h) for h in headers]
+    for row in rows:
+        for i, cell in enumerate(row):
+            widths[i] = max(widths[i], len(cell))
+
+    def line(cells: Sequence[str]) -> str:
+        parts = []
+        for i, cell in enumerate(cells):
+            last = i == len(cells) - 1
+            if i in right:
+                parts.append(cell.rjust(widths[i]))
+            else:
+                parts.append(cell if last else cell.ljust(widths[i]))
+        return "  ".join(parts).rstrip()
+
+    out.write(line(headers) + "\n")
+    for row in rows:
+        out.write(line(row) + "\n")
+
+
+def dump_json(out: TextIO, doc: Any) -> None:
+    # ASCII: a name that is not UTF-8 (a lone surrogate from os.fsdecode) is written as
+    # a \udcXX escape, which any JSON reader accepts, whatever the output encoding.
+    json.dump(doc, out, indent=2, ensure_ascii=True)
+    out.write("\n")
+
+
+class Progress:
+    """A ``\\r`` progress counter on a terminal; silent when the stream is not a TTY."""
+
+    def __init__(self, label: str, stream: TextIO, *, interval: float = 0.1) -> None:
+        self.label = label
+        self.stream = stream
+        self.interval = interval
+        try:
+            self.enabled = stream.isatty()
+        except (AttributeError, ValueError):
+            self.enabled = False
+        self._last = 0.0
+        self._shown = False
+
+    def __call__(self, done: int, total: int) -> None:
+        if not self.enabled:
+            return
+        now = time.monotonic()
+        if done < total and now - self._last < self.interval:
+            return
+        self._last = now
+        width = 24
+        filled = width * done // total if total else width
+        bar = "#" * filled + "." * (width - filled)
+        self.stream.write(f"\r{self.label} [{bar}] {done}/{total}")
+        self.stream.flush()
+        self._shown = True
+
+    def close(self) -> None:
+        if self._shown:
+            self.stream.write("\r\033[K")
+            self.stream.flush()
+            self._shown = False

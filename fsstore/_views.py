@@ -1,0 +1,101 @@
+"""A network client's view of a directory against the server's.
+
+Local disks have one view. A network client answers lookups, and sometimes
+listings, from its caches: sshfs keeps names and listings 20 s by default; a
+GlusterFS client keeps resolving a name to the directory it last knew there while
+that directory is in use. A listing (GlusterFS) or a change made in a directory
+(sshfs) reaches the server. Used where a stale view would move, mark or number the
+wrong thing: deletes (:mod:`fsstore._delete`) and a writer's numbering and
+recreation (:mod:`fsstore._commit`).
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import time
+
+from ._fsio import CREATE_FLAGS, DIR_FLAGS, Fs, temp_name, unlink_quiet
+
+
+def refresh_listing(dir_fd: int) -> bool:
+    """Make the client list the directory afresh; False if it is gone on the server.
+
+    Creating and removing a name in a directory is a change this client made, so
+    its own caches of that directory go: sshfs's 20 s directory cache otherwise
+    keeps listing files another host compacted or deleted. ENOENT/ESTALE: the
+    directory no longer exists there. A mount this process may not write to tells
+    nothing (True).
+    """
+    name = temp_name("-probe")
+    try:
+        os.close(os.open(name, CREATE_FLAGS, 0o600, dir_fd=dir_fd))
+    except OSError as exc:
+        return exc.errno not in (errno.ENOENT, errno.ESTALE)
+    unlink_quiet(dir_fd, name)
+    return True
+
+
+def listed_ino(parent: int, name: str) -> int | None:
+    """The inode number a listing of ``parent`` gives ``name`` (None: not listed)."""
+    fd = os.open(".", DIR_FLAGS, dir_fd=parent)
+    try:
+        with os.scandir(fd) as it:
+            return next((e.inode() for e in it if e.name == name), None)
+    finally:
+        os.close(fd)
+
+
+def looked_up_ino(parent: int, name: str) -> int | None:
+    """``name``'s inode number as a lookup gives it (None: not there)."""
+    try:
+        return os.stat(name, dir_fd=parent, follow_symlinks=False).st_ino
+    except FileNotFoundError:
+        return None
+
+
+def listings_number_alike(fs: Fs, root_fd: int) -> bool:
+    """Whether the mount's listings give the inode numbers its lookups do (learned once,
+    on the store's ``projects`` directory, which is never replaced): true on local
+    disks, NFS and GlusterFS; not on sshfs or overlayfs."""
+    if fs.listed_ino_ok is None:
+        listed, looked = listed_ino(root_fd, "projects"), looked_up_ino(root_fd, "projects")
+        if listed is None or looked is None:
+            return False  # nothing to learn from yet
+        fs.listed_ino_ok = listed == looked
+    return fs.listed_ino_ok
+
+
+def gone_on_server(fs: Fs, root_fd: int, parent: int, name: str, fd: int) -> bool:
+    """Whether the directory ``fd`` that ``parent/name`` opened here is no longer what the
+    server has at that name: gone there (a name created in it fails: sshfs's cached
+    names), or, where listings can tell, another directory or none is listed there
+    (GlusterFS's lookups, see listed_dir)."""
+    if not refresh_listing(fd):
+        return True
+    return listings_number_alike(fs, root_fd) and listed_ino(parent, name) != os.fstat(fd).st_ino
+
+
+def listed_dir(fs: Fs, root_fd: int, parent: int, name: str, *, wait: bool) -> int | None:
+    """The inode of the directory at ``parent/name`` as the server has it, once this
+    client's lookups agree with it; None if not listed; 0 where the mount's listings
+    cannot tell (their inode numbers are not the lookups': sshfs, overlayfs).
+
+    A listing reaches the server; a lookup by name may not. A GlusterFS client keeps
+    resolving a name to the directory it last knew there (md-cache answers from its
+    own table for as long as that directory is in use), even after another host
+    moved it away and made a new one: a rename then moves what the server has, not
+    what the lookups showed. A lookup that disagrees is, with ``wait``, looked at
+    again for about a second (the cache lapses within about a second unused); ESTALE
+    if it keeps disagreeing.
+    ``root_fd``: the store's root (see listings_number_alike)."""
+    if not listings_number_alike(fs, root_fd):
+        return 0
+    for attempt in range(6 if wait else 1):
+        if attempt:
+            time.sleep(0.05 * attempt)
+        listed = listed_ino(parent, name)
+        if listed is None or listed == looked_up_ino(parent, name):
+            return listed
+    raise OSError(errno.ESTALE, "this client keeps resolving the name to another directory "
+                  "than the server lists", name)
