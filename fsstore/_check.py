@@ -156,10 +156,14 @@ _WHAT = {"temp": "temp file", "trash": ".trash entry", "lock-recovery": "lock re
 
 
 def _garbage_problem(g: Garbage, older_than: float) -> Problem:
-    if g.kind == "orphan":
+    if g.kind == "orphan" and (g.name.endswith(_layout.ORPHAN_TAG) or g.age > older_than):
         return Problem("error", "orphan", g.path, "a transcript a delete moved by mistake (not marked, "
-                       "or seen through a stale client cache) and could not move back: its batches are in no "
-                       "load; fsstore gc keeps it (docs/operations.md: Deletes that raced)")
+                       "or seen through a stale client cache) and could not move back or merge: its "
+                       "batches are in no load; fsstore gc keeps it (docs/operations.md: Deletes racing "
+                       "appends)")
+    if g.kind == "orphan":
+        return Problem("info", "young-orphan", g.path, f"a transcript a delete moved by mistake, "
+                       f"{age_text(g.age)} old: being moved back or merged")
     what = "temp directory" if g.kind == "temp" and g.is_dir else _WHAT[g.kind]
     if g.kind in ("fuse-hidden", "tomb"):  # never damage: left on purpose
         return Problem("info", g.kind, g.path, f"{what}, {age_text(g.age)} old: "

@@ -199,12 +199,14 @@ def _append_once(store: SyncStore, t: Appending, payload: bytes) -> None:
         tmp = _fsio.temp_name()
         try:
             store._fs.write_temp(dfd, tmp, payload)
-        except FileNotFoundError:
+        except (FileNotFoundError, FileExistsError) as exc:
+            # A new random name cannot exist: EEXIST is how a GlusterFS client answers
+            # for a directory another client just moved away (a delete), like ENOENT.
             tmp = ""
             if _recreate(store, t, payload):
                 t.next_seq, t.last_name = 2, _layout.part_name(1)
                 return
-            raise
+            raise FileNotFoundError(errno.ENOENT, "transcript directory gone", t.path) from exc
         try:
             store._locks_dir(op)
             with store._locks.hold(t.lock_path, op) as held:

@@ -39,10 +39,12 @@ from typing import TYPE_CHECKING, Any
 from . import _fsio, _keys, _layout, _views
 from ._errors import FsStoreError, log
 from ._layout import Component
-from ._transcript import read_snapshot
+from ._transcript import Deleted, Vanished, read_snapshot
 
 if TYPE_CHECKING:
     from ._store import SyncStore
+
+ASIDE_TAG = "-deleted"  # what a delete moved into .trash, until it is emptied or moved back
 
 
 def remove(
@@ -57,7 +59,8 @@ def remove(
     The lock serializes the deleters, and whoever finishes a delete, with the writers
     that make the session (or transcript) anew: so what a delete moves is what it
     marked. Correctness does not rest on it (step 4)."""
-    lock_comps = [*comps, (_layout.MAIN, None)] if mark else comps
+    lock_name = _layout.lock_name([*comps, (_layout.MAIN, None)] if mark else comps)
+    tag = f"-{lock_name[:16]}"  # in the names of what it moves: see _claim_moved
     with store._open_root(create=False) as rfd:
         if rfd is None:
             return
@@ -65,9 +68,11 @@ def remove(
         if parent is None:
             return
         try:
-            with store._locks.hold(store._lock_path(_layout.lock_name(lock_comps), op), op):
-                orphan = _move_to_trash(store, rfd, parent, comps[-1][0], path, mark, keep,
+            with store._locks.hold(store._lock_path(lock_name, op), op):
+                orphan = _move_to_trash(store, rfd, parent, comps[-1][0], path, mark, keep, tag,
                                         finishing=finishing)
+                if not finishing and orphan is None:
+                    _claim_moved(store, rfd, tag, mark, path)
         finally:
             os.close(parent)
     if orphan is not None:  # not under the lock: appending takes the locks it needs
@@ -102,7 +107,7 @@ def marked(parent: int, name: str, below: str) -> bool:
 
 def _move_to_trash(
     store: SyncStore, rfd: int, parent: int, name: str, path: str, mark: str,
-    keep: Callable[[], bool] | None, *, finishing: bool,
+    keep: Callable[[], bool] | None, tag: str, *, finishing: bool,
 ) -> str | None:
     """Steps 1 to 5 for ``parent/name``; the name of an orphan left in ``.trash``
     (step 4: to be merged back), else None."""
@@ -125,7 +130,7 @@ def _move_to_trash(
             if kept:
                 _mark(store, parent, name, path, mark, undo=True)
                 return None
-        aside = _fsio.temp_name("-deleted")
+        aside = _fsio.temp_name(f"{tag}{ASIDE_TAG}")
         try:
             os.rename(name, aside, src_dir_fd=parent, dst_dir_fd=trash)
         except FileNotFoundError:
@@ -139,7 +144,7 @@ def _move_to_trash(
         # listing: a client's stale entry moves with its rename to the new name (GlusterFS).
         agrees = not ident or _views.listed_ino(trash, aside) == _views.looked_up_ino(trash, aside)
         if not (agrees and marked(trash, aside, mark)):
-            return _put_back(trash, aside, parent, name, path)
+            return _put_back(trash, aside, parent, name, path, tag)
         store._fs.sync_dir(parent)
         try:
             # Everything but the marks (step 5).
@@ -157,7 +162,7 @@ def _move_to_trash(
         os.close(trash)
 
 
-def _put_back(trash: int, aside: str, parent: int, name: str, path: str) -> str | None:
+def _put_back(trash: int, aside: str, parent: int, name: str, path: str, tag: str) -> str | None:
     """Move back a directory a delete moved that was not the one it marked; where
     another is at the name now, rename it to an orphan name and return that."""
     try:
@@ -165,7 +170,7 @@ def _put_back(trash: int, aside: str, parent: int, name: str, path: str) -> str 
         # into it: that commit then fails in the replaced one, and retries).
         os.rename(aside, name, src_dir_fd=trash, dst_dir_fd=parent)
     except OSError as exc:
-        orphan = _fsio.temp_name(_layout.ORPHAN_TAG)
+        orphan = _fsio.temp_name(f"{tag}{_layout.ORPHAN_TAG}")
         try:
             os.rename(aside, orphan, src_dir_fd=trash, dst_dir_fd=trash)
         except OSError:
@@ -180,40 +185,66 @@ def _put_back(trash: int, aside: str, parent: int, name: str, path: str) -> str 
     return None
 
 
+def _claim_moved(store: SyncStore, rfd: int, tag: str, mark: str, path: str) -> None:
+    """Mark what other deletes of this transcript moved by mistake and hold in
+    ``.trash`` (a directory made anew, moved by a deleter stalled past its lease, on
+    its way back or being merged): its batches were committed before this delete began,
+    so they are this delete's. Their deleter, seeing the mark, empties it instead of
+    moving it back (or stops merging it)."""
+    trash = store._open(rfd, [(_layout.TRASH, None)], "delete")
+    if trash is None:
+        return
+    try:
+        for name in _fsio.listdir(trash):
+            if tag in name and name.endswith((ASIDE_TAG, _layout.ORPHAN_TAG)) \
+                    and not marked(trash, name, mark):
+                _mark(store, trash, name, f"{store.root}/{_layout.TRASH}/{name}", mark)
+                log.warning("marked a session another delete had moved by mistake: deleted now",
+                            extra={"code": "DELETE_RACED", "operation": "delete", "path": path})
+    finally:
+        os.close(trash)
+
+
 def _merge_back(store: SyncStore, orphan: str, comps: list[Component], mark: str, path: str) -> None:
     """Append the batches of ``.trash/<orphan>`` (each transcript's, in order, one
-    append a batch) to the transcripts at its old name, then remove it. Entries with
-    a ``uuid`` are loaded once whatever is appended twice (a crash between the appends
-    and the removal); an orphan that now looks marked or cannot be read whole stays,
-    for the operator."""
+    append a batch) to the transcripts at its old name, then remove it. A later delete
+    of the session claims it (:func:`_claim_moved`): marked, its batches are deleted,
+    and the rest are not appended. Entries with a ``uuid`` are loaded once whatever is
+    appended twice (a crash between the appends and the removal); an orphan that
+    cannot be read whole stays, for the operator."""
+    claimed = False
     try:
         with store._open_root(create=False) as rfd:
             trash = store._open(rfd, [(_layout.TRASH, None)], "delete") if rfd is not None else None
             if trash is None:
                 return
             try:
-                if marked(trash, orphan, mark):
-                    raise FsStoreError("DELETE_RACED", "it is marked deleted now", operation="delete",
-                                       path=path)
                 for key, names in _transcripts(store, trash, orphan, comps, mark):
                     tfd = store._open(trash, [(n, None) for n in [orphan, *names]], "delete")
                     if tfd is None:
                         continue
                     try:
                         batches, gap = read_snapshot(tfd, f"{path}/{'/'.join(names)}", "delete")
+                    except Deleted:
+                        claimed = True
+                        break
                     finally:
                         os.close(tfd)
                     if gap is not None:
                         raise FsStoreError("GAP", f"part {gap} is missing", operation="delete", path=path)
                     for _last, entries in batches:
+                        claimed = claimed or marked(trash, orphan, mark)
+                        if claimed:
+                            break
                         store.append(key, entries)
                 _fsio.remove_tree(trash, orphan)
             finally:
                 os.close(trash)
-    except (OSError, FsStoreError) as exc:
+    except (OSError, FsStoreError, Vanished) as exc:  # Vanished: someone else's work there
         _orphaned(orphan, path, exc)
         return
-    log.warning("merged the transcript a delete moved by mistake into the one made since",
+    log.warning("the transcript a delete moved by mistake is %s", "deleted by a later delete"
+                if claimed else "merged into the one made since",
                 extra={"code": "DELETE_RACED", "operation": "delete", "path": path})
 
 

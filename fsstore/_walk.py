@@ -40,7 +40,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from . import _fsio, _keys, _layout
+from . import _delete, _fsio, _keys, _layout
 from ._errors import FsStoreError
 from ._keys import TranscriptKey
 from ._store import SyncStore
@@ -512,9 +512,10 @@ class Walker:
         """Every entry of ``.trash`` (deletes in progress, or their leftovers)."""
         comps = (_layout.TRASH,)
         kinds = {_layout.TOMB_TAG: "tomb", _layout.ORPHAN_TAG: "orphan"}
-        return [self.garbage_entry(next((k for tag, k in kinds.items() if entry.name.endswith(tag)), "trash"),
+        return [self.garbage_entry(next((k for tag, k in kinds.items() if entry.name.endswith(tag)),
+                                        "orphan" if _moved_by_mistake(fd, entry, st) else "trash"),
                                    comps, entry, st)
-                for _fd, entry, st in self.entries(comps)]
+                for fd, entry, st in self.entries(comps)]
 
     def root_entries(self) -> None:
         """Note anything at the top level that is not ``projects``, ``.trash``, ``.locks``
@@ -675,3 +676,26 @@ def walking(
             raise NoStore(f"{root}: no store here (not a directory)")
         require_store(root)
         yield Walker(rfd, store, stale_lock_seconds=stale_lock_seconds, looks_only=looks_only)
+
+
+def _moved_by_mistake(trash_fd: int, entry: os.DirEntry[str], st: os.stat_result) -> bool:
+    """A directory a delete moved into ``.trash`` that holds no mark: made anew after the
+    delete's mark, its batches are no delete's to remove. Its deleter moves it back or
+    merges it (young, in flight); if that deleter died, it is an orphan for the operator."""
+    if not entry.name.endswith(_delete.ASIDE_TAG) or not stat.S_ISDIR(st.st_mode):
+        return False
+    return not (_delete.marked(trash_fd, entry.name, _layout.MAIN)
+                or _delete.marked(trash_fd, entry.name, "")) and _holds_batches(trash_fd, entry.name)
+
+
+def _holds_batches(parent_fd: int, name: str) -> bool:
+    """Whether a part or segment is anywhere below ``parent/name``."""
+    try:
+        fd = os.open(name, _fsio.DIR_FLAGS, dir_fd=parent_fd)
+    except OSError:
+        return False
+    try:
+        return any(_holds_batches(fd, e.name) if e.is_dir(follow_symlinks=False)
+                   else _layout.parse_item(e.name) is not None for e in os.scandir(fd))
+    finally:
+        os.close(fd)

@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -317,6 +318,7 @@ def test_gc_removes_only_old_garbage_and_dry_run_changes_nothing(
     trash = root / _layout.TRASH
     (trash / ".tmp-5-00000000000000ef-deleted" / "main").mkdir(parents=True)
     (trash / ".tmp-5-00000000000000ef-deleted" / "main" / _layout.part_name(1)).write_text("{}\n")
+    (trash / ".tmp-5-00000000000000ef-deleted" / "main" / _layout.DELETED).write_text("")
     (trash / ".tmp-6-00000000000000f0-deleted").mkdir()
     (trash / ".tmp-6-00000000000000f0-deleted" / ".nfs0000000000ab12cd00000001").write_text("x")
     time.sleep(3.2)  # directories age by ctime, which only the clock can move
@@ -654,13 +656,11 @@ def test_a_deletes_tombstone_is_info_for_check_and_removed_by_gc_once_old(root: 
     assert gc.returncode == 0 and not tombs[0].exists(), gc.stdout + gc.stderr
 
 
-def _delete_racing_two_remakes(root: Path, store: SyncStore, deleter: SyncStore,
-                               monkeypatch: pytest.MonkeyPatch) -> None:
+def _delete_racing_remakes(root: Path, store: SyncStore, deleter: SyncStore,
+                           monkeypatch: pytest.MonkeyPatch, meanwhile: Callable[[], None]) -> None:
     """A delete whose lock overlapped (docs/format.md, "Deletes"): it marks the session,
     a writer finishes the delete and makes the session anew with a batch, the delete
-    moves that one, and before it can move it back yet another writer makes the
-    session again."""
-    other = SyncStore(root)
+    moves that one, and before it can move it back, ``meanwhile`` runs."""
     hold = deleter._locks.hold  # the delete's own lock overtaken; its appends lock as always
     monkeypatch.setattr(deleter._locks, "hold",
                         lambda path, op: contextlib.nullcontext() if op == "delete" else hold(path, op))
@@ -669,7 +669,7 @@ def _delete_racing_two_remakes(root: Path, store: SyncStore, deleter: SyncStore,
 
     def put_back(*args: Any) -> str | None:
         armed.append(2)
-        other.append(KEY, [entry(2)])  # meanwhile, yet another writer made the session again
+        meanwhile()
         return real(*args)
 
     def keep() -> bool:
@@ -681,6 +681,13 @@ def _delete_racing_two_remakes(root: Path, store: SyncStore, deleter: SyncStore,
     deleter.delete_unless(KEY, keep)
     assert armed == [1, 2]
     monkeypatch.undo()
+
+
+def _delete_racing_two_remakes(root: Path, store: SyncStore, deleter: SyncStore,
+                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """... and yet another writer makes the session again."""
+    other = SyncStore(root)
+    _delete_racing_remakes(root, store, deleter, monkeypatch, lambda: other.append(KEY, [entry(2)]))
 
 
 def _orphans(root: Path) -> list[Path]:
@@ -699,6 +706,61 @@ def test_a_session_a_delete_could_not_move_back_is_merged_into_the_one_made_sinc
     assert raced and all(r.levelname == "WARNING" for r in raced)
     check = fsstore("check", root)
     assert check.returncode == 0, check.stdout
+
+
+def test_a_session_a_stalled_delete_moved_by_mistake_is_deleted_by_a_delete_begun_since(
+    root: Path, store: SyncStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Review: the batch of the session made anew was acknowledged before a second delete
+    began; that delete finds nothing at the name (the stalled one has it in .trash) and
+    returns. The stalled delete must not bring the batch back afterwards: the second
+    delete claims (marks) what the first moved, so it is deleted, not moved back."""
+    other = SyncStore(root)
+    _delete_racing_remakes(root, store, SyncStore(root), monkeypatch, lambda: other.delete(KEY))
+    assert SyncStore(root).load(KEY) is None
+    store.append(KEY, [entry(3)])
+    assert SyncStore(root).load(KEY) == [entry(3)]
+    check = fsstore("check", root)
+    assert check.returncode == 0, check.stdout
+
+
+def test_a_session_a_stalled_delete_merges_is_not_merged_after_a_delete_begun_since(
+    root: Path, store: SyncStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Review: as above, and then a writer makes the session again, so the stalled delete
+    cannot move back what it moved: merging it would bring back a batch deleted by the
+    second delete (and after a batch appended later). The claimed one is removed."""
+    other = SyncStore(root)
+
+    def delete_then_remake() -> None:
+        other.delete(KEY)
+        other.append(KEY, [entry(2)])
+
+    _delete_racing_remakes(root, store, SyncStore(root), monkeypatch, delete_then_remake)
+    assert SyncStore(root).load(KEY) == [entry(2)]
+    assert _orphans(root) == []
+    check = fsstore("check", root)
+    assert check.returncode == 0, check.stdout
+
+
+def test_what_a_delete_that_died_moved_by_mistake_is_kept_and_an_error_for_check_once_old(
+    root: Path, store: SyncStore
+) -> None:
+    """A deleter killed between moving a session made anew (no mark) into .trash and
+    moving it back leaves acknowledged batches there: `gc` must never take them for a
+    finished delete's leftovers; `check` says so once it is older than --older-than
+    (young, it is a delete at work)."""
+    store.append(KEY, [entry(0)])
+    moved = root / _layout.TRASH / ".tmp-4242-0123456789abcdef-0011223344556677-deleted"
+    moved.parent.mkdir(exist_ok=True)
+    tdir(root, KEY).parent.rename(moved)
+    young = fsstore("check", root, "--older-than", "1h")
+    assert young.returncode == 0 and "being moved back or merged" in young.stdout, young.stdout
+    time.sleep(1.1)
+    old = fsstore("check", root, "--older-than", "1s")
+    assert old.returncode != 0 and "could not move back or merge" in old.stdout, old.stdout
+    assert fsstore("gc", root, "--older-than", "1s").returncode == 0
+    assert [json.loads(p.read_text()) for p in (moved / "main").glob("*.jsonl")] == [entry(0)]
 
 
 def test_a_session_a_delete_could_neither_move_back_nor_merge_is_kept_and_an_error_for_check(
