@@ -185,6 +185,8 @@ def _append_once(store: SyncStore, t: Appending, payload: bytes) -> None:
     op = "append"
     with store._open_root(create=False, path_only=True) as rfd:
         dfd = store._open(rfd, t.comps, op, path_only=True) if rfd is not None else None
+        if dfd is None and rfd is not None and _delete.restore(store, rfd, t.comps):
+            raise FileNotFoundError(errno.ENOENT, "moved back just now: look again", t.path)
     if dfd is None:
         with store._open_root(create=True, path_only=True) as rfd:
             assert rfd is not None

@@ -169,6 +169,8 @@ def _put_back(trash: int, aside: str, parent: int, name: str, path: str, tag: st
         # Replaces only an empty directory (a writer's mkdir before its first commit
         # into it: that commit then fails in the replaced one, and retries).
         os.rename(aside, name, src_dir_fd=trash, dst_dir_fd=parent)
+    except FileNotFoundError:
+        return None  # moved back already, by whoever found the transcript missing (restore)
     except OSError as exc:
         orphan = _fsio.temp_name(f"{tag}{_layout.ORPHAN_TAG}")
         try:
@@ -183,6 +185,43 @@ def _put_back(trash: int, aside: str, parent: int, name: str, path: str, tag: st
     log.warning("a delete moved a transcript made anew after its mark; moved back",
                 extra={"code": "DELETE_RACED", "operation": "delete", "path": path})
     return None
+
+
+def restore(store: SyncStore, rfd: int, comps: list[Component]) -> bool:
+    """Move back what a delete moved by mistake and has not moved back yet (its deleter
+    stalled or died between the two renames): an unmarked directory in ``.trash``
+    carrying the tag of the session of transcript ``comps`` (or of the transcript).
+    For whoever finds the transcript missing, before taking it for deleted or making
+    it anew: the session is hidden only until someone looks. True if one was moved back."""
+    session = comps[:4]
+    targets = [(session, _layout.MAIN)] + ([(comps, "")] if comps[-1][0] != _layout.MAIN else [])
+    trash = store._open(rfd, [(_layout.TRASH, None)], "load")
+    if trash is None:
+        return False
+    restored = False
+    try:
+        names = _fsio.listdir(trash)
+        for target, mark in targets:
+            tag = f"-{_layout.lock_name([*target, (_layout.MAIN, None)] if mark else target)[:16]}"
+            for name in names:
+                if not (name.endswith(ASIDE_TAG) and tag in name) or marked(trash, name, mark):
+                    continue
+                parent = store._open(rfd, target[:-1], "load")
+                if parent is None:
+                    continue
+                try:
+                    os.rename(name, target[-1][0], src_dir_fd=trash, dst_dir_fd=parent)
+                except OSError:
+                    continue  # moved back by its deleter, claimed, or a new one is there
+                finally:
+                    os.close(parent)
+                restored = True
+                log.warning("moved back a transcript a delete had moved by mistake (its deleter "
+                            "stalled or died)", extra={"code": "DELETE_RACED", "operation": "load",
+                                                       "path": store._path(target)})
+    finally:
+        os.close(trash)
+    return restored
 
 
 def _claim_moved(store: SyncStore, rfd: int, tag: str, mark: str, path: str) -> None:

@@ -287,6 +287,8 @@ class SyncStore:
                             continue
                         raise
                     if dfd is None:
+                        if attempt == 0 and _delete.restore(self, rfd, comps):
+                            continue  # a stalled delete had it in .trash by mistake
                         return None
                     try:
                         batches, gap = read_snapshot(dfd, path, op, _layout.session_marker(tk))

@@ -685,9 +685,41 @@ def _delete_racing_remakes(root: Path, store: SyncStore, deleter: SyncStore,
 
 def _delete_racing_two_remakes(root: Path, store: SyncStore, deleter: SyncStore,
                                monkeypatch: pytest.MonkeyPatch) -> None:
-    """... and yet another writer makes the session again."""
+    """... and yet another writer makes the session again, through a client that does
+    not see the moved one in .trash (a cached listing: else it moves it back first)."""
     other = SyncStore(root)
-    _delete_racing_remakes(root, store, deleter, monkeypatch, lambda: other.append(KEY, [entry(2)]))
+
+    def remake() -> None:
+        with monkeypatch.context() as m:
+            m.setattr(_delete, "restore", lambda *args: False)
+            other.append(KEY, [entry(2)])
+
+    _delete_racing_remakes(root, store, deleter, monkeypatch, remake)
+
+
+def test_a_session_a_stalled_delete_moved_by_mistake_is_moved_back_by_the_next_load(
+    root: Path, store: SyncStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Review: while the deleter that moved a session made anew stays stalled, the session
+    is not hidden from the next load: a load that finds it missing moves it back."""
+    other, seen = SyncStore(root), []
+    _delete_racing_remakes(root, store, SyncStore(root), monkeypatch,
+                           lambda: seen.append(other.load(KEY)))
+    assert seen == [[entry(1)]]
+    assert SyncStore(root).load(KEY) == [entry(1)] and _orphans(root) == []
+
+
+def test_a_session_a_stalled_delete_moved_by_mistake_is_moved_back_by_the_next_append(
+    root: Path, store: SyncStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """... and an append that finds it missing moves it back and appends to it (in
+    order), instead of making a new session beside it."""
+    other = SyncStore(root)
+    _delete_racing_remakes(root, store, SyncStore(root), monkeypatch,
+                           lambda: other.append(KEY, [entry(2)]))
+    assert SyncStore(root).load(KEY) == [entry(1), entry(2)] and _orphans(root) == []
+    check = fsstore("check", root)
+    assert check.returncode == 0, check.stdout
 
 
 def _orphans(root: Path) -> list[Path]:
