@@ -185,13 +185,7 @@ def gluster_pair(base: Path) -> Iterator[Pair]:
         if r.returncode != 0:
             raise RuntimeError(f"gluster volume start: {r.stdout}{r.stderr}")
         for m in (m1, m2):
-            for _attempt in range(20):  # the brick takes a moment to listen
-                r = _run("mount", "-t", "glusterfs", f"127.0.0.1:/{vol}", str(m), timeout=60)
-                if r.returncode == 0 and os.path.ismount(m):
-                    break
-                time.sleep(0.5)
-            else:
-                raise RuntimeError(f"mount -t glusterfs: {r.stdout}{r.stderr}")
+            _mount_gluster(vol, m)
         # default volume options: the client caches metadata for 1 s (md-cache)
         yield Pair("gluster", m1, m2, cache_window=2.0, volume=vol)
     finally:
@@ -354,6 +348,17 @@ class ThirdMount:
         self.crash()
 
 
+def _mount_gluster(vol: str, mnt: Path) -> None:
+    """Mount the volume at ``mnt``, trying for ~10 s (a brick takes a moment to listen;
+    a loaded machine's mount can fail once)."""
+    for _attempt in range(20):
+        r = _run("mount", "-t", "glusterfs", f"127.0.0.1:/{vol}", str(mnt), timeout=60)
+        if r.returncode == 0 and os.path.ismount(mnt):
+            return
+        time.sleep(0.5)
+    raise RuntimeError(f"mount -t glusterfs: {r.stdout}{r.stderr}")
+
+
 @contextlib.contextmanager
 def third_mount(pair: Pair, mnt: Path) -> Iterator[ThirdMount | Path]:
     """The sshfs export (or the GlusterFS volume) of ``pair`` mounted once more (a third
@@ -366,9 +371,7 @@ def third_mount(pair: Pair, mnt: Path) -> Iterator[ThirdMount | Path]:
 
         CLEANUPS.append(unmount)
         try:
-            r = _run("mount", "-t", "glusterfs", f"127.0.0.1:/{pair.volume}", str(mnt), timeout=60)
-            if r.returncode != 0:
-                raise RuntimeError(f"mount (third): {r.stdout}{r.stderr}")
+            _mount_gluster(pair.volume, mnt)
             yield mnt
         finally:
             unmount()
