@@ -11,22 +11,30 @@ A delete, holding the lock of what it moves (a session's: its main transcript's)
    died). A reader holding the directory open, or reaching it through a stale client
    cache, sees the mark: whole transcript or None;
 3. renames it into ``.trash`` (one atomic rename: every reader on every host sees it
-   gone at once);
+   gone at once), under a name carrying the transcript's *tag* (the first 16 hex
+   digits of its lock name);
 4. checks what the rename moved: the rename went by name, so a deleter whose lock
    was overtaken (stalled past its lease, a clock ahead) can move a session another
    writer finished the delete of and made anew. What is not marked, or not the
-   directory listed (where listings can tell), is put back. If yet another session
-   was made at the name meanwhile, the one moved cannot go back: its batches are
-   appended to the one made since (:func:`_merge_back`), so nothing acknowledged
-   leaves the loads; only where that fails it stays as ``.trash/*-orphan`` (an error
-   in the log and for ``fsstore check``, never removed by gc);
+   directory listed (where listings can tell), was never this delete's: it is put
+   back. Until then it is hidden only until someone looks: a load or append that
+   finds the transcript missing moves back an unmarked directory of its tag from
+   ``.trash`` itself (:func:`restore`). If yet another session was made at the name
+   meanwhile (a client that did not see it in ``.trash``), the one moved cannot go
+   back: its batches are appended to the one made since (:func:`_merge_back`); only
+   where that fails it stays as ``.trash/*-orphan`` (an error in the log and for
+   ``fsstore check``, never removed by gc). And a delete that begins meanwhile
+   *claims* it (:func:`_claim_moved`: marks it, since its batches were committed
+   before that delete began): then it is this delete's after all, and step 5 runs;
 5. empties it there, keeping the marks (a tombstone ``.trash/*-tomb``: a writer whose
    client still reaches the old path sees the delete; ``fsstore gc`` removes it once
    old).
 
 Crash table: before 2, nothing happened; after 2, the next writer or reader under
 the lock finishes it (and ``fsstore prune`` takes its marks back where its last look
-says keep); after 3, what is left in ``.trash`` is garbage for ``fsstore gc``.
+says keep); after 3, a marked directory in ``.trash`` is garbage for ``fsstore gc``,
+an unmarked one (step 4) is moved back by the next load or append, and kept by gc
+(``fsstore check``: an orphan once old).
 """
 
 from __future__ import annotations
