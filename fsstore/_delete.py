@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -68,7 +69,7 @@ def remove(
     that make the session (or transcript) anew: so what a delete moves is what it
     marked. Correctness does not rest on it (step 4)."""
     lock_name = _layout.lock_name([*comps, (_layout.MAIN, None)] if mark else comps)
-    tag = f"-{lock_name[:16]}"  # in the names of what it moves: see _claim_moved
+    tags = _tags(comps)
     with store._open_root(create=False) as rfd:
         if rfd is None:
             return
@@ -77,10 +78,19 @@ def remove(
             return
         try:
             with store._locks.hold(store._lock_path(lock_name, op), op):
-                orphan = _move_to_trash(store, rfd, parent, comps[-1][0], path, mark, keep, tag,
-                                        finishing=finishing)
-                if not finishing and orphan is None:
-                    _claim_moved(store, rfd, tag, mark, path)
+                claiming = not finishing and keep is None  # a plain delete (see _claim_moved)
+                before = _moved_before(store, rfd, tags[0]) if claiming else {}
+                for _round in range(3 if claiming else 1):
+                    orphan = _move_to_trash(store, rfd, parent, comps[-1][0], path, mark, keep,
+                                            "-".join(tags), finishing=finishing)
+                    if not claiming or orphan is not None:
+                        break
+                    _claim_moved(store, rfd, tags, before, path)
+                    if _views.looked_up_ino(parent, comps[-1][0]) not in before.values():
+                        break
+                    # One that was in .trash when this delete began, moved back meanwhile (by
+                    # its stalled deleter, or a load that found it missing) before this delete
+                    # could claim it: this delete's too.
         finally:
             os.close(parent)
     if orphan is not None:  # not under the lock: appending takes the locks it needs
@@ -138,7 +148,7 @@ def _move_to_trash(
             if kept:
                 _mark(store, parent, name, path, mark, undo=True)
                 return None
-        aside = _fsio.temp_name(f"{tag}{ASIDE_TAG}")
+        aside = _fsio.temp_name(f"-{tag}{ASIDE_TAG}")
         try:
             os.rename(name, aside, src_dir_fd=parent, dst_dir_fd=trash)
         except FileNotFoundError:
@@ -180,7 +190,7 @@ def _put_back(trash: int, aside: str, parent: int, name: str, path: str, tag: st
     except FileNotFoundError:
         return None  # moved back already, by whoever found the transcript missing (restore)
     except OSError as exc:
-        orphan = _fsio.temp_name(f"{tag}{_layout.ORPHAN_TAG}")
+        orphan = _fsio.temp_name(f"-{tag}{_layout.ORPHAN_TAG}")
         try:
             os.rename(aside, orphan, src_dir_fd=trash, dst_dir_fd=trash)
         except OSError:
@@ -197,22 +207,22 @@ def _put_back(trash: int, aside: str, parent: int, name: str, path: str, tag: st
 
 def restore(store: SyncStore, rfd: int, comps: list[Component]) -> bool:
     """Move back what a delete moved by mistake and has not moved back yet (its deleter
-    stalled or died between the two renames): an unmarked directory in ``.trash``
-    carrying the tag of the session of transcript ``comps`` (or of the transcript).
-    For whoever finds the transcript missing, before taking it for deleted or making
-    it anew: the session is hidden only until someone looks. True if one was moved back."""
+    stalled or died between the two renames): an unmarked directory in ``.trash`` of
+    the session of transcript ``comps``, or of the transcript. For whoever finds the
+    transcript missing, before taking it for deleted or making it anew: the session
+    is hidden only until someone looks. True if one was moved back."""
     session = comps[:4]
-    targets = [(session, _layout.MAIN)] + ([(comps, "")] if comps[-1][0] != _layout.MAIN else [])
+    sub = comps[-1][0] != _layout.MAIN
     trash = store._open(rfd, [(_layout.TRASH, None)], "load")
     if trash is None:
         return False
     restored = False
     try:
         names = _fsio.listdir(trash)
-        for target, mark in targets:
-            tag = f"-{_layout.lock_name([*target, (_layout.MAIN, None)] if mark else target)[:16]}"
+        for target, tags, mark in [(session, _tags(session), _layout.MAIN)] + (
+                [(comps, _tags(comps), "")] if sub else []):
             for name in names:
-                if not (name.endswith(ASIDE_TAG) and tag in name) or marked(trash, name, mark):
+                if _tags_of(name) != (tags, ASIDE_TAG) or marked(trash, name, mark):
                     continue
                 parent = store._open(rfd, target[:-1], "load")
                 if parent is None:
@@ -232,24 +242,87 @@ def restore(store: SyncStore, rfd: int, comps: list[Component]) -> bool:
     return restored
 
 
-def _claim_moved(store: SyncStore, rfd: int, tag: str, mark: str, path: str) -> None:
-    """Mark what other deletes of this transcript moved by mistake and hold in
-    ``.trash`` (a directory made anew, moved by a deleter stalled past its lease, on
-    its way back or being merged): its batches were committed before this delete began,
-    so they are this delete's. Their deleter, seeing the mark, empties it instead of
-    moving it back (or stops merging it)."""
+def _claim_moved(
+    store: SyncStore, rfd: int, tags: list[str], before: dict[str, int], path: str,
+) -> None:
+    """Mark what other deletes moved by mistake into ``.trash`` before this delete began
+    (``before``: those of the session there then, see _moved_before) and hold there still (a directory made anew,
+    moved by a deleter stalled past its lease, on its way back or being merged): of
+    this transcript (``tags``), or, for a session delete, of the session or any of its
+    subagent transcripts. Their batches were committed before this delete began, so
+    they are this delete's; their deleter, seeing the mark, empties it instead of
+    moving it back (or stops merging it). What was moved after this delete began may
+    hold batches committed after it (this delete may be the stalled one): not claimed."""
     trash = store._open(rfd, [(_layout.TRASH, None)], "delete")
     if trash is None:
         return
     try:
-        for name in _fsio.listdir(trash):
-            if tag in name and name.endswith((ASIDE_TAG, _layout.ORPHAN_TAG)) \
-                    and not marked(trash, name, mark):
-                _mark(store, trash, name, f"{store.root}/{_layout.TRASH}/{name}", mark)
-                log.warning("marked a session another delete had moved by mistake: deleted now",
-                            extra={"code": "DELETE_RACED", "operation": "delete", "path": path})
+        for name in before.keys() & set(_fsio.listdir(trash)):
+            found = _tags_of(name)
+            if found is None or found[0][0] != tags[0]:
+                continue  # not of this session
+            if len(tags) == 2 and len(found[0]) == 2 and found[0][1] != tags[1]:
+                continue  # another subagent transcript of it
+            if len(tags) == 2 and len(found[0]) == 1:  # the session, moved whole: our transcript in it
+                sub = f"{name}/{_layout.SUBKEYS}"
+                claim = (sub, path.rsplit("/", 1)[-1], "")
+            else:
+                claim = ("", name, _layout.MAIN if len(found[0]) == 1 else "")
+            below, what, mark = claim
+            holder = store._open(trash, [(n, None) for n in below.split("/") if n], "delete") \
+                if below else os.dup(trash)
+            if holder is None:
+                continue
+            try:
+                if _fsio.exists(holder, what) and not marked(holder, what, mark):
+                    _mark(store, holder, what, f"{store.root}/{_layout.TRASH}/{name}", mark)
+                    log.warning("marked what another delete had moved by mistake: deleted now",
+                                extra={"code": "DELETE_RACED", "operation": "delete", "path": path})
+            finally:
+                os.close(holder)
     finally:
         os.close(trash)
+
+
+def _moved_before(store: SyncStore, rfd: int, session_tag: str) -> dict[str, int]:
+    """Name and inode number of each directory in ``.trash`` that deletes moved from the
+    session (or its subagent transcripts) of ``session_tag``, as this delete begins."""
+    trash = store._open(rfd, [(_layout.TRASH, None)], "delete")
+    if trash is None:
+        return {}
+    try:
+        found = {}
+        for name in _fsio.listdir(trash):
+            tags = _tags_of(name)
+            if tags is not None and tags[0][0] == session_tag:
+                ino = _views.looked_up_ino(trash, name)
+                if ino is not None:
+                    found[name] = ino
+        return found
+    finally:
+        os.close(trash)
+
+
+# What a delete moves into .trash is named for what it was: the session's tag (the
+# first 16 hex digits of its main transcript's lock name), and for a subagent
+# transcript its own tag too. A directory of the session that holds no mark was
+# moved by mistake (see the module docstring).
+_MOVED = re.compile(r"\.tmp-[0-9]+-[0-9a-f]+-[0-9]+-([0-9a-f]{16})(?:-([0-9a-f]{16}))?"
+                    r"(-deleted|-orphan)")
+
+
+def _tags(comps: list[Component]) -> list[str]:
+    """The tags of the session ``comps[:4]`` and, below it, of a subagent transcript."""
+    session = _layout.lock_name([*comps[:4], (_layout.MAIN, None)])[:16]
+    return [session] if len(comps) <= 5 else [session, _layout.lock_name(comps)[:16]]
+
+
+def _tags_of(name: str) -> tuple[list[str], str] | None:
+    """``(tags, "-deleted" or "-orphan")`` of a name in ``.trash``; None if not a moved one."""
+    m = _MOVED.fullmatch(name)
+    if m is None:
+        return None
+    return [t for t in (m.group(1), m.group(2)) if t], m.group(3)
 
 
 def _merge_back(store: SyncStore, orphan: str, comps: list[Component], mark: str, path: str) -> None:

@@ -274,6 +274,7 @@ class SyncStore:
         with translating(op, path):
             stale: OSError | None = None
             deleting = False  # a .deleted marker was seen: look again under the lock
+            restored = 0  # moved back from .trash (see _delete.restore)
             for attempt in range(_LOAD_ATTEMPTS):
                 with contextlib.ExitStack() as guard, self._open_root(create=False, path_only=True) as rfd:
                     if rfd is None:
@@ -287,7 +288,8 @@ class SyncStore:
                             continue
                         raise
                     if dfd is None:
-                        if attempt == 0 and _delete.restore(self, rfd, comps):
+                        if restored < 2 and _delete.restore(self, rfd, comps):
+                            restored += 1
                             continue  # a stalled delete had it in .trash by mistake
                         return None
                     try:

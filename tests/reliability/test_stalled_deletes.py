@@ -1,0 +1,140 @@
+"""Deletes stalled past their lease, in real processes (``strace -e
+inject=renameat:delay_enter``: every rename of the deleter waits seconds, so its lock
+is overtaken between its mark and its move, and between its move and its move back).
+
+The cases of stop 14's adversarial reviews, each of which lost, hid or brought back a
+batch before its fix (docs/reliability.md): a stalled delete moves a session another
+writer made anew after its mark, and must neither hide it (the next load moves it
+back), nor bring it back after a delete that began later, nor let a delete that began
+earlier than the batch take it.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from fsstore._store import SyncStore
+
+pytestmark = [pytest.mark.timeout(120),
+              pytest.mark.skipif(shutil.which("strace") is None, reason="needs strace")]
+
+KEY = {"project_key": "p", "session_id": "s"}
+STALE = {"stale_lock_seconds": 1.0, "lock_timeout_seconds": 20.0}
+
+
+def _batch(name: str) -> list[dict[str, Any]]:
+    return [{"uuid": name, "b": name}]
+
+
+def _names(store: SyncStore) -> list[str] | None:
+    got = store.load(KEY)
+    return None if got is None else [e["b"] for e in got]
+
+
+class _StalledDelete:
+    """``delete(KEY)`` in a process whose every ``renameat`` waits ``delay`` seconds;
+    started when :meth:`go` is called (strace attached, imports done)."""
+
+    def __init__(self, root: Path, delay: float) -> None:
+        code = (f"import sys; from fsstore._store import SyncStore; "
+                f"s = SyncStore({str(root)!r}, **{STALE!r}); print('ready', flush=True); "
+                f"sys.stdin.readline(); s.delete({KEY!r}); print('done', flush=True)")
+        self.proc = subprocess.Popen(
+            ["strace", "-f", "-qq", "-o", "/dev/null", "-e", "trace=renameat",
+             "-e", f"inject=renameat:delay_enter={int(delay * 1e6)}", sys.executable, "-c", code],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        assert self.proc.stdout is not None and self.proc.stdout.readline().strip() == "ready"
+
+    def go(self) -> float:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write("go\n")
+        self.proc.stdin.flush()
+        return time.monotonic()
+
+    def wait(self) -> None:
+        out, _ = self.proc.communicate(timeout=60)
+        assert self.proc.returncode == 0 and out.strip() == "done", out
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+
+
+def _until(what: Any, timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not what():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)
+
+
+def _moved_by_mistake(root: Path) -> bool:
+    return any(p.name.endswith("-deleted") and not (p / "main" / ".deleted").exists()
+               for p in (root / ".trash").iterdir())
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> SyncStore:
+    s = SyncStore(tmp_path / "store", create=True, **STALE)
+    s.append(KEY, _batch("b0"))
+    return s
+
+
+def test_a_session_a_stalled_delete_moved_by_mistake_is_in_the_next_load_and_gone_after_a_later_delete(
+    store: SyncStore
+) -> None:
+    """b1 is acknowledged after the stalled delete D began (D's mark was finished by the
+    writer, who made the session anew); D's rename then moves that session into .trash.
+    A load meanwhile sees b1 (it moves the session back); a delete E that begins after
+    b1 takes it, and D, still stalled, never brings it back; b2, after E, stays."""
+    root = Path(store.root)
+    d = _StalledDelete(root, 3.0)
+    try:
+        started = d.go()
+        _until(lambda: time.monotonic() - started > 1.5)  # D marked, stalls in its rename
+        store.append(KEY, _batch("b1"))
+        _until(lambda: _moved_by_mistake(root))  # D's rename moved the session made anew
+        assert _names(store) == ["b1"]
+        store.delete(KEY)
+        assert _names(store) is None
+        store.append(KEY, _batch("b2"))
+        d.wait()
+        time.sleep(0.2)
+        assert _names(store) == ["b2"]
+    finally:
+        d.kill()
+    check = subprocess.run([sys.executable, "-m", "fsstore", "check", str(root)],
+                           check=False, capture_output=True, text=True, timeout=60)
+    assert check.returncode == 0, check.stdout
+
+
+def test_a_stalled_delete_never_takes_a_batch_acknowledged_after_another_stalled_delete_moved_it(
+    store: SyncStore
+) -> None:
+    """Review: D marks S0 and stalls; b1 remakes the session (S1); D2 begins, marks S1 and
+    stalls; b2 finishes D2's delete and remakes it (S2); D's rename moves S2 into .trash
+    by mistake, D2's finds nothing. D2 must not claim what D moved after D2 began: b2
+    stays (it was lost: D2 marked it, D moved it back marked)."""
+    root = Path(store.root)
+    d, d2 = _StalledDelete(root, 4.0), _StalledDelete(root, 3.0)
+    try:
+        started = d.go()
+        _until(lambda: time.monotonic() - started > 1.5)
+        store.append(KEY, _batch("b1"))
+        d2.go()
+        time.sleep(1.0)
+        store.append(KEY, _batch("b2"))
+        d2.wait()
+        d.wait()
+        time.sleep(0.2)
+        assert _names(store) == ["b2"]
+    finally:
+        d.kill()
+        d2.kill()
