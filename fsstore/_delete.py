@@ -23,9 +23,10 @@ A delete, holding the lock of what it moves (a session's: its main transcript's)
    meanwhile (a client that did not see it in ``.trash``), the one moved cannot go
    back: its batches are appended to the one made since (:func:`_merge_back`); only
    where that fails it stays as ``.trash/*-orphan`` (an error in the log and for
-   ``fsstore check``, never removed by gc). And a delete that begins meanwhile
-   *claims* it (:func:`_claim_moved`: marks it, since its batches were committed
-   before that delete began): then it is this delete's after all, and step 5 runs;
+   ``fsstore check``, never removed by gc). A delete that begins later *claims* it
+   (:func:`_claim_moved`: marks it, its batches having been committed before that
+   delete began; only what was in ``.trash`` when it began): then it is deleted after
+   all, and step 5 runs;
 5. empties it there, keeping the marks (a tombstone ``.trash/*-tomb``: a writer whose
    client still reaches the old path sees the delete; ``fsstore gc`` removes it once
    old).
