@@ -23,10 +23,10 @@ A delete, holding the lock of what it moves (a session's: its main transcript's)
    meanwhile (a client that did not see it in ``.trash``), the one moved cannot go
    back: its batches are appended to the one made since (:func:`_merge_back`); only
    where that fails it stays as ``.trash/*-orphan`` (an error in the log and for
-   ``fsstore check``, never removed by gc). A delete that begins later *claims* it
-   (:func:`_claim_moved`: marks it, its batches having been committed before that
-   delete began; only what was in ``.trash`` when it began): then it is deleted after
-   all, and step 5 runs;
+   ``fsstore check``, never removed by gc). A delete that began while it was at the
+   name or in ``.trash`` *claims* it (:func:`_claim_moved`: marks it; the directories a
+   delete is to delete are noted, by inode number, as it begins): then it is deleted
+   after all, and step 5 runs;
 5. empties it there, keeping the marks (a tombstone ``.trash/*-tomb``: a writer whose
    client still reaches the old path sees the delete; ``fsstore gc`` removes it once
    old).
@@ -70,7 +70,7 @@ def remove(
     that make the session (or transcript) anew: so what a delete moves is what it
     marked. Correctness does not rest on it (step 4)."""
     lock_name = _layout.lock_name([*comps, (_layout.MAIN, None)] if mark else comps)
-    tags = _tags(comps)
+    tags, name = _tags(comps), comps[-1][0]
     with store._open_root(create=False) as rfd:
         if rfd is None:
             return
@@ -80,18 +80,18 @@ def remove(
         try:
             with store._locks.hold(store._lock_path(lock_name, op), op):
                 claiming = not finishing and keep is None  # a plain delete (see _claim_moved)
-                before = _moved_before(store, rfd, tags[0]) if claiming else {}
+                ours = _ours_at_start(store, rfd, parent, name, mark, path, tags[0]) \
+                    if claiming else ({}, set())
                 for _round in range(3 if claiming else 1):
-                    orphan = _move_to_trash(store, rfd, parent, comps[-1][0], path, mark, keep,
+                    orphan = _move_to_trash(store, rfd, parent, name, path, mark, keep,
                                             "-".join(tags), finishing=finishing)
                     if not claiming or orphan is not None:
                         break
-                    _claim_moved(store, rfd, tags, before, path)
-                    if _views.looked_up_ino(parent, comps[-1][0]) not in before.values():
+                    _claim_moved(store, rfd, tags, ours, path)
+                    if _inodes(store, rfd, parent, name.__eq__).get(name) not in ours[1]:
                         break
-                    # One that was in .trash when this delete began, moved back meanwhile (by
-                    # its stalled deleter, or a load that found it missing) before this delete
-                    # could claim it: this delete's too.
+                    # One of ours, moved back meanwhile (by its stalled deleter, or a load
+                    # that found it missing) before this delete could claim it: again.
         finally:
             os.close(parent)
     if orphan is not None:  # not under the lock: appending takes the locks it needs
@@ -243,39 +243,40 @@ def restore(store: SyncStore, rfd: int, comps: list[Component]) -> bool:
     return restored
 
 
-def _claim_moved(
-    store: SyncStore, rfd: int, tags: list[str], before: dict[str, int], path: str,
-) -> None:
-    """Mark what other deletes moved by mistake into ``.trash`` before this delete began
-    (``before``: those of the session there then, see _moved_before) and hold there still (a directory made anew,
-    moved by a deleter stalled past its lease, on its way back or being merged): of
-    this transcript (``tags``), or, for a session delete, of the session or any of its
-    subagent transcripts. Their batches were committed before this delete began, so
-    they are this delete's; their deleter, seeing the mark, empties it instead of
-    moving it back (or stops merging it). What was moved after this delete began may
-    hold batches committed after it (this delete may be the stalled one): not claimed."""
+def _claim_moved(store: SyncStore, rfd: int, tags: list[str], ours: Ours, path: str) -> None:
+    """Mark what other deletes moved by mistake into ``.trash`` and holds there still (a
+    directory made anew, moved by a deleter stalled past its lease, on its way back or
+    being merged) where it is one of ``ours``: the directories this delete was to delete
+    as it began (at the name then, or in ``.trash`` then: see remove). Of this transcript
+    (``tags``), or, for a session delete, of the session or any of its subagent
+    transcripts. Its deleter, seeing the mark, empties it instead of moving it back (or
+    stops merging it). A directory made at the name after this delete began may hold
+    batches acknowledged after this delete took effect (its mark, finished by a writer
+    while it stalled): not claimed."""
     trash = store._open(rfd, [(_layout.TRASH, None)], "delete")
     if trash is None:
         return
     try:
-        for name in before.keys() & set(_fsio.listdir(trash)):
+        for name, number in _inodes(store, rfd, trash, lambda n: _of_session(n, tags[0])).items():
             found = _tags_of(name)
-            if found is None or found[0][0] != tags[0]:
-                continue  # not of this session
+            assert found is not None
             if len(tags) == 2 and len(found[0]) == 2 and found[0][1] != tags[1]:
                 continue  # another subagent transcript of it
             if len(tags) == 2 and len(found[0]) == 1:  # the session, moved whole: our transcript in it
-                sub = f"{name}/{_layout.SUBKEYS}"
-                claim = (sub, path.rsplit("/", 1)[-1], "")
+                holder = store._open(trash, [(name, None), (_layout.SUBKEYS, None)], "delete")
+                what, mark = path.rsplit("/", 1)[-1], ""
+                if holder is not None:
+                    number = _inodes(store, rfd, holder, what.__eq__).get(what, 0)
             else:
-                claim = ("", name, _layout.MAIN if len(found[0]) == 1 else "")
-            below, what, mark = claim
-            holder = store._open(trash, [(n, None) for n in below.split("/") if n], "delete") \
-                if below else os.dup(trash)
+                holder, what, mark = os.dup(trash), name, _layout.MAIN if len(found[0]) == 1 else ""
             if holder is None:
                 continue
             try:
-                if _fsio.exists(holder, what) and not marked(holder, what, mark):
+                if not number:
+                    continue  # no such transcript in the session moved
+                if name not in ours[0] and number not in ours[1]:
+                    continue  # not what this delete began with: made at the name since
+                if not marked(holder, what, mark):
                     _mark(store, holder, what, f"{store.root}/{_layout.TRASH}/{name}", mark)
                     log.warning("marked what another delete had moved by mistake: deleted now",
                                 extra={"code": "DELETE_RACED", "operation": "delete", "path": path})
@@ -285,23 +286,60 @@ def _claim_moved(
         os.close(trash)
 
 
-def _moved_before(store: SyncStore, rfd: int, session_tag: str) -> dict[str, int]:
-    """Name and inode number of each directory in ``.trash`` that deletes moved from the
-    session (or its subagent transcripts) of ``session_tag``, as this delete begins."""
+def _inodes(
+    store: SyncStore, rfd: int, dir_fd: int, want: Callable[[str], bool] = lambda name: True,
+) -> dict[str, int]:
+    """Name and inode number of each entry of ``dir_fd`` that ``want``: identifies a
+    directory across renames. From one listing where the mount's listings give the
+    lookups' numbers (the server's: a GlusterFS client's lookups may answer for a
+    directory moved away), else by a lookup of each name (sshfs)."""
+    if _views.listings_number_alike(store._fs, rfd):
+        fd = os.open(".", _fsio.DIR_FLAGS, dir_fd=dir_fd)
+        try:
+            with os.scandir(fd) as it:
+                return {e.name: e.inode() for e in it if want(e.name)}
+        finally:
+            os.close(fd)
+    found = {}
+    for name in _fsio.listdir(dir_fd):
+        number = _views.looked_up_ino(dir_fd, name) if want(name) else None
+        if number is not None:
+            found[name] = number
+    return found
+
+
+# What a delete is to delete, noted as it begins: the directories in .trash then
+# (name: inode number), and the inode numbers of those at the name then and in .trash.
+Ours = tuple[dict[str, int], set[int]]
+
+
+def _ours_at_start(store: SyncStore, rfd: int, parent: int, name: str, mark: str, path: str,
+                   session_tag: str) -> Ours:
+    """The directories this delete is to delete, as it begins: the one at
+    ``parent/name`` and, for a session (``mark``), its subagent transcripts' (looked at
+    first); then what deletes had moved from the session into ``.trash``."""
+    at_name = set(_inodes(store, rfd, parent, name.__eq__).values())
+    if mark:
+        subkeys = store._fs.open_dir(parent, [(name, None), (_layout.SUBKEYS, None)], create=False,
+                                     base_path=path.rsplit("/", 1)[0], operation="delete")
+        if subkeys is not None:
+            try:
+                at_name |= set(_inodes(store, rfd, subkeys).values())
+            finally:
+                os.close(subkeys)
     trash = store._open(rfd, [(_layout.TRASH, None)], "delete")
     if trash is None:
-        return {}
+        return {}, at_name
     try:
-        found = {}
-        for name in _fsio.listdir(trash):
-            tags = _tags_of(name)
-            if tags is not None and tags[0][0] == session_tag:
-                ino = _views.looked_up_ino(trash, name)
-                if ino is not None:
-                    found[name] = ino
-        return found
+        moved = _inodes(store, rfd, trash, lambda n: _of_session(n, session_tag))
     finally:
         os.close(trash)
+    return moved, at_name | set(moved.values())
+
+
+def _of_session(name: str, session_tag: str) -> bool:
+    found = _tags_of(name)
+    return found is not None and found[0][0] == session_tag
 
 
 # What a delete moves into .trash is named for what it was: the session's tag (the

@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 
 from fsstore import FsStoreError, _delete, _layout
+from fsstore._keys import parse_key
 from fsstore._store import SyncStore
 
 from ._helpers import (
@@ -773,6 +774,44 @@ def test_a_session_a_stalled_delete_merges_is_not_merged_after_a_delete_begun_si
     assert _orphans(root) == []
     check = fsstore("check", root)
     assert check.returncode == 0, check.stdout
+
+
+@pytest.mark.parametrize("deleted, moved", [
+    (KEY, KEY), (KEY, SUB), (SUB, SUB), (SUB, KEY)],
+    ids=["session delete, session moved", "session delete, its subagent transcript moved",
+         "subagent delete, it moved", "subagent delete, its session moved"])
+def test_a_delete_takes_what_it_began_with_though_a_stalled_delete_moves_it_meanwhile(
+    root: Path, store: SyncStore, monkeypatch: pytest.MonkeyPatch,
+    deleted: dict[str, Any], moved: dict[str, Any]
+) -> None:
+    """Review: a stalled delete's mistaken move (unmarked, into .trash) lands after a
+    delete began and before it looks at the name. That delete must claim (mark) what
+    it moved all the same: it held batches acknowledged before the delete began, which
+    its stalled deleter would otherwise move back afterwards."""
+    store.append(KEY, [entry(0)])
+    store.append(SUB, [entry(1)])
+    source = tdir(root, moved).parent if moved is KEY else tdir(root, moved)
+    comps = _layout.transcript_dirs(parse_key(moved, "test"))
+    aside = root / _layout.TRASH / f".tmp-1-ab-0-{'-'.join(_delete._tags(comps[:4] if moved is KEY else comps))}-deleted"
+    real = _delete._ours_at_start
+
+    def then_moved(*args: Any) -> Any:
+        ours = real(*args)
+        aside.parent.mkdir(exist_ok=True)
+        source.rename(aside)  # the stalled deleter's rename lands now
+        return ours
+
+    monkeypatch.setattr(_delete, "_ours_at_start", then_moved)
+    SyncStore(root).delete(deleted)
+    monkeypatch.undo()
+    if deleted is SUB and moved is KEY:  # the session moved whole: only the subagent transcript taken
+        sub = aside / "subkeys" / tdir(root, SUB).name
+        assert not sub.exists() or (sub / _layout.DELETED).exists()
+        assert not (aside / "main" / _layout.DELETED).exists()
+    else:  # claimed: its deleter, seeing the mark, empties it instead of moving it back
+        assert ((aside / "main" if moved is KEY else aside) / _layout.DELETED).exists()
+    assert SyncStore(root).load(deleted) is None
+    assert SyncStore(root).load(KEY) == (None if deleted is KEY else [entry(0)])
 
 
 def test_what_a_delete_that_died_moved_by_mistake_is_kept_and_an_error_for_check_once_old(

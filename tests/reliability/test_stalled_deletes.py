@@ -39,18 +39,22 @@ def _names(store: SyncStore) -> list[str] | None:
 
 
 class _StalledDelete:
-    """``delete(KEY)`` in a process whose every ``renameat`` waits ``delay`` seconds;
-    started when :meth:`go` is called (strace attached, imports done)."""
+    """``delete(KEY)`` in a process whose every ``syscall`` (``renameat`` unless said)
+    waits ``delay`` seconds, before it runs (``when="enter"``) or after (``"exit"``:
+    what it returns is from before the wait); started when :meth:`go` is called
+    (imports done, strace attached)."""
 
-    def __init__(self, root: Path, delay: float) -> None:
+    def __init__(self, root: Path, delay: float, syscall: str = "renameat", when: str = "enter") -> None:
         code = (f"import sys; from fsstore._store import SyncStore; "
                 f"s = SyncStore({str(root)!r}, **{STALE!r}); print('ready', flush=True); "
                 f"sys.stdin.readline(); s.delete({KEY!r}); print('done', flush=True)")
-        self.proc = subprocess.Popen(
-            ["strace", "-f", "-qq", "-o", "/dev/null", "-e", "trace=renameat",
-             "-e", f"inject=renameat:delay_enter={int(delay * 1e6)}", sys.executable, "-c", code],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        self.proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, text=True)
         assert self.proc.stdout is not None and self.proc.stdout.readline().strip() == "ready"
+        self.strace = subprocess.Popen(
+            ["strace", "-f", "-qq", "-o", "/dev/null", "-p", str(self.proc.pid), "-e", f"trace={syscall}",
+             "-e", f"inject={syscall}:delay_{when}={int(delay * 1e6)}"])
+        _until(lambda: _traced(self.proc.pid))
 
     def go(self) -> float:
         assert self.proc.stdin is not None
@@ -63,9 +67,15 @@ class _StalledDelete:
         assert self.proc.returncode == 0 and out.strip() == "done", out
 
     def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(10)
+        for proc in (self.proc, self.strace):
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait(10)
+
+
+def _traced(pid: int) -> bool:
+    status = Path(f"/proc/{pid}/status").read_text()
+    return next(line for line in status.splitlines() if line.startswith("TracerPid:")).split()[1] != "0"
 
 
 def _until(what: Any, timeout: float = 20.0) -> None:
@@ -138,3 +148,30 @@ def test_a_stalled_delete_never_takes_a_batch_acknowledged_after_another_stalled
     finally:
         d.kill()
         d2.kill()
+
+
+def test_a_delete_takes_the_session_it_began_with_though_a_stalled_delete_moves_it_meanwhile(
+    store: SyncStore
+) -> None:
+    """Review: D marks S0 and stalls in its rename; b1 finishes D's delete and remakes
+    the session (S1); E begins (b1 acknowledged) and stalls in its listings; D's
+    rename moves S1 into .trash by mistake after E has looked at .trash and before E
+    looks at the name, and D moves it back after E is done. E must take S1 all the
+    same (it was at the name when E began): b1 came back after E returned."""
+    root = Path(store.root)
+    d = _StalledDelete(root, 6.0)  # moves S1 at ~6 s, moves it back at ~12 s
+    e = _StalledDelete(root, 1.5, "getdents64", "exit")  # each listing takes 3 s
+    try:
+        started = d.go()
+        _until(lambda: time.monotonic() - started > 1.5)  # D marked, stalls in its rename
+        store.append(KEY, _batch("b1"))
+        e.go()
+        e.wait()
+        d.wait()
+        time.sleep(0.2)
+        assert _names(store) is None
+        store.append(KEY, _batch("b2"))
+        assert _names(store) == ["b2"]
+    finally:
+        d.kill()
+        e.kill()
