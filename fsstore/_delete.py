@@ -24,8 +24,8 @@ A delete, holding the lock of what it moves (a session's: its main transcript's)
    back: its batches are appended to the one made since (:func:`_merge_back`); only
    where that fails it stays as ``.trash/*-orphan`` (an error in the log and for
    ``fsstore check``, never removed by gc). A delete that began while it was at the
-   name or in ``.trash`` *claims* it (:func:`_claim_moved`: marks it; the directories a
-   delete is to delete are noted, by inode number, as it begins): then it is deleted
+   name or in ``.trash`` *claims* it (:func:`_claim_moved`: marks it; a delete leaves a
+   ticket in what it is to delete as it begins, :func:`_tickets`): then it is deleted
    after all, and step 5 runs;
 5. empties it there, keeping the marks (a tombstone ``.trash/*-tomb``: a writer whose
    client still reaches the old path sees the delete; ``fsstore gc`` removes it once
@@ -55,6 +55,7 @@ if TYPE_CHECKING:
     from ._store import SyncStore
 
 ASIDE_TAG = "-deleted"  # what a delete moved into .trash, until it is emptied or moved back
+CLAIM_TAG = "-claim"  # a delete's ticket in what it is to delete (see _tickets)
 
 
 def remove(
@@ -71,27 +72,32 @@ def remove(
     marked. Correctness does not rest on it (step 4)."""
     lock_name = _layout.lock_name([*comps, (_layout.MAIN, None)] if mark else comps)
     tags, name = _tags(comps), comps[-1][0]
+    claiming = not finishing and keep is None  # a plain delete (see _claim_moved)
     with store._open_root(create=False) as rfd:
         if rfd is None:
             return
         parent = store._open(rfd, comps[:-1], op)
+        if parent is None and claiming and restore(store, rfd, comps):
+            parent = store._open(rfd, comps[:-1], op)  # its session was hidden in .trash
         if parent is None:
             return
+        ticket = _fsio.temp_name(CLAIM_TAG) if claiming else ""
         try:
             with store._locks.hold(store._lock_path(lock_name, op), op):
-                claiming = not finishing and keep is None  # a plain delete (see _claim_moved)
-                ours = _ours_at_start(store, rfd, parent, name, mark, path, tags[0]) \
-                    if claiming else ({}, set())
+                if claiming:  # what this delete is to delete, as it begins
+                    _tickets(store, rfd, parent, name, mark, path, tags, ticket)
                 for _round in range(3 if claiming else 1):
                     orphan = _move_to_trash(store, rfd, parent, name, path, mark, keep,
                                             "-".join(tags), finishing=finishing)
                     if not claiming or orphan is not None:
                         break
-                    _claim_moved(store, rfd, tags, ours, path)
-                    if _inodes(store, rfd, parent, name.__eq__).get(name) not in ours[1]:
+                    _claim_moved(store, rfd, tags, ticket, path)
+                    if not _holds(store, parent, name, mark, path.rsplit("/", 1)[0], ticket):
                         break
                     # One of ours, moved back meanwhile (by its stalled deleter, or a load
                     # that found it missing) before this delete could claim it: again.
+                if claiming:
+                    _tickets(store, rfd, parent, name, mark, path, tags, ticket, undo=True)
         finally:
             os.close(parent)
     if orphan is not None:  # not under the lock: appending takes the locks it needs
@@ -243,41 +249,37 @@ def restore(store: SyncStore, rfd: int, comps: list[Component]) -> bool:
     return restored
 
 
-def _claim_moved(store: SyncStore, rfd: int, tags: list[str], ours: Ours, path: str) -> None:
+def _claim_moved(store: SyncStore, rfd: int, tags: list[str], ticket: str, path: str) -> None:
     """Mark what other deletes moved by mistake into ``.trash`` and holds there still (a
     directory made anew, moved by a deleter stalled past its lease, on its way back or
-    being merged) where it is one of ``ours``: the directories this delete was to delete
-    as it began (at the name then, or in ``.trash`` then: see remove). Of this transcript
-    (``tags``), or, for a session delete, of the session or any of its subagent
-    transcripts. Its deleter, seeing the mark, empties it instead of moving it back (or
-    stops merging it). A directory made at the name after this delete began may hold
+    being merged) where it holds this delete's ``ticket``: it is what this delete was to
+    delete as it began (see :func:`_tickets`). Of this transcript (``tags``), or, for a
+    session delete, of the session or any of its subagent transcripts. Its deleter,
+    seeing the mark, empties it instead of moving it back (or stops merging it). A
+    directory made at the name after this delete began holds no ticket: it may hold
     batches acknowledged after this delete took effect (its mark, finished by a writer
-    while it stalled): not claimed."""
+    while it stalled), and is not claimed."""
     trash = store._open(rfd, [(_layout.TRASH, None)], "delete")
     if trash is None:
         return
+    base = f"{store.root}/{_layout.TRASH}"
     try:
-        for name, number in _inodes(store, rfd, trash, lambda n: _of_session(n, tags[0])).items():
+        for name in _fsio.listdir(trash):
             found = _tags_of(name)
-            assert found is not None
+            if found is None or found[0][0] != tags[0]:
+                continue  # not of this session
             if len(tags) == 2 and len(found[0]) == 2 and found[0][1] != tags[1]:
                 continue  # another subagent transcript of it
             if len(tags) == 2 and len(found[0]) == 1:  # the session, moved whole: our transcript in it
                 holder = store._open(trash, [(name, None), (_layout.SUBKEYS, None)], "delete")
                 what, mark = path.rsplit("/", 1)[-1], ""
-                if holder is not None:
-                    number = _inodes(store, rfd, holder, what.__eq__).get(what, 0)
             else:
                 holder, what, mark = os.dup(trash), name, _layout.MAIN if len(found[0]) == 1 else ""
             if holder is None:
                 continue
             try:
-                if not number:
-                    continue  # no such transcript in the session moved
-                if name not in ours[0] and number not in ours[1]:
-                    continue  # not what this delete began with: made at the name since
-                if not marked(holder, what, mark):
-                    _mark(store, holder, what, f"{store.root}/{_layout.TRASH}/{name}", mark)
+                if _holds(store, holder, what, mark, base, ticket) and not marked(holder, what, mark):
+                    _mark(store, holder, what, f"{base}/{name}", mark)
                     log.warning("marked what another delete had moved by mistake: deleted now",
                                 extra={"code": "DELETE_RACED", "operation": "delete", "path": path})
             finally:
@@ -286,60 +288,55 @@ def _claim_moved(store: SyncStore, rfd: int, tags: list[str], ours: Ours, path: 
         os.close(trash)
 
 
-def _inodes(
-    store: SyncStore, rfd: int, dir_fd: int, want: Callable[[str], bool] = lambda name: True,
-) -> dict[str, int]:
-    """Name and inode number of each entry of ``dir_fd`` that ``want``: identifies a
-    directory across renames. From one listing where the mount's listings give the
-    lookups' numbers (the server's: a GlusterFS client's lookups may answer for a
-    directory moved away), else by a lookup of each name (sshfs)."""
-    if _views.listings_number_alike(store._fs, rfd):
-        fd = os.open(".", _fsio.DIR_FLAGS, dir_fd=dir_fd)
-        try:
-            with os.scandir(fd) as it:
-                return {e.name: e.inode() for e in it if want(e.name)}
-        finally:
-            os.close(fd)
-    found = {}
-    for name in _fsio.listdir(dir_fd):
-        number = _views.looked_up_ino(dir_fd, name) if want(name) else None
-        if number is not None:
-            found[name] = number
-    return found
-
-
-# What a delete is to delete, noted as it begins: the directories in .trash then
-# (name: inode number), and the inode numbers of those at the name then and in .trash.
-Ours = tuple[dict[str, int], set[int]]
-
-
-def _ours_at_start(store: SyncStore, rfd: int, parent: int, name: str, mark: str, path: str,
-                   session_tag: str) -> Ours:
-    """The directories this delete is to delete, as it begins: the one at
-    ``parent/name`` and, for a session (``mark``), its subagent transcripts' (looked at
-    first); then what deletes had moved from the session into ``.trash``."""
-    at_name = set(_inodes(store, rfd, parent, name.__eq__).values())
-    if mark:
-        subkeys = store._fs.open_dir(parent, [(name, None), (_layout.SUBKEYS, None)], create=False,
-                                     base_path=path.rsplit("/", 1)[0], operation="delete")
-        if subkeys is not None:
-            try:
-                at_name |= set(_inodes(store, rfd, subkeys).values())
-            finally:
-                os.close(subkeys)
+def _tickets(
+    store: SyncStore, rfd: int, parent: int, name: str, mark: str, path: str, tags: list[str],
+    ticket: str, *, undo: bool = False,
+) -> None:
+    """Leave (``undo``: take back) an empty file named ``ticket`` in each transcript
+    directory this delete is to delete, as it begins: at the name (a session's main
+    and subagent transcripts), then in what deletes had moved from it into ``.trash``.
+    Wherever a stalled deleter's mistaken move takes one of them later, the ticket
+    goes with it and says it is this delete's (:func:`_claim_moved`). A name, not an
+    inode number: a directory removed frees its number for the next one made."""
+    # At the name first: what a mistaken move takes from there after this look is then
+    # in .trash when it is listed, or carries the ticket.
+    _ticket_dirs(store, parent, name, mark, path.rsplit("/", 1)[0], ticket, undo=undo)
     trash = store._open(rfd, [(_layout.TRASH, None)], "delete")
     if trash is None:
-        return {}, at_name
+        return
     try:
-        moved = _inodes(store, rfd, trash, lambda n: _of_session(n, session_tag))
+        for moved in _fsio.listdir(trash):
+            found = _tags_of(moved)
+            if found is not None and found[0][0] == tags[0]:
+                _ticket_dirs(store, trash, moved, _layout.MAIN if len(found[0]) == 1 else "",
+                             f"{store.root}/{_layout.TRASH}", ticket, undo=undo)
     finally:
         os.close(trash)
-    return moved, at_name | set(moved.values())
 
 
-def _of_session(name: str, session_tag: str) -> bool:
-    found = _tags_of(name)
-    return found is not None and found[0][0] == session_tag
+def _ticket_dirs(store: SyncStore, parent: int, name: str, mark: str, base: str, ticket: str,
+                 *, undo: bool) -> None:
+    for tfd in _transcript_dirs(store, parent, name, mark, base):
+        try:
+            if undo:
+                _fsio.unlink_quiet(tfd, ticket)
+            else:
+                with contextlib.suppress(OSError):  # removed meanwhile: nothing to claim there
+                    os.close(os.open(ticket, _fsio.CREATE_FLAGS, 0o600, dir_fd=tfd))
+        finally:
+            os.close(tfd)
+
+
+def _holds(store: SyncStore, parent: int, name: str, mark: str, base: str, ticket: str) -> bool:
+    """Whether a transcript directory of ``parent/name`` (a session's, with ``mark``)
+    holds ``ticket``."""
+    found = False
+    for tfd in _transcript_dirs(store, parent, name, mark, base):
+        try:
+            found = found or _fsio.exists(tfd, ticket)
+        finally:
+            os.close(tfd)
+    return found
 
 
 # What a delete moves into .trash is named for what it was: the session's tag (the
@@ -470,14 +467,7 @@ def _mark(store: SyncStore, parent: int, name: str, path: str, below: str, *, un
 
 
 def _mark_dirs(store: SyncStore, parent: int, name: str, base: str, below: str, *, undo: bool) -> None:
-    dirs = [[name]] if not below else [[name, below]] + [
-        [name, _layout.SUBKEYS, sp]
-        for sp in store._fs.subdirs_beneath(parent, [name, _layout.SUBKEYS], base, "delete")]
-    for names in dirs:
-        tfd = store._fs.open_dir(parent, [(n, None) for n in names], create=False,
-                                 base_path=base, operation="delete")
-        if tfd is None:
-            continue
+    for tfd in _transcript_dirs(store, parent, name, below, base):
         try:
             if undo:
                 _fsio.unlink_quiet(tfd, _layout.DELETED)
@@ -486,3 +476,19 @@ def _mark_dirs(store: SyncStore, parent: int, name: str, base: str, below: str, 
                     store._fs.mark(tfd, _layout.DELETED)
         finally:
             os.close(tfd)
+
+
+def _transcript_dirs(store: SyncStore, parent: int, name: str, below: str, base: str) -> list[int]:
+    """The transcript directories of ``parent/name``, open (the caller closes them): the
+    directory itself, or for a session (``below``: its ``main``) main and each
+    subagent transcript's; those that do not exist are left out."""
+    dirs = [[name]] if not below else [[name, below]] + [
+        [name, _layout.SUBKEYS, sp]
+        for sp in store._fs.subdirs_beneath(parent, [name, _layout.SUBKEYS], base, "delete")]
+    opened = []
+    for names in dirs:
+        tfd = store._fs.open_dir(parent, [(n, None) for n in names], create=False,
+                                 base_path=base, operation="delete")
+        if tfd is not None:
+            opened.append(tfd)
+    return opened

@@ -793,15 +793,16 @@ def test_a_delete_takes_what_it_began_with_though_a_stalled_delete_moves_it_mean
     source = tdir(root, moved).parent if moved is KEY else tdir(root, moved)
     comps = _layout.transcript_dirs(parse_key(moved, "test"))
     aside = root / _layout.TRASH / f".tmp-1-ab-0-{'-'.join(_delete._tags(comps[:4] if moved is KEY else comps))}-deleted"
-    real = _delete._ours_at_start
+    real, moves = _delete._tickets, []
 
-    def then_moved(*args: Any) -> Any:
-        ours = real(*args)
-        aside.parent.mkdir(exist_ok=True)
-        source.rename(aside)  # the stalled deleter's rename lands now
-        return ours
+    def then_moved(*args: Any, **kwargs: Any) -> None:
+        real(*args, **kwargs)
+        if not moves:  # the tickets handed out as the delete begins; the stalled deleter's rename lands now
+            moves.append(1)
+            aside.parent.mkdir(exist_ok=True)
+            source.rename(aside)
 
-    monkeypatch.setattr(_delete, "_ours_at_start", then_moved)
+    monkeypatch.setattr(_delete, "_tickets", then_moved)
     SyncStore(root).delete(deleted)
     monkeypatch.undo()
     if deleted is SUB and moved is KEY:  # the session moved whole: only the subagent transcript taken
@@ -812,6 +813,53 @@ def test_a_delete_takes_what_it_began_with_though_a_stalled_delete_moves_it_mean
         assert ((aside / "main" if moved is KEY else aside) / _layout.DELETED).exists()
     assert SyncStore(root).load(deleted) is None
     assert SyncStore(root).load(KEY) == (None if deleted is KEY else [entry(0)])
+
+
+def test_a_stalled_delete_never_takes_a_session_made_after_it_took_effect_at_a_reused_inode_number(
+    root: Path, store: SyncStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Review: D marks the session (its delete takes effect) and stalls; a writer finishes
+    D's delete and makes the session anew (b1), F deletes that, gc removes the tombs
+    (freeing their inode numbers), b2 makes the session again, maybe at a number D saw
+    as it began. D's rename then moves it by mistake and puts it back: D must not take
+    it for the session it began with (b2 came after D and F)."""
+    store.append(KEY, [entry(0)])
+    deleter, other = SyncStore(root), SyncStore(root)
+    hold = deleter._locks.hold  # D's lease overtaken
+    monkeypatch.setattr(deleter._locks, "hold",
+                        lambda path, op: contextlib.nullcontext() if op == "delete" else hold(path, op))
+    real, marks = _delete._mark, []
+
+    def mark(*args: Any, **kwargs: Any) -> None:
+        real(*args, **kwargs)
+        if not marks:
+            marks.append(1)
+            other.append(KEY, [entry(1)])
+            other.delete(KEY)
+            assert fsstore("gc", root, "--older-than", "0s").returncode == 0
+            other.append(KEY, [entry(2)])
+
+    monkeypatch.setattr(_delete, "_mark", mark)
+    deleter.delete(KEY)
+    monkeypatch.undo()
+    assert marks and SyncStore(root).load(KEY) == [entry(2)]
+
+
+def test_a_subagent_delete_while_its_session_is_hidden_in_trash_deletes_it(root: Path, store: SyncStore) -> None:
+    """Review: a stalled session delete moved the session by mistake (not yet moved
+    back); a delete of a subagent transcript of it, begun then, must still delete that
+    transcript (it returned at once, and the session came back with it)."""
+    store.append(KEY, [entry(0)])
+    store.append(SUB, [entry(1)])
+    comps = _layout.transcript_dirs(parse_key(KEY, "test"))
+    aside = root / _layout.TRASH / f".tmp-1-ab-0-{_delete._tags(comps[:4])[0]}-deleted"
+    aside.parent.mkdir(exist_ok=True)
+    tdir(root, KEY).parent.rename(aside)
+    SyncStore(root).delete(SUB)
+    if aside.exists():  # its deleter's put-back
+        aside.rename(tdir(root, KEY).parent)
+    assert SyncStore(root).load(SUB) is None
+    assert SyncStore(root).load(KEY) == [entry(0)]
 
 
 def test_what_a_delete_that_died_moved_by_mistake_is_kept_and_an_error_for_check_once_old(
