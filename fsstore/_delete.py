@@ -375,24 +375,11 @@ def _merge_back(store: SyncStore, orphan: str, comps: list[Component], mark: str
             if trash is None:
                 return
             try:
+                main = {"project_key": _part(comps[1]), "session_id": _part(comps[3])}
                 for key, names in _transcripts(store, trash, orphan, comps, mark):
-                    tfd = store._open(trash, [(n, None) for n in [orphan, *names]], "delete")
-                    if tfd is None:
-                        continue
-                    try:
-                        batches, gap = read_snapshot(tfd, f"{path}/{'/'.join(names)}", "delete")
-                    except Deleted:
-                        claimed = True
+                    claimed = _merge_transcript(store, trash, orphan, names, mark, main, key, path)
+                    if claimed:
                         break
-                    finally:
-                        os.close(tfd)
-                    if gap is not None:
-                        raise FsStoreError("GAP", f"part {gap} is missing", operation="delete", path=path)
-                    for _last, entries in batches:
-                        claimed = claimed or marked(trash, orphan, mark)
-                        if claimed:
-                            break
-                        store.append(key, entries)
                 _fsio.remove_tree(trash, orphan)
             finally:
                 os.close(trash)
@@ -402,6 +389,41 @@ def _merge_back(store: SyncStore, orphan: str, comps: list[Component], mark: str
     log.warning("the transcript a delete moved by mistake is %s", "deleted by a later delete"
                 if claimed else "merged into the one made since",
                 extra={"code": "DELETE_RACED", "operation": "delete", "path": path})
+
+
+def _merge_transcript(
+    store: SyncStore, trash: int, orphan: str, names: list[str], mark: str, main: dict[str, Any],
+    key: dict[str, Any], path: str,
+) -> bool:
+    """Append the batches of the transcript ``orphan/names...`` to ``key``; True if the
+    orphan is claimed (marked) as a whole meanwhile. A subagent transcript of it that
+    is claimed (a delete of that transcript) is skipped."""
+    own = "/".join([orphan, *names])  # a subagent transcript's own mark; the orphan's for a subagent orphan
+    tfd = store._open(trash, [(n, None) for n in [orphan, *names]], "delete")
+    if tfd is None:
+        return False
+    try:
+        batches, gap = read_snapshot(tfd, f"{path}/{'/'.join(names)}", "delete")
+    except Deleted:
+        return marked(trash, orphan, mark)
+    finally:
+        os.close(tfd)
+    if gap is not None:
+        raise FsStoreError("GAP", f"part {gap} is missing", operation="delete", path=path)
+    for _last, entries in batches:
+        # The look and the append under the locks a delete of the session (or of this
+        # transcript) takes: one that runs between two batches claims the orphan (its
+        # ticket is in it) before the next look.
+        with contextlib.ExitStack() as held:
+            held.enter_context(store.locked(main))
+            if key != main:
+                held.enter_context(store.locked(key))
+            if marked(trash, orphan, mark):
+                return True
+            if names not in ([], [_layout.MAIN]) and marked(trash, own, ""):
+                return False
+            store.append(key, entries)
+    return False
 
 
 def _transcripts(
