@@ -156,15 +156,11 @@ _WHAT = {"temp": "temp file", "trash": ".trash entry", "lock-recovery": "lock re
 
 
 def _garbage_problem(g: Garbage, older_than: float) -> Problem:
-    if g.kind == "orphan" and g.name.endswith(_layout.ORPHAN_TAG):
-        return Problem("error", "orphan", g.path, "a transcript a delete moved by mistake (not marked, "
-                       "or seen through a stale client cache) and could not move back or merge: its "
-                       "batches are in no load; fsstore gc keeps it (docs/operations.md: Deletes racing "
-                       "appends)")
     if g.kind == "orphan" and g.age > older_than:
         return Problem("error", "orphan", g.path, "a transcript a delete moved by mistake and did not "
-                       "move back (its deleter died?): hidden from list_sessions until a load or append "
-                       "of it moves it back; fsstore gc keeps it (docs/operations.md: Deletes racing "
+                       "move back or merge (its deleter died, or the merge failed: see the log): hidden "
+                       "from list_sessions until a load or append of it moves it back (where nothing "
+                       "else is at its name); fsstore gc keeps it (docs/operations.md: Deletes racing "
                        "appends)")
     if g.kind == "orphan":
         return Problem("info", "young-orphan", g.path, f"a transcript a delete moved by mistake, "

@@ -144,14 +144,24 @@ def encode_batch(entries: object, operation: str) -> bytes:
 # -- steps 2 to 8 ------------------------------------------------------------------
 
 
-def append(store: SyncStore, t: Appending, payload: bytes) -> None:
+class Gone(Exception):
+    """``append(..., anew=False)``: the session is not there (or is being deleted); nothing
+    was committed."""
+
+
+def append(store: SyncStore, t: Appending, payload: bytes, *, anew: bool = True) -> None:
     """Commit ``payload`` (step 1 done) to ``t``, starting over where a delete took
-    its directory away (see :func:`_delete.finish`)."""
+    its directory away (see :func:`_delete.finish`). ``anew=False``: only into the
+    session at the name (a subagent transcript may be new in it); raise :class:`Gone`
+    instead of finishing a delete or making the session (the merge of a session a
+    delete moved by mistake: :func:`_delete._merge_back`)."""
     for attempt in range(_APPEND_ATTEMPTS):
         try:
-            _append_once(store, t, payload)
+            _append_once(store, t, payload, anew)
             return
         except Deleted as exc:
+            if not anew:
+                raise Gone(t.path) from exc
             # A delete is committed once marked: finish it (its deleter may
             # have died) and start over in a new directory. Nothing of ours
             # is visible. Not under our lock: finishing takes the lock of
@@ -180,12 +190,15 @@ def append(store: SyncStore, t: Appending, payload: bytes) -> None:
     )
 
 
-def _append_once(store: SyncStore, t: Appending, payload: bytes) -> None:
+def _append_once(store: SyncStore, t: Appending, payload: bytes, anew: bool) -> None:
     """Steps 2 to 8 (the first batch of a transcript: :func:`_first_commit`)."""
     op = "append"
     with store._open_root(create=False, path_only=True) as rfd:
         dfd = store._open(rfd, t.comps, op, path_only=True) if rfd is not None else None
-        if dfd is None and rfd is not None and _delete.restore(store, rfd, t.comps):
+        if dfd is None and not anew and (rfd is None or _layout.MAIN == t.comps[-1][0]
+                                         or not _fsio.exists(rfd, _layout.rel(t.comps[:4]))):
+            raise Gone(t.path)
+        if dfd is None and anew and rfd is not None and _delete.restore(store, rfd, t.comps):
             raise FileNotFoundError(errno.ENOENT, "moved back just now: look again", t.path)
     if dfd is None:
         with store._open_root(create=True, path_only=True) as rfd:
@@ -205,6 +218,8 @@ def _append_once(store: SyncStore, t: Appending, payload: bytes) -> None:
             # A new random name cannot exist: EEXIST is how a GlusterFS client answers
             # for a directory another client just moved away (a delete), like ENOENT.
             tmp = ""
+            if not anew:
+                raise Gone(t.path) from exc
             if _recreate(store, t, payload):
                 t.next_seq, t.last_name = 2, _layout.part_name(1)
                 return

@@ -22,8 +22,8 @@ A delete, holding the lock of what it moves (a session's: its main transcript's)
    ``.trash`` itself (:func:`restore`). If yet another session was made at the name
    meanwhile (a client that did not see it in ``.trash``), the one moved cannot go
    back: its batches are appended to the one made since (:func:`_merge_back`); only
-   where that fails it stays as ``.trash/*-orphan`` (an error in the log and for
-   ``fsstore check``, never removed by gc). A delete that began while it was at the
+   where that fails it stays (an error in the log, and for ``fsstore check`` once
+   old; never removed by gc). A delete that began while it was at the
    name or in ``.trash`` *claims* it (:func:`_claim_moved`: marks it; a delete leaves a
    ticket in what it is to delete as it begins, :func:`_tickets`): then it is deleted
    after all, and step 5 runs;
@@ -46,7 +46,7 @@ import re
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from . import _fsio, _keys, _layout, _views
+from . import _commit, _fsio, _keys, _layout, _views
 from ._errors import FsStoreError, log
 from ._layout import Component
 from ._transcript import Deleted, Vanished, read_snapshot
@@ -84,20 +84,23 @@ def remove(
         ticket = _fsio.temp_name(CLAIM_TAG) if claiming else ""
         try:
             with store._locks.hold(store._lock_path(lock_name, op), op):
-                if claiming:  # what this delete is to delete, as it begins
-                    _tickets(store, rfd, parent, name, mark, path, tags, ticket)
-                for _round in range(3 if claiming else 1):
-                    orphan = _move_to_trash(store, rfd, parent, name, path, mark, keep,
-                                            "-".join(tags), finishing=finishing)
-                    if not claiming or orphan is not None:
-                        break
-                    _claim_moved(store, rfd, tags, ticket, path)
-                    if not _holds(store, parent, name, mark, path.rsplit("/", 1)[0], ticket):
-                        break
-                    # One of ours, moved back meanwhile (by its stalled deleter, or a load
-                    # that found it missing) before this delete could claim it: again.
-                if claiming:
-                    _tickets(store, rfd, parent, name, mark, path, tags, ticket, undo=True)
+                try:
+                    if claiming:  # what this delete is to delete, as it begins
+                        _tickets(store, rfd, parent, name, mark, path, tags, ticket)
+                    for _round in range(3 if claiming else 1):
+                        orphan = _move_to_trash(store, rfd, parent, name, path, mark, keep,
+                                                "-".join(tags), finishing=finishing)
+                        if not claiming or orphan is not None:
+                            break
+                        _claim_moved(store, rfd, tags, ticket, path)
+                        if not _holds(store, parent, name, mark, path.rsplit("/", 1)[0], ticket):
+                            break
+                        # One of ours, moved back meanwhile (by its stalled deleter, or a load
+                        # that found it missing) before this delete could claim it: again.
+                finally:
+                    if claiming:
+                        with contextlib.suppress(OSError, FsStoreError):  # else gc's, once old
+                            _tickets(store, rfd, parent, name, mark, path, tags, ticket, undo=True)
         finally:
             os.close(parent)
     if orphan is not None:  # not under the lock: appending takes the locks it needs
@@ -169,7 +172,7 @@ def _move_to_trash(
         # listing: a client's stale entry moves with its rename to the new name (GlusterFS).
         agrees = not ident or _views.listed_ino(trash, aside) == _views.looked_up_ino(trash, aside)
         if not (agrees and marked(trash, aside, mark)):
-            return _put_back(trash, aside, parent, name, path, tag)
+            return _put_back(trash, aside, parent, name, path)
         store._fs.sync_dir(parent)
         try:
             # Everything but the marks (step 5).
@@ -187,9 +190,10 @@ def _move_to_trash(
         os.close(trash)
 
 
-def _put_back(trash: int, aside: str, parent: int, name: str, path: str, tag: str) -> str | None:
+def _put_back(trash: int, aside: str, parent: int, name: str, path: str) -> str | None:
     """Move back a directory a delete moved that was not the one it marked; where
-    another is at the name now, rename it to an orphan name and return that."""
+    another is at the name now, return its name in ``.trash``, to merge (it keeps that
+    name: a listing of ``.trash`` never misses it in a rename)."""
     try:
         # Replaces only an empty directory (a writer's mkdir before its first commit
         # into it: that commit then fails in the replaced one, and retries).
@@ -197,16 +201,10 @@ def _put_back(trash: int, aside: str, parent: int, name: str, path: str, tag: st
     except FileNotFoundError:
         return None  # moved back already, by whoever found the transcript missing (restore)
     except OSError as exc:
-        orphan = _fsio.temp_name(f"-{tag}{_layout.ORPHAN_TAG}")
-        try:
-            os.rename(aside, orphan, src_dir_fd=trash, dst_dir_fd=trash)
-        except OSError:
-            _orphaned(aside, path, exc)
-            return None
         log.warning("a delete moved a transcript made anew after its mark and could not move "
                     "it back (%s): merging it into the one made since", exc.strerror, extra={
                         "code": "DELETE_RACED", "operation": "delete", "path": path})
-        return orphan
+        return aside
     log.warning("a delete moved a transcript made anew after its mark; moved back",
                 extra={"code": "DELETE_RACED", "operation": "delete", "path": path})
     return None
@@ -344,7 +342,7 @@ def _holds(store: SyncStore, parent: int, name: str, mark: str, base: str, ticke
 # transcript its own tag too. A directory of the session that holds no mark was
 # moved by mistake (see the module docstring).
 _MOVED = re.compile(r"\.tmp-[0-9]+-[0-9a-f]+-[0-9]+-([0-9a-f]{16})(?:-([0-9a-f]{16}))?"
-                    r"(-deleted|-orphan)")
+                    r"(-deleted)")
 
 
 def _tags(comps: list[Component]) -> list[str]:
@@ -354,7 +352,7 @@ def _tags(comps: list[Component]) -> list[str]:
 
 
 def _tags_of(name: str) -> tuple[list[str], str] | None:
-    """``(tags, "-deleted" or "-orphan")`` of a name in ``.trash``; None if not a moved one."""
+    """``(tags, "-deleted")`` of a name in ``.trash``; None if not a moved one."""
     m = _MOVED.fullmatch(name)
     if m is None:
         return None
@@ -363,49 +361,62 @@ def _tags_of(name: str) -> tuple[list[str], str] | None:
 
 def _merge_back(store: SyncStore, orphan: str, comps: list[Component], mark: str, path: str) -> None:
     """Append the batches of ``.trash/<orphan>`` (each transcript's, in order, one
-    append a batch) to the transcripts at its old name, then remove it. A later delete
-    of the session claims it (:func:`_claim_moved`): marked, its batches are deleted,
-    and the rest are not appended. Entries with a ``uuid`` are loaded once whatever is
-    appended twice (a crash between the appends and the removal); an orphan that
-    cannot be read whole stays, for the operator."""
-    claimed = False
+    append a batch) to the transcripts at its old name, then remove it.
+
+    Only into the session there (never making it anew: :class:`_commit.Gone`), each
+    batch looked at and appended under the locks a delete of the session (or of that
+    transcript) takes. A delete that runs meanwhile has claimed it (its ticket is in
+    it: :func:`_claim_moved`) by the next look: marked, its batches are deleted, and
+    the rest are not appended. If the session is gone (a delete, or being deleted:
+    that delete claims this one too) or this one is back at the name (a load moved it
+    back when the name was empty), it is left where it is. Entries with a ``uuid``
+    are loaded once whatever is appended twice (a crash between the appends and the
+    removal); one that cannot be read whole stays, for the operator."""
+    stopped: str | None = None
     try:
         with store._open_root(create=False) as rfd:
             trash = store._open(rfd, [(_layout.TRASH, None)], "delete") if rfd is not None else None
-            if trash is None:
+            if rfd is None or trash is None:
                 return
             try:
+                ident = os.stat(orphan, dir_fd=trash, follow_symlinks=False).st_ino
+                target = _layout.rel(comps)
                 main = {"project_key": _part(comps[1]), "session_id": _part(comps[3])}
                 for key, names in _transcripts(store, trash, orphan, comps, mark):
-                    claimed = _merge_transcript(store, trash, orphan, names, mark, main, key, path)
-                    if claimed:
+                    stopped = _merge_transcript(store, rfd, trash, orphan, (ident, target), names, mark,
+                                                main, key, path)
+                    if stopped is not None:
                         break
-                _fsio.remove_tree(trash, orphan)
+                if stopped in (None, "claimed"):
+                    _fsio.remove_tree(trash, orphan)
             finally:
                 os.close(trash)
     except (OSError, FsStoreError, Vanished) as exc:  # Vanished: someone else's work there
         _orphaned(orphan, path, exc)
         return
-    log.warning("the transcript a delete moved by mistake is %s", "deleted by a later delete"
-                if claimed else "merged into the one made since",
-                extra={"code": "DELETE_RACED", "operation": "delete", "path": path})
+    log.warning("the transcript a delete moved by mistake is %s", {
+        None: "merged into the one made since", "claimed": "deleted by a later delete",
+        "gone": "left in .trash: the session was deleted while it was merged (that delete takes it)",
+        "back": "back at its name (moved back while it was merged)"}[stopped],
+        extra={"code": "DELETE_RACED", "operation": "delete", "path": path})
 
 
 def _merge_transcript(
-    store: SyncStore, trash: int, orphan: str, names: list[str], mark: str, main: dict[str, Any],
-    key: dict[str, Any], path: str,
-) -> bool:
-    """Append the batches of the transcript ``orphan/names...`` to ``key``; True if the
-    orphan is claimed (marked) as a whole meanwhile. A subagent transcript of it that
-    is claimed (a delete of that transcript) is skipped."""
+    store: SyncStore, rfd: int, trash: int, orphan: str, itself: tuple[int, str], names: list[str],
+    mark: str, main: dict[str, Any], key: dict[str, Any], path: str,
+) -> str | None:
+    """Append the batches of the transcript ``orphan/names...`` to ``key``; why it
+    stopped ("claimed", "gone", "back": see :func:`_merge_back`), None when done. A
+    subagent transcript of it that is claimed alone (a delete of that transcript) is
+    skipped. ``itself``: the orphan's inode number and the path of its old name."""
     own = "/".join([orphan, *names])  # a subagent transcript's own mark; the orphan's for a subagent orphan
     tfd = store._open(trash, [(n, None) for n in [orphan, *names]], "delete")
     if tfd is None:
-        return False
+        return None
     try:
         batches, gap = read_snapshot(tfd, f"{path}/{'/'.join(names)}", "delete")
     except Deleted:
-        return marked(trash, orphan, mark)
+        return "claimed" if marked(trash, orphan, mark) else None
     finally:
         os.close(tfd)
     if gap is not None:
@@ -419,11 +430,16 @@ def _merge_transcript(
             if key != main:
                 held.enter_context(store.locked(key))
             if marked(trash, orphan, mark):
-                return True
+                return "claimed"
             if names not in ([], [_layout.MAIN]) and marked(trash, own, ""):
-                return False
-            store.append(key, entries)
-    return False
+                return None
+            if _views.looked_up_ino(rfd, itself[1]) == itself[0]:
+                return "back"
+            try:
+                store._append(key, entries, anew=False)
+            except _commit.Gone:
+                return "gone"
+    return None
 
 
 def _transcripts(

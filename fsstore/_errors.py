@@ -46,7 +46,7 @@ STORE_CODES: dict[str, str] = {
     "TRASH_LEFT": "a delete left files in .trash",
     "DELETE_RACED": "a delete whose lock was overtaken moved a session made anew after its "
     "mark, and moved it back or merged it into the one made since (error level: neither, "
-    "left as .trash/*-orphan for the operator)",
+    "left in .trash for the operator)",
     "TEMP_LEFT": "a commit could not remove the temp name of the committed part",
     "GAP": "load() returned a transcript with a sequence gap",
     "DIR_FSYNC_UNSUPPORTED": "the mount refuses directory fsync",

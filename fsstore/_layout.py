@@ -38,10 +38,6 @@ DELETED = ".deleted"  # created in a transcript directory before a delete moves 
 # The tag of what a delete leaves in .trash: the deleted directories' marks only, so that
 # a writer still reaching them sees the delete (removed by `fsstore gc` once old).
 TOMB_TAG = "-tomb"
-# A session a delete moved by mistake (made anew after its mark) and could not move back
-# because yet another was made in its place: its batches are in no load. Never removed by
-# gc; `fsstore check` reports it as an error (docs/operations.md: what to do).
-ORPHAN_TAG = "-orphan"
 
 Component = tuple[str, "str | None"]
 

@@ -241,13 +241,16 @@ class SyncStore:
         Raises :class:`~fsstore.FsStoreError`: ``INVALID_KEY``/``INVALID_ENTRY``
         before anything touches disk; otherwise nothing of the batch is committed.
         """
+        self._append(key, entries)
+
+    def _append(self, key: Mapping[str, Any], entries: list[Any], *, anew: bool = True) -> None:
         op = "append"
         t = self._appending_to(key, op)
         if isinstance(entries, list) and not entries:
             return
         payload = _commit.encode_batch(entries, op)
         with translating(op, t.path):
-            _commit.append(self, t, payload)
+            _commit.append(self, t, payload, anew=anew)
 
     def _summary_of(self, tk: TranscriptKey) -> _compact.Summary | None:
         """What compaction needs to keep the summary sidecar: main transcripts only."""

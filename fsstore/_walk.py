@@ -680,14 +680,11 @@ def walking(
 def _moved_by_mistake(trash_fd: int, entry: os.DirEntry[str], st: os.stat_result) -> bool:
     """A directory a delete moved into ``.trash`` that holds no mark: made anew after the
     delete's mark, its batches are no delete's to remove. Its deleter moves it back or
-    merges it (young, in flight); if that deleter died, it is an orphan for the operator.
-    ``-orphan`` (could not go back) is one until a later delete claims it (marks it)."""
-    claimed = _delete.marked(trash_fd, entry.name, _layout.MAIN) or _delete.marked(trash_fd, entry.name, "")
-    if entry.name.endswith(_layout.ORPHAN_TAG):
-        return not claimed
+    merges it (young, in flight); if that deleter died, it is an orphan for the operator."""
     if not entry.name.endswith(_delete.ASIDE_TAG) or not stat.S_ISDIR(st.st_mode):
         return False
-    return not claimed and _holds_batches(trash_fd, entry.name)
+    return not (_delete.marked(trash_fd, entry.name, _layout.MAIN)
+                or _delete.marked(trash_fd, entry.name, "")) and _holds_batches(trash_fd, entry.name)
 
 
 def _holds_batches(parent_fd: int, name: str) -> bool:
