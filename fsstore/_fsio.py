@@ -458,7 +458,7 @@ def link_noreplace(fs: Fs, dir_fd: int, src: str, dst: str) -> bool | None:
     None when ``dst`` exists. Where the mount has no hard links it moves instead
     (:func:`move_noreplace`) and returns False: ``src`` is gone then.
     """
-    if fs.link_ok:
+    for attempt in range(2) if fs.link_ok else ():
         try:
             os.link(src, dst, src_dir_fd=dir_fd, dst_dir_fd=dir_fd, follow_symlinks=False)
             return True
@@ -473,8 +473,13 @@ def link_noreplace(fs: Fs, dir_fd: int, src: str, dst: str) -> bool | None:
             if exists(dir_fd, dst):
                 return True if _same_inode(dir_fd, src, dst) else None
             if _can_link(dir_fd, src):
-                raise  # links work: a real error of this one
+                if attempt == 0:
+                    # Links work: the name was taken when we linked, and its file is
+                    # gone since (a compaction merged it, a delete took it): again.
+                    continue
+                raise  # a real error of this one
             fs.link_ok = False  # a mount without hard links: moves from now on
+            break
     return False if move_noreplace(fs, dir_fd, src, dst) else None
 
 
