@@ -44,8 +44,9 @@ class FsSessionStore:
         dir_mode, file_mode: permissions of what the store creates (0700 / 0600).
         summaries: maintain the Claude summary sidecar (None: when claude-agent-sdk
             is importable).
-        compact_every: merge parts into segments once this many accumulated
-            (0: never automatically; ``compact(key)`` still works).
+        compact_every: merge parts into segments once this many accumulated, in a
+            thread of this process after the append that found them returned (0:
+            never automatically; ``compact(key)`` still works).
     """
 
     def __init__(

@@ -58,17 +58,15 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from . import _compact, _delete, _fsio, _layout, _transcript, _views
+from . import _delete, _fsio, _layout, _transcript, _views
 from ._errors import FsStoreError, log
 from ._keys import TranscriptKey
 from ._layout import Component
 from ._limits import beyond_limits
-from ._lock import Held
 from ._transcript import (
     ENCODER,
     Deleted,
     Item,
-    Vanished,
     check_session_marker,
     covering_segment,
     top,
@@ -233,12 +231,14 @@ def _append_once(store: SyncStore, t: Appending, payload: bytes, anew: bool) -> 
                 seq, items = link_and_check(store._fs, dfd, tmp, seq, payload, t.session_marker)
                 t.next_seq, t.last_name = _last_of(items)
                 tmp = _drop_temp(dfd, tmp, t.path)
-                _after_commit(store, t, dfd, held, items, max(before.st_mtime_ns, now.st_mtime_ns))
+                _after_commit(store, t, dfd, max(before.st_mtime_ns, now.st_mtime_ns))
         finally:
             if tmp:
                 _fsio.unlink_quiet(dfd, tmp)
     finally:
         os.close(dfd)
+    if _compaction_due(store, items):
+        store._compact_soon(t.key)  # after the append, in a thread of its own
 
 
 def _next_seq(t: Appending, dfd: int) -> int:
@@ -344,14 +344,13 @@ def _drop_temp(dfd: int, tmp: str, path: str) -> str:
 
 
 def _after_commit(
-    store: SyncStore, t: Appending, dfd: int, held: Held, items: list[Item], before_ns: int
+    store: SyncStore, t: Appending, dfd: int, before_ns: int
 ) -> None:
     """After the commit point. Nothing here fails the append.
 
     The batch is committed; raising now would make the SDK retry it, and a
     retried batch is stored twice (entries without a uuid are not de-duplicated).
-    So failures are logged: a failed directory fsync is the operator's to see, a
-    failed compaction only costs load speed.
+    So failures are logged: a failed directory fsync is the operator's to see.
     """
     try:
         _tick_mtime(dfd, before_ns)
@@ -363,17 +362,16 @@ def _after_commit(
             "survive a power loss", exc,
             extra={"code": code, "operation": "append", "path": t.path, "errno": exc.errno},
         )
+
+
+def _compaction_due(store: SyncStore, items: list[Item]) -> bool:
+    """Whether the check's listing (``items``) shows ``compact_every`` parts after the
+    last segment: then compaction follows, once the append has returned
+    (:meth:`SyncStore._compact_soon`)."""
     if not store._compact_every:
-        return
+        return False
     compacted = max((last for first, last, _ in items if first != last), default=0)
-    if sum(1 for first, last, _ in items if first == last and first > compacted) < store._compact_every:
-        return
-    try:
-        _compact.compact(store._fs, dfd, t.path, held, everything=False, operation="compact",
-                         summary=store._summary_of(t.key))
-    except (OSError, FsStoreError, Vanished) as exc:
-        log.warning("automatic compaction failed: %s", exc,
-                    extra={"code": "COMPACT_FAILED", "operation": "compact", "path": t.path})
+    return sum(1 for first, last, _ in items if first == last and first > compacted) >= store._compact_every
 
 
 def _tick_mtime(dfd: int, before_ns: int) -> None:

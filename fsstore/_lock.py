@@ -371,10 +371,11 @@ class Held:
     A class rather than a generator context manager: it is on every append's path.
     """
 
-    __slots__ = ("_entry", "_locks", "_operation", "_pid", "budget", "path", "since")
+    __slots__ = ("_entry", "_locks", "_operation", "_pid", "budget", "path", "since", "timeout")
 
-    def __init__(self, locks: Locks, path: str, operation: str) -> None:
+    def __init__(self, locks: Locks, path: str, operation: str, timeout: float | None = None) -> None:
         self._locks = locks
+        self.timeout = locks.timeout if timeout is None else timeout
         self._pid = os.getpid()  # a forked child holds nothing of its parent's
         self.path = path
         self._operation = operation
@@ -383,10 +384,10 @@ class Held:
 
     def __enter__(self) -> Held:
         locks, path, operation = self._locks, self.path, self._operation
-        deadline = time.monotonic() + locks.timeout
+        deadline = time.monotonic() + self.timeout
         entry = self._entry = locks._use(path)
         try:
-            if not entry.lock.acquire(timeout=max(locks.timeout, 0)):
+            if not entry.lock.acquire(timeout=max(self.timeout, 0)):
                 raise locks._timeout(path, operation, None)
             try:
                 soft = entry.soft
@@ -469,9 +470,12 @@ class Locks:
         finally:
             _HELD_HERE.set(before)
 
-    def hold(self, lock_path: str, operation: str) -> contextlib.AbstractContextManager[Held]:
+    def hold(
+        self, lock_path: str, operation: str, timeout: float | None = None,
+    ) -> contextlib.AbstractContextManager[Held]:
         """``with locks.hold(path, op) as held:`` holds the transcript lock at
-        ``lock_path``; LOCK_TIMEOUT if not had in time.
+        ``lock_path``; LOCK_TIMEOUT if not had within ``timeout`` (default: the
+        store's ``lock_timeout_seconds``).
 
         In a context that holds it already through these locks' :meth:`marked_held`
         (``store.locked(key)``, then ``store.append(key, ...)``), the work runs under
@@ -481,7 +485,7 @@ class Locks:
         outer = _HELD_HERE.get().get(lock_path)
         if outer is not None and outer._locks is self and outer._pid == os.getpid():
             return contextlib.nullcontext(outer)
-        return Held(self, lock_path, operation)
+        return Held(self, lock_path, operation, timeout)
 
     def _use(self, lock_path: str) -> _Local:
         with self._guard:

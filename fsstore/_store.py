@@ -48,6 +48,9 @@ _LOAD_ATTEMPTS, _OPTIMISTIC_LOADS = READ_ATTEMPTS, UNLOCKED_READS
 # Transcripts an appending process remembers (validated key, paths, next number).
 _APPENDING = 64
 
+# How long an automatic compaction (after an append) waits for a busy lock.
+_COMPACT_WAIT = 2.0
+
 
 class SyncStore:
     """Blocking twin of :class:`fsstore.FsSessionStore` (same methods, same errors)."""
@@ -82,19 +85,23 @@ class SyncStore:
         self._locks = Locks(
             self._fs, stale_lock_seconds=stale_lock_seconds, lock_timeout_seconds=lock_timeout_seconds)
         self._fold = _summaries.fold_function() if summaries is not False else None
-        self._forget_appending()
-        _fsio.in_forked_child(self, "_forget_appending")
+        self._start_over()
+        _fsio.in_forked_child(self, "_start_over")
         if summaries is True and self._fold is None:
             raise ValueError("summaries=True needs claude-agent-sdk (pip install 'fsstore-sessions[claude]')")
 
-    def _forget_appending(self) -> None:
-        """Remember no transcript (also in a forked child, where a thread that held
-        the guard does not exist)."""
+    def _start_over(self) -> None:
+        """Remember no transcript and queue no compaction (also in a forked child,
+        where a thread that held a guard, or compacted, does not exist)."""
         # The transcripts this process appended to lately (see _commit.Appending).
         self._appending: collections.OrderedDict[tuple[str, str, str | None], _commit.Appending] = (
             collections.OrderedDict()
         )
         self._appending_guard = threading.Lock()
+        # Automatic compactions waiting for the thread that runs them (_compact_soon).
+        self._to_compact: dict[TranscriptKey, None] = {}
+        self._compactor: threading.Thread | None = None
+        self._compact_guard = threading.Lock()  # guards the two above
 
     # -- plumbing ------------------------------------------------------------------
 
@@ -538,8 +545,10 @@ class SyncStore:
 
     def compact(self, key: Mapping[str, Any]) -> int:
         """Merge all of a transcript's files into one segment; return how many were merged."""
+        return self._compact(_keys.parse_key(key, "compact"), everything=True)
+
+    def _compact(self, tk: TranscriptKey, *, everything: bool, wait: float | None = None) -> int:
         op = "compact"
-        tk = _keys.parse_key(key, op)
         comps = _layout.transcript_dirs(tk)
         path = self._path(comps)
         with translating(op, path), self._open_root(create=False) as rfd:
@@ -549,10 +558,10 @@ class SyncStore:
             if dfd is None:
                 return 0
             try:
-                with self._locks.hold(self._lock_path(_layout.lock_name(comps), op), op) as held:
+                with self._locks.hold(self._lock_path(_layout.lock_name(comps), op), op, wait) as held:
                     for _attempt in range(_LOAD_ATTEMPTS):
                         try:
-                            return _compact.compact(self._fs, dfd, path, held, everything=True,
+                            return _compact.compact(self._fs, dfd, path, held, everything=everything,
                                                     operation=op, summary=self._summary_of(tk))
                         except Vanished:
                             continue  # a file merged by an overlapping compaction: look again
@@ -561,6 +570,49 @@ class SyncStore:
             raise FsStoreError("EAGAIN", f"files kept vanishing under {_LOAD_ATTEMPTS} compactions "
                                "(overlapping lock holders compacting)", operation=op, path=path,
                                errno=errno.EAGAIN)
+
+    def _compact_soon(self, tk: TranscriptKey) -> None:
+        """Compact the transcript's parts since its last segment once the append that
+        found them many has returned: in a thread of this process, off the append's
+        critical path (and off its lock hold). The thread ends when nothing is left to
+        do; it is not a daemon, so a process waits for it at exit rather than leave a
+        lock file behind: it waits for a lock at most _COMPACT_WAIT seconds (a busy
+        transcript: the next append finds the parts due and queues it again). A failure
+        is logged (``COMPACT_FAILED``) and only costs load speed."""
+        with self._compact_guard:
+            self._to_compact[tk] = None
+            if self._compactor is None:
+                self._compactor = threading.Thread(target=self._compact_queued, name="fsstore-compact")
+                self._compactor.start()
+
+    def _compact_queued(self) -> None:
+        while True:
+            with self._compact_guard:
+                if not self._to_compact:
+                    self._compactor = None
+                    return
+                tk = next(iter(self._to_compact))
+                del self._to_compact[tk]
+            try:
+                self._compact(tk, everything=False, wait=min(self._locks.timeout, _COMPACT_WAIT))
+            except FsStoreError as exc:
+                if exc.code != "LOCK_TIMEOUT":
+                    log.warning("automatic compaction failed: %s", exc, extra={
+                        "code": "COMPACT_FAILED", "operation": "compact",
+                        "path": self._path(_layout.transcript_dirs(tk))})
+            except BaseException:  # a bug: the thread's excepthook shows it; the next append starts another
+                with self._compact_guard:
+                    self._compactor = None
+                raise
+
+    def _compactions_done(self) -> None:
+        """Wait for the automatic compactions queued so far (tests, benchmarks)."""
+        while True:
+            with self._compact_guard:
+                worker = self._compactor
+            if worker is None:
+                return
+            worker.join()
 
     @contextlib.contextmanager
     def locked(self, key: Mapping[str, Any]) -> Iterator[None]:

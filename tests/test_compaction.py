@@ -7,6 +7,8 @@ import math
 import multiprocessing as mp
 import os
 import shutil
+import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
@@ -15,7 +17,8 @@ from typing import Any
 
 import pytest
 
-from fsstore import FsStoreError, _commit, _compact, _layout, _transcript
+from fsstore import FsStoreError, _commit, _compact, _layout, _store, _transcript
+from fsstore._keys import parse_key
 from fsstore._store import SyncStore
 
 from ._helpers import fast_writer, no_lock_taken_twice, parts_of, tdir
@@ -42,6 +45,41 @@ def test_automatic_compaction_keeps_load_identical_and_files_few(root: Path) -> 
     assert len(segments) <= math.log2(300 / 8) + 2
     # The files tile 1..300 exactly: no gaps, no overlaps.
     assert [f[0] for f in files] == [1] + [f[1] + 1 for f in files[:-1]] and files[-1][1] == 300
+
+
+def test_automatic_compaction_runs_after_the_append_and_a_process_exiting_waits_for_it(root: Path) -> None:
+    """The append that finds compact_every parts leaves the merge to a thread of its
+    process and returns; a process that exits right after it still merges them, and
+    leaves no lock file (the thread is not a daemon)."""
+    code = (f"from fsstore._store import SyncStore; s = SyncStore({str(root)!r}, create=True, compact_every=8)\n"
+            f"for i in range(8): s.append({KEY!r}, [{{'uuid': str(i)}}])\n")
+    assert subprocess.run([sys.executable, "-c", code], timeout=60, check=False).returncode == 0
+    assert files_of(root) == [(1, 8)]
+    assert not [p for p in (root / _layout.LOCKS).iterdir() if p.name.endswith(".lock")]
+    assert [e["uuid"] for e in SyncStore(root).load(KEY) or []] == [str(i) for i in range(8)]
+
+
+def test_automatic_compaction_of_a_busy_transcript_is_left_to_a_later_append(
+    root: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """While another holds the lock, an automatic compaction waits a little and gives up
+    without a warning (nothing failed: the next append that finds the parts due queues
+    it again); once the lock is free it merges them."""
+    monkeypatch.setattr(_store, "_COMPACT_WAIT", 0.2)
+    store = SyncStore(root, create=True, compact_every=0)
+    for i in range(4):
+        store.append(KEY, [entry(i)])
+    with SyncStore(root).locked(KEY):
+        started = time.monotonic()
+        store._compact_soon(parse_key(KEY, "test"))
+        store._compactions_done()
+        assert time.monotonic() - started < 5
+    assert len(files_of(root)) == 4
+    assert not [r for r in caplog.records if getattr(r, "code", None) == "COMPACT_FAILED"]
+    store._compact_soon(parse_key(KEY, "test"))
+    store._compactions_done()
+    assert files_of(root) == [(1, 4)]
+    assert store.load(KEY) == [entry(i) for i in range(4)]
 
 
 def test_compact_on_demand_merges_everything_into_one_segment(root: Path) -> None:

@@ -82,6 +82,8 @@ class Book:
             self.store.append(self.keys[which], batch(which, self.n, n, pad=pad))
         except FsStoreError as exc:
             return exc
+        finally:
+            self.store._compactions_done()  # one an append left to its thread
         self.expected[which].append((which, self.n))
         self.sizes[(which, self.n)] = n
         return None
