@@ -172,7 +172,7 @@ def _garbage_problem(g: Garbage, older_than: float) -> Problem:
     if g.age > older_than:
         return Problem("warning", f"orphaned-{g.kind}", g.path,
                        f"orphaned {what}, {age_text(g.age)} old (fsstore gc removes it)")
-    doing = {"temp": "a commit or compaction in flight", "trash": "a delete in progress",
+    doing = {"temp": "a commit, compaction or delete in flight", "trash": "a delete in progress",
              "lock-recovery": "a lock take-over in flight",
              "lock-record": "a writer's record between its locks"}[g.kind]
     return Problem("info", f"young-{g.kind}", g.path,

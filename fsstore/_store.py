@@ -545,13 +545,17 @@ class SyncStore:
 
     def compact(self, key: Mapping[str, Any]) -> int:
         """Merge all of a transcript's files into one segment; return how many were merged."""
-        return self._compact(_keys.parse_key(key, "compact"), everything=True)
+        tk = _keys.parse_key(key, "compact")
+        with translating("compact", self._path(_layout.transcript_dirs(tk))):
+            return self._compact(tk, everything=True)
 
     def _compact(self, tk: TranscriptKey, *, everything: bool, wait: float | None = None) -> int:
+        """:meth:`compact` (``everything``) or the automatic one (the parts since the
+        last segment, binary-counter style); raises OSError or FsStoreError, unlogged."""
         op = "compact"
         comps = _layout.transcript_dirs(tk)
         path = self._path(comps)
-        with translating(op, path), self._open_root(create=False) as rfd:
+        with self._open_root(create=False) as rfd:
             if rfd is None:
                 return 0
             dfd = self._open(rfd, comps, op)
@@ -595,8 +599,8 @@ class SyncStore:
                 del self._to_compact[tk]
             try:
                 self._compact(tk, everything=False, wait=min(self._locks.timeout, _COMPACT_WAIT))
-            except FsStoreError as exc:
-                if exc.code != "LOCK_TIMEOUT":
+            except (OSError, FsStoreError) as exc:
+                if getattr(exc, "code", None) != "LOCK_TIMEOUT":  # busy: the next due append queues it
                     log.warning("automatic compaction failed: %s", exc, extra={
                         "code": "COMPACT_FAILED", "operation": "compact",
                         "path": self._path(_layout.transcript_dirs(tk))})

@@ -279,7 +279,7 @@ def test_young_temps_and_held_locks_are_in_flight_not_problems(
         proc = fsstore("check", root)
         assert proc.returncode == 0, proc.stdout
         assert f"lock held by pid {os.getpid()}" in proc.stdout
-        assert "a commit or compaction in flight" in proc.stdout
+        assert "a commit, compaction or delete in flight" in proc.stdout
         locks = fsstore_json("locks", root)["locks"]
         assert [(lk["pid"], lk["status"], lk["this_host"]) for lk in locks] == [
             (os.getpid(), "held", True)]

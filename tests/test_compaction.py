@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import math
 import multiprocessing as mp
 import os
@@ -75,7 +76,7 @@ def test_automatic_compaction_of_a_busy_transcript_is_left_to_a_later_append(
         store._compactions_done()
         assert time.monotonic() - started < 5
     assert len(files_of(root)) == 4
-    assert not [r for r in caplog.records if getattr(r, "code", None) == "COMPACT_FAILED"]
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]  # nothing failed
     store._compact_soon(parse_key(KEY, "test"))
     store._compactions_done()
     assert files_of(root) == [(1, 4)]
