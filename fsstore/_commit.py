@@ -150,7 +150,7 @@ class Gone(Exception):
 def append(store: SyncStore, t: Appending, payload: bytes, *, anew: bool = True) -> None:
     """Commit ``payload`` (step 1 done) to ``t``, starting over where a delete took
     its directory away (see :func:`_delete.finish`). ``anew=False``: only into the
-    session at the name (a subagent transcript may be new in it); raise :class:`Gone`
+    session at the name (the transcript may be new in it); raise :class:`Gone`
     instead of finishing a delete or making the session (the merge of a session a
     delete moved by mistake: :func:`_delete._merge_back`)."""
     for attempt in range(_APPEND_ATTEMPTS):
@@ -193,9 +193,8 @@ def _append_once(store: SyncStore, t: Appending, payload: bytes, anew: bool) -> 
     op = "append"
     with store._open_root(create=False, path_only=True) as rfd:
         dfd = store._open(rfd, t.comps, op, path_only=True) if rfd is not None else None
-        if dfd is None and not anew and (rfd is None or _layout.MAIN == t.comps[-1][0]
-                                         or not _fsio.exists(rfd, _layout.rel(t.comps[:4]))):
-            raise Gone(t.path)
+        if dfd is None and not anew and (rfd is None or not _fsio.exists(rfd, _layout.rel(t.comps[:4]))):
+            raise Gone(t.path)  # its transcript may be new in the session (then its first commit)
         if dfd is None and anew and rfd is not None and _delete.restore(store, rfd, t.comps):
             raise FileNotFoundError(errno.ENOENT, "moved back just now: look again", t.path)
     if dfd is None:
@@ -238,7 +237,11 @@ def _append_once(store: SyncStore, t: Appending, payload: bytes, anew: bool) -> 
     finally:
         os.close(dfd)
     if _compaction_due(store, items):
-        store._compact_soon(t.key)  # after the append, in a thread of its own
+        try:
+            store._compact_soon(t.key)  # after the append, in a thread of its own
+        except Exception as exc:  # noqa: BLE001 - the batch is committed: never fail its append
+            log.warning("automatic compaction failed: %s", exc, extra={
+                "code": "COMPACT_FAILED", "operation": "compact", "path": t.path})
 
 
 def _next_seq(t: Appending, dfd: int) -> int:

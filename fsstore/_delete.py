@@ -79,9 +79,19 @@ def remove(
         parent = store._open(rfd, comps[:-1], op)
         if parent is None and claiming and restore(store, rfd, comps):
             parent = store._open(rfd, comps[:-1], op)  # its session was hidden in .trash
-        if parent is None:
-            return
         ticket = _fsio.temp_name(CLAIM_TAG) if claiming else ""
+        if parent is None:
+            if claiming and not mark:
+                # Nothing at the name (its session holds no subagent transcripts): a
+                # session moved by mistake may still hold it in .trash, being merged.
+                with store._locks.hold(store._lock_path(lock_name, op), op):
+                    try:
+                        _tickets(store, rfd, None, name, mark, path, tags, ticket)
+                        _claim_moved(store, rfd, tags, ticket, path)
+                    finally:
+                        with contextlib.suppress(OSError, FsStoreError):
+                            _tickets(store, rfd, None, name, mark, path, tags, ticket, undo=True)
+            return
         try:
             with store._locks.hold(store._lock_path(lock_name, op), op):
                 try:
@@ -287,7 +297,7 @@ def _claim_moved(store: SyncStore, rfd: int, tags: list[str], ticket: str, path:
 
 
 def _tickets(
-    store: SyncStore, rfd: int, parent: int, name: str, mark: str, path: str, tags: list[str],
+    store: SyncStore, rfd: int, parent: int | None, name: str, mark: str, path: str, tags: list[str],
     ticket: str, *, undo: bool = False,
 ) -> None:
     """Leave (``undo``: take back) an empty file named ``ticket`` in each transcript
@@ -298,7 +308,8 @@ def _tickets(
     inode number: a directory removed frees its number for the next one made."""
     # At the name first: what a mistaken move takes from there after this look is then
     # in .trash when it is listed, or carries the ticket.
-    _ticket_dirs(store, parent, name, mark, path.rsplit("/", 1)[0], ticket, undo=undo)
+    if parent is not None:
+        _ticket_dirs(store, parent, name, mark, path.rsplit("/", 1)[0], ticket, undo=undo)
     trash = store._open(rfd, [(_layout.TRASH, None)], "delete")
     if trash is None:
         return

@@ -582,12 +582,25 @@ class SyncStore:
         do; it is not a daemon, so a process waits for it at exit rather than leave a
         lock file behind: it waits for a lock at most _COMPACT_WAIT seconds (a busy
         transcript: the next append finds the parts due and queues it again). A failure
-        is logged (``COMPACT_FAILED``) and only costs load speed."""
+        is logged (``COMPACT_FAILED``) and only costs load speed.
+
+        Once the interpreter is shutting down (the main thread is done: ``atexit``
+        handlers run after the non-daemon threads were joined), it compacts in the
+        caller's thread instead, and no compaction waits for a busy lock (exit waits
+        for the compactions' own work only)."""
         with self._compact_guard:
-            self._to_compact[tk] = None
-            if self._compactor is None:
+            threaded = threading.main_thread().is_alive()
+            if threaded:
+                self._to_compact[tk] = None
+            if threaded and self._compactor is None:
                 self._compactor = threading.Thread(target=self._compact_queued, name="fsstore-compact")
-                self._compactor.start()
+                try:
+                    self._compactor.start()
+                except RuntimeError:  # the interpreter refuses new threads (shutting down)
+                    self._compactor, threaded = None, False
+                    self._to_compact.clear()
+        if not threaded:
+            self._compact_now(tk)
 
     def _compact_queued(self) -> None:
         while True:
@@ -598,16 +611,22 @@ class SyncStore:
                 tk = next(iter(self._to_compact))
                 del self._to_compact[tk]
             try:
-                self._compact(tk, everything=False, wait=min(self._locks.timeout, _COMPACT_WAIT))
-            except (OSError, FsStoreError) as exc:
-                if getattr(exc, "code", None) != "LOCK_TIMEOUT":  # busy: the next due append queues it
-                    log.warning("automatic compaction failed: %s", exc, extra={
-                        "code": "COMPACT_FAILED", "operation": "compact",
-                        "path": self._path(_layout.transcript_dirs(tk))})
+                self._compact_now(tk)
             except BaseException:  # a bug: the thread's excepthook shows it; the next append starts another
                 with self._compact_guard:
                     self._compactor = None
                 raise
+
+    def _compact_now(self, tk: TranscriptKey) -> None:
+        # Exiting (the main thread is done), a busy lock is not waited for.
+        wait = min(self._locks.timeout, _COMPACT_WAIT) if threading.main_thread().is_alive() else 0.0
+        try:
+            self._compact(tk, everything=False, wait=wait)
+        except (OSError, FsStoreError) as exc:
+            if getattr(exc, "code", None) != "LOCK_TIMEOUT":  # busy: the next due append queues it
+                log.warning("automatic compaction failed: %s", exc, extra={
+                    "code": "COMPACT_FAILED", "operation": "compact",
+                    "path": self._path(_layout.transcript_dirs(tk))})
 
     def _compactions_done(self) -> None:
         """Wait for the automatic compactions queued so far (tests, benchmarks)."""

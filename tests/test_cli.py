@@ -743,6 +743,72 @@ def test_a_session_a_delete_could_not_move_back_is_merged_into_the_one_made_sinc
     assert check.returncode == 0, check.stdout
 
 
+def test_a_session_a_delete_could_not_move_back_is_merged_into_one_made_since_without_a_main_transcript(
+    root: Path, store: SyncStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Review: the session made since holds only a subagent transcript: the merge makes
+    its main transcript there (it stopped, as if that session were deleted, and the
+    batch was in no load)."""
+    other = SyncStore(root)
+
+    def remake_sub_only() -> None:
+        with monkeypatch.context() as m:
+            m.setattr(_delete, "restore", lambda *args: False)
+            other.append(SUB, [entry(2)])
+
+    _delete_racing_remakes(root, store, SyncStore(root), monkeypatch, remake_sub_only)
+    assert SyncStore(root).load(KEY) == [entry(1)] and SyncStore(root).load(SUB) == [entry(2)]
+    assert _orphans(root) == []
+
+
+def test_a_subagent_delete_during_a_merge_takes_its_transcript_in_the_session_merged(
+    root: Path, store: SyncStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Review: the session moved by mistake holds a subagent transcript; the session
+    made since has none yet. A delete of that subagent transcript while the main
+    transcript is being merged must take it (it returned at once, and the merge then
+    brought its batch back)."""
+    other, deleter = SyncStore(root), SyncStore(root)
+
+    def remake() -> None:
+        with monkeypatch.context() as m:
+            m.setattr(_delete, "restore", lambda *args: False)
+            other.append(KEY, [entry(2)])
+
+    real, deleted = deleter._append, []
+
+    def append(key: Any, entries: Any, **kwargs: Any) -> None:
+        if not deleted:  # the merge's first batch: a delete of the subagent transcript runs now
+            deleted.append(1)
+            other.delete(SUB)
+            assert other.load(SUB) is None
+        real(key, entries, **kwargs)
+
+    store.append(KEY, [entry(0)])
+    hold = deleter._locks.hold
+    monkeypatch.setattr(deleter._locks, "hold",
+                        lambda path, op, *a: contextlib.nullcontext() if op == "delete" else hold(path, op, *a))
+
+    def keep() -> bool:
+        store.append(KEY, [entry(1)])  # between the mark and the move: finished and made anew
+        store.append(SUB, [entry(3)])
+        return False
+
+    real_put_back = _delete._put_back
+
+    def put_back(*args: Any) -> str | None:
+        remake()
+        return real_put_back(*args)
+
+    monkeypatch.setattr(_delete, "_put_back", put_back)
+    monkeypatch.setattr(deleter, "_append", append)
+    deleter.delete_unless(KEY, keep)
+    monkeypatch.undo()
+    assert deleted
+    assert SyncStore(root).load(SUB) is None
+    assert SyncStore(root).load(KEY) == [entry(2), entry(1)]
+
+
 def test_a_session_a_stalled_delete_moved_by_mistake_is_deleted_by_a_delete_begun_since(
     root: Path, store: SyncStore, monkeypatch: pytest.MonkeyPatch
 ) -> None:
