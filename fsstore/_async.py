@@ -3,8 +3,13 @@
 There is no async storage logic: every method hands the synchronous
 implementation (:class:`fsstore._store.SyncStore`, also reachable as
 ``store.sync``) to ``anyio.to_thread.run_sync``, so no file I/O ever runs on the
-event loop, and the same code serves asyncio and trio. A cancelled caller does
-not abandon the worker: an append either commits or not, never halfway.
+event loop, and the same code serves asyncio and trio. An append either commits
+or not, never halfway. Cancelled through anyio (a cancel scope: ``fail_after``,
+``move_on_after``, a task group, on asyncio or trio), a call waits for its worker and
+returns what it did; cancelled natively on asyncio (``task.cancel()``,
+``asyncio.wait_for``, ``asyncio.timeout``), the await ends at once while the worker
+finishes: the batch may still commit (a caller that retries it may store it twice;
+entries with a ``uuid`` load once).
 """
 
 from __future__ import annotations
@@ -29,7 +34,8 @@ class FsSessionStore:
     Every method runs the blocking implementation (``store.sync``) in a worker
     thread and raises only :class:`~fsstore.FsStoreError` (with a stable ``code``;
     see README "Error codes"), plus ``ValueError``/``TypeError`` from the
-    constructor. A cancelled caller does not abandon the worker.
+    constructor. Cancellation: see the module docstring (anyio's waits for the
+    worker; asyncio's native one does not).
 
     Args:
         root: the store directory (a store: see ``create``).
