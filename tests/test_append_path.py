@@ -37,7 +37,10 @@ for i in range(1, {n} + 1):
 
 
 def traced_appends(root: Path, n: int, marks: tuple[int, ...], compact_every: int) -> dict[int, Counter[str]]:
-    return {i: Counter(m.group(1) for ln in lines if (m := re.match(r"(?:\d+\s+)?(\w+)\(", ln)))
+    """The system calls of appends number ``marks``, by name; ``futex`` left out (the
+    GIL changing hands with a compaction's thread, not work of the append)."""
+    return {i: Counter(m.group(1) for ln in lines
+                       if (m := re.match(r"(?:\d+\s+)?(\w+)\(", ln)) and m.group(1) != "futex")
             for i, lines in traced_lines(root, n, marks, compact_every).items()}
 
 
