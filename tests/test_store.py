@@ -517,9 +517,10 @@ def test_appends_racing_deletes_keep_every_batch_acknowledged_after_the_last_del
 
     def writer(key: dict[str, Any], log_: list[tuple[float, int]]) -> None:
         w = SyncStore(root, create=True)
-        i = 0
+        i = after_stop = 0
         try:
-            while not stop.is_set() or i < 400:
+            while not stop.is_set() or i < 400 or after_stop < 20:  # some after the last delete
+                after_stop += stop.is_set()
                 log_.append((time.monotonic(), i))
                 w.append(key, [entry(i)])
                 i += 1
