@@ -79,31 +79,25 @@ def remove(
         parent = store._open(rfd, comps[:-1], op)
         if parent is None and claiming and restore(store, rfd, comps):
             parent = store._open(rfd, comps[:-1], op)  # its session was hidden in .trash
-        ticket = _fsio.temp_name(CLAIM_TAG) if claiming else ""
-        if parent is None:
-            if claiming and not mark:
-                # Nothing at the name (its session holds no subagent transcripts): a
-                # session moved by mistake may still hold it in .trash, being merged.
-                with store._locks.hold(store._lock_path(lock_name, op), op):
-                    try:
-                        _tickets(store, rfd, None, name, mark, path, tags, ticket)
-                        _claim_moved(store, rfd, tags, ticket, path)
-                    finally:
-                        with contextlib.suppress(OSError, FsStoreError):
-                            _tickets(store, rfd, None, name, mark, path, tags, ticket, undo=True)
+        if parent is None and not (claiming and not mark):
             return
+        # A subagent transcript with nothing at its name (its session holds no subagent
+        # transcripts) may still be in a session moved by mistake, in .trash: claimed.
+        ticket, orphan = _fsio.temp_name(CLAIM_TAG) if claiming else "", None
         try:
             with store._locks.hold(store._lock_path(lock_name, op), op):
                 try:
                     if claiming:  # what this delete is to delete, as it begins
                         _tickets(store, rfd, parent, name, mark, path, tags, ticket)
                     for _round in range(3 if claiming else 1):
-                        orphan = _move_to_trash(store, rfd, parent, name, path, mark, keep,
-                                                "-".join(tags), finishing=finishing)
+                        if parent is not None:
+                            orphan = _move_to_trash(store, rfd, parent, name, path, mark, keep,
+                                                    "-".join(tags), finishing=finishing)
                         if not claiming or orphan is not None:
                             break
                         _claim_moved(store, rfd, tags, ticket, path)
-                        if not _holds(store, parent, name, mark, path.rsplit("/", 1)[0], ticket):
+                        if parent is None or not _holds(store, parent, name, mark,
+                                                        path.rsplit("/", 1)[0], ticket):
                             break
                         # One of ours, moved back meanwhile (by its stalled deleter, or a load
                         # that found it missing) before this delete could claim it: again.
@@ -112,7 +106,8 @@ def remove(
                         with contextlib.suppress(OSError, FsStoreError):  # else gc's, once old
                             _tickets(store, rfd, parent, name, mark, path, tags, ticket, undo=True)
         finally:
-            os.close(parent)
+            if parent is not None:
+                os.close(parent)
     if orphan is not None:  # not under the lock: appending takes the locks it needs
         _merge_back(store, orphan, comps, mark, path)
 
@@ -237,7 +232,7 @@ def restore(store: SyncStore, rfd: int, comps: list[Component]) -> bool:
         for target, tags, mark in [(session, _tags(session), _layout.MAIN)] + (
                 [(comps, _tags(comps), "")] if sub else []):
             for name in names:
-                if _tags_of(name) != (tags, ASIDE_TAG) or marked(trash, name, mark):
+                if _tags_of(name) != tags or marked(trash, name, mark):
                     continue
                 parent = store._open(rfd, target[:-1], "load")
                 if parent is None:
@@ -274,15 +269,15 @@ def _claim_moved(store: SyncStore, rfd: int, tags: list[str], ticket: str, path:
     try:
         for name in _fsio.listdir(trash):
             found = _tags_of(name)
-            if found is None or found[0][0] != tags[0]:
+            if found is None or found[0] != tags[0]:
                 continue  # not of this session
-            if len(tags) == 2 and len(found[0]) == 2 and found[0][1] != tags[1]:
+            if len(tags) == 2 and len(found) == 2 and found[1] != tags[1]:
                 continue  # another subagent transcript of it
-            if len(tags) == 2 and len(found[0]) == 1:  # the session, moved whole: our transcript in it
+            if len(tags) == 2 and len(found) == 1:  # the session, moved whole: our transcript in it
                 holder = store._open(trash, [(name, None), (_layout.SUBKEYS, None)], "delete")
                 what, mark = path.rsplit("/", 1)[-1], ""
             else:
-                holder, what, mark = os.dup(trash), name, _layout.MAIN if len(found[0]) == 1 else ""
+                holder, what, mark = os.dup(trash), name, _layout.MAIN if len(found) == 1 else ""
             if holder is None:
                 continue
             try:
@@ -316,8 +311,8 @@ def _tickets(
     try:
         for moved in _fsio.listdir(trash):
             found = _tags_of(moved)
-            if found is not None and found[0][0] == tags[0]:
-                _ticket_dirs(store, trash, moved, _layout.MAIN if len(found[0]) == 1 else "",
+            if found is not None and found[0] == tags[0]:
+                _ticket_dirs(store, trash, moved, _layout.MAIN if len(found) == 1 else "",
                              f"{store.root}/{_layout.TRASH}", ticket, undo=undo)
     finally:
         os.close(trash)
@@ -352,8 +347,7 @@ def _holds(store: SyncStore, parent: int, name: str, mark: str, base: str, ticke
 # first 16 hex digits of its main transcript's lock name), and for a subagent
 # transcript its own tag too. A directory of the session that holds no mark was
 # moved by mistake (see the module docstring).
-_MOVED = re.compile(r"\.tmp-[0-9]+-[0-9a-f]+-[0-9]+-([0-9a-f]{16})(?:-([0-9a-f]{16}))?"
-                    r"(-deleted)")
+_MOVED = re.compile(r"\.tmp-[0-9]+-[0-9a-f]+-[0-9]+-([0-9a-f]{16})(?:-([0-9a-f]{16}))?" + ASIDE_TAG)
 
 
 def _tags(comps: list[Component]) -> list[str]:
@@ -362,12 +356,10 @@ def _tags(comps: list[Component]) -> list[str]:
     return [session] if len(comps) <= 5 else [session, _layout.lock_name(comps)[:16]]
 
 
-def _tags_of(name: str) -> tuple[list[str], str] | None:
-    """``(tags, "-deleted")`` of a name in ``.trash``; None if not a moved one."""
+def _tags_of(name: str) -> list[str] | None:
+    """The tags of a name in ``.trash`` that a delete moved there; None for any other."""
     m = _MOVED.fullmatch(name)
-    if m is None:
-        return None
-    return [t for t in (m.group(1), m.group(2)) if t], m.group(3)
+    return None if m is None else [t for t in (m.group(1), m.group(2)) if t]
 
 
 def _merge_back(store: SyncStore, orphan: str, comps: list[Component], mark: str, path: str) -> None:

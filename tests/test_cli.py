@@ -930,6 +930,25 @@ def test_a_subagent_delete_while_its_session_is_hidden_in_trash_deletes_it(root:
     assert SyncStore(root).load(KEY) == [entry(0)]
 
 
+def test_a_ticket_a_killed_delete_left_is_removed_by_gc_once_old(root: Path, store: SyncStore) -> None:
+    """A delete killed between handing out its tickets and taking them back leaves an
+    empty ``.tmp-…-claim`` in the transcript: never an entry, a young temp file for
+    `check` (info), removed by `gc` once old; loads, appends and deletes go on."""
+    store.append(KEY, [entry(0)])
+    ticket = tdir(root, KEY) / f".tmp-4242-0123456789ab-1{_delete.CLAIM_TAG}"
+    ticket.touch()
+    assert store.load(KEY) == [entry(0)]
+    young = fsstore("check", root)
+    assert young.returncode == 0 and "delete in flight" in young.stdout, young.stdout
+    time.sleep(1.1)
+    assert fsstore("gc", root, "--older-than", "1s").returncode == 0
+    assert not ticket.exists()
+    store.append(KEY, [entry(1)])
+    assert store.load(KEY) == [entry(0), entry(1)]
+    store.delete(KEY)
+    assert store.load(KEY) is None
+
+
 def test_what_a_delete_that_died_moved_by_mistake_is_kept_and_an_error_for_check_once_old(
     root: Path, store: SyncStore
 ) -> None:

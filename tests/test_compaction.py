@@ -74,7 +74,7 @@ def test_an_append_in_an_atexit_handler_compacts_before_the_process_ends(root: P
     assert not [p for p in (root / _layout.LOCKS).iterdir() if p.name.endswith(".lock")]
 
 
-def test_automatic_compaction_of_a_busy_transcript_is_left_to_a_later_append(
+def test_automatic_compaction_of_a_busy_transcript_gives_up_quietly_and_runs_once_queued_again(
     root: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     """While another holds the lock, an automatic compaction waits a little and gives up
