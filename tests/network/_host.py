@@ -6,8 +6,9 @@ its work is done, and prints one JSON line with what it saw. Store errors are
 counted by code, never raised: the parent decides what they mean.
 
 Roles:
-* ``writer``: append ``batches`` batches (``_check.batch``) to ``key``; reports
-  the acknowledged batches and the failed ones with their codes.
+* ``writer``: append ``batches`` batches (``_check.batch``) to ``key``, ``pause``
+  seconds apart (default: back to back); reports the acknowledged batches and the
+  failed ones with their codes.
 * ``reader``: load ``keys`` in a loop; every snapshot must be whole
   (``_check.verify``) and be a prefix of the longest one seen of the same key, or
   extend it (so that all are prefixes of the final transcript when the longest
@@ -68,6 +69,7 @@ def writer(spec: dict[str, Any]) -> dict[str, Any]:
             codes[exc.code] += 1
         else:
             acked.append([b, n])
+        time.sleep(spec.get("pause", 0))
     return {"acked": acked, "failed": failed, "codes": dict(codes), "began": began}
 
 
