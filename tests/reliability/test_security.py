@@ -73,7 +73,7 @@ SWAPPABLE = {
 def build(tmp_path: Path) -> tuple[Path, Path, SyncStore]:
     """A real store with main + subpath transcripts, and a decoy copy of it outside root."""
     root = tmp_path / "store"
-    store = SyncStore(root, create=True, stale_lock_seconds=1.0, lock_timeout_seconds=5.0)
+    store = SyncStore(root, create=True, stale_lock_seconds=1.0, lock_timeout_seconds=2.0)
     for key in (KEY, SUB):
         store.append(key, [REAL])
         store.append(key, [REAL])
@@ -358,7 +358,7 @@ def test_lock_file_replaced_by_a_symlink_while_held_is_not_followed_on_release(t
         lock.unlink()
         lock.symlink_to(victim)
     assert snapshot(victim) == before
-    store2 = SyncStore(root, create=True, stale_lock_seconds=1.0, lock_timeout_seconds=5.0)
+    store2 = SyncStore(root, create=True, stale_lock_seconds=1.0, lock_timeout_seconds=2.0)
     try:
         store2.append(KEY, [REAL])
     except FsStoreError as exc:
