@@ -555,8 +555,8 @@ def test_appends_on_two_hosts_racing_repeated_deletes_from_a_third_lose_nothing_
                                         "linger": 8})
         outs = run_roles([*writers, deleter], tmp_path, timeout=120, stop_after=[2])
         ended = outs[2]["ended"]
-        # A delete may wait out its lock_timeout behind two writers at full speed
-        # (waiters poll: no fairness yet); it is retryable and not what this test is about.
+        # A delete may wait out its lock_timeout behind the writers (its client's cached
+        # lookups, above); it is retryable and not what this test is about.
         assert set(outs[2]["codes"]) <= {"LOCK_TIMEOUT"}, outs[2]
         sizes = {(f"w{i + 1}", b): n for i, o in enumerate(outs[:2]) for b, n in o["acked"]}
         after = {(f"w{i + 1}", b) for i, o in enumerate(outs[:2]) for b, _n in o["acked"]
