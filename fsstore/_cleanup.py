@@ -205,6 +205,7 @@ class _Look:
 
     transcripts: list[TranscriptRef]
     mtime_ns: int | None  # its newest committed file; None: nothing committed
+    files: frozenset[tuple[str, str]]  # (transcript path, name) of every committed file
     unseen: Problem | None  # the first error that hid part of it: its age is unknown
     temps: list[Garbage]  # temp files in its transcript and subkey directories
 
@@ -217,8 +218,9 @@ def _look(w: Walker, ref: SessionRef) -> _Look:
                    if p.severity == "error" and p.kind in _UNSEEN), None)
     unseen = unseen or next((p for i in infos if (p := _unreadable_file(w, i)) is not None), None)
     mtime = max((i.mtime_ns for i in infos if i.mtime_ns is not None), default=None)
+    files = frozenset((i.path, it.name) for i in infos for it in i.items)
     temps = [*w.garbage[gmark:], *(g for i in infos for g in i.temps)]
-    return _Look(trefs, mtime, unseen, temps)
+    return _Look(trefs, mtime, files, unseen, temps)
 
 
 def _unreadable_file(w: Walker, info: TranscriptInfo) -> Problem | None:
@@ -258,7 +260,8 @@ def prune(
     Each deletion is a ``SyncStore.delete`` (mark, then an atomic rename into
     ``.trash``), done while holding the lock of every transcript of the session; the
     session is looked at once more after it is marked and before it is moved: a
-    commit since, a transcript added since, or a temp file younger than ``older_than``
+    committed file added or gone since the first look (a commit, a compaction: by name,
+    not by age), a transcript added since, or a temp file younger than ``older_than``
     (a writer that wrote its batch and waits for a lock) keeps it (the mark is taken
     back). The lock only saves work; the look after the mark is what makes it safe.
     """
@@ -343,8 +346,10 @@ def _reason_to_keep(w: Walker, ref: SessionRef, first: _Look, older_than: float)
     if young:
         return Action("keep", path, f"an append is in flight ({young[0].path}, "
                       f"{age_text(young[0].age)} old); kept", False)
-    if again.mtime_ns is None or w.now - again.mtime_ns / 1e9 <= older_than:
-        return Action("keep", path, "written to meanwhile; kept", False)
+    # Any committed file added or gone since the first look (a commit, a compaction):
+    # not by age, since a stall between the looks can make a new batch look old.
+    if again.files != first.files:
+        return Action("keep", path, "written to meanwhile; kept (the next prune looks again)", False)
     return None
 
 

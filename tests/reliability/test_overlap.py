@@ -257,3 +257,37 @@ def test_prune_stalled_inside_its_move_never_deletes_a_batch_acknowledged_meanwh
     assert writer.load(KEY) in ([new], [old, new]), out
     assert SyncStore(root, create=True).load(KEY) == writer.load(KEY)
     figures.fault("prune stalled 3 s inside its move")
+
+
+@needs_strace
+def test_prune_stalled_past_older_than_after_its_first_look_keeps_a_batch_acknowledged_meanwhile(
+    tmp_path: Path, figures: Any
+) -> None:
+    """prune --older-than 1s looks at the session (one batch, 2 s old), then stalls 3 s
+    in the link that takes its lock. A batch appended meanwhile is acknowledged; by the
+    time prune looks again (marked, under the lock) that batch is more than 1 s old too.
+    It must keep the session: a file was committed since its first look.
+
+    Found by review (12 of 12 runs): the second look judged the newest file by its age
+    only, so any stall longer than --older-than deleted the batch."""
+    root = tmp_path / "store"
+    writer = SyncStore(root, create=True)
+    writer.append(KEY, [{"uuid": "old", "b": "old"}])
+    time.sleep(2.0)
+    prune = subprocess.Popen(
+        ["strace", "-f", "-qq", "-o", "/dev/null", "-e", "trace=linkat",
+         "-e", "inject=linkat:delay_enter=3000000:when=1", sys.executable, "-m", "fsstore", "prune",
+         str(root), "--older-than", "1s"],
+        cwd=_overlap.REPO, env={**os.environ, "PYTHONPATH": _overlap.REPO},
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        time.sleep(1.0)  # prune has looked, and is inside the link that takes its lock
+        assert prune.poll() is None
+        writer.append(KEY, [{"uuid": "new", "b": "new"}])  # acknowledged
+        out, _ = prune.communicate(timeout=60)
+    finally:
+        prune.kill()
+        prune.wait()
+    assert SyncStore(root, create=True).load(KEY) == [{"uuid": "old", "b": "old"}, {"uuid": "new", "b": "new"}], out
+    assert "written to meanwhile" in out, out
+    figures.fault("prune stalled 3 s taking its lock, past --older-than")
