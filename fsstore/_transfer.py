@@ -109,7 +109,9 @@ def _local_jsonl(directory: str, out: list[str], skipped: list[Problem], depth: 
 def local_transcripts(
     projects_dir: str, project: str | None = None
 ) -> tuple[list[str], list[Problem]]:
-    """``<project>/<session>.jsonl`` and ``<project>/<session>/subagents/**/*.jsonl`` files."""
+    """``<project>/<session>.jsonl`` and ``<project>/<session>/**/*.jsonl`` files (the
+    subagent transcripts: ``subagents/...`` as Claude Code writes them, and any other
+    subpath as the SDK and ``fsstore export`` write it: ``<session>/<subpath>.jsonl``)."""
     files: list[str] = []
     skipped: list[Problem] = []
     try:
@@ -135,9 +137,7 @@ def local_transcripts(
             if entry.is_file(follow_symlinks=False) and entry.name.endswith(".jsonl"):
                 mains.append(entry.path)
             elif entry.is_dir(follow_symlinks=False):
-                sub = os.path.join(entry.path, "subagents")
-                if os.path.isdir(sub) and not os.path.islink(sub):
-                    _local_jsonl(sub, subs, skipped)
+                _local_jsonl(entry.path, subs, skipped)
         files += mains + subs  # main transcripts first, like a live session
     return files, skipped
 
@@ -492,6 +492,13 @@ def export_session(
         for p in parts:
             _safe_component(p, "subpath segment")
         target = os.path.join(base, sid, *parts[:-1], parts[-1] + ".jsonl")
+        if len(parts) == 1:
+            # <session>/<subpath>.jsonl: the SDK's rule reads no key from a file one level
+            # below the session (import would not take it back), so it is not written.
+            out.append(Transfer(target, skey, "refused", stored=len(entries), failed=True,
+                                detail="a one-segment subpath has no place in the local layout "
+                                       "(<session>/<subpath>.jsonl needs two segments); not written"))
+            continue
         meta, transcript = _split_metadata(entries)
         if transcript:
             out.append(_export_file(target, skey, transcript, force=force, dry_run=dry_run))

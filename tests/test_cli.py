@@ -483,6 +483,34 @@ def test_import_is_idempotent_and_keys_match_the_sdk(root: Path, tmp_path: Path)
     assert store.load(KEY) == [entry(n) for n in range(8)]
 
 
+def test_export_then_import_round_trips_every_subpath_the_local_layout_can_hold(
+    root: Path, store: SyncStore, tmp_path: Path
+) -> None:
+    """Subagent transcripts outside ``subagents/`` (``agents/a``) are written by export as
+    ``<session>/agents/a.jsonl``, which the SDK's mirror maps back to that key: import
+    takes them too. A one-segment subpath has no place in that layout: export refuses it
+    loudly (exit 1) instead of writing a file no import reads.
+
+    Found by review: import read only ``<session>/subagents/``, so an export/import round
+    trip dropped ``agents/a`` without a word (exit 0)."""
+    subpaths = ["agents/a", "subagents/agent-1", "subagents/deep/x", "agents/deep/er/y"]
+    for i, sp in enumerate([None, *subpaths, "x"]):
+        key = KEY if sp is None else {**KEY, "subpath": sp}
+        store.append(key, [entry(10 * i), {"type": "user", "i": i}])
+    out = tmp_path / "projects"
+    proc = fsstore_json("export", root, P, S, out, rc=1)
+    refused = [f for f in proc["files"] if f["failed"]]
+    assert [f["key"].get("subpath") for f in refused] == ["x"], proc
+    assert not (out / P / S / "x.jsonl").exists()
+    copy = tmp_path / "copy"
+    fsstore_json("import", copy, out, "--create")
+    back = SyncStore(copy)
+    assert sorted(back.list_subkeys(KEY)) == sorted(subpaths)
+    for sp in [None, *subpaths]:
+        key = KEY if sp is None else {**KEY, "subpath": sp}
+        assert back.load(key) == store.load(key), sp
+
+
 def test_import_merges_a_diverged_transcript_once(root: Path, tmp_path: Path) -> None:
     store = SyncStore(root, create=True)
     store.append(KEY, [entry(1), entry(2), entry(99)])  # 99 came from another host
