@@ -52,6 +52,8 @@ def as_nobody(*args: object) -> tuple[int, str]:
 
     import fsstore.cli
 
+    fsstore.cli.build_parser()  # --version reads the package metadata (email.parser): as root
+
     r, w = os.pipe()
     pid = os.fork()
     if pid == 0:  # pragma: no cover - the child
