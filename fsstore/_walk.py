@@ -275,11 +275,20 @@ def is_store(root: str) -> bool:
 
 
 def require_store(root: str, *, create: bool = False) -> None:
-    """NoStore unless ``root`` is a store directory (or, with ``create``, a directory or
-    nothing yet)."""
+    """NoStore unless ``root`` is a store directory (or, with ``create``, an empty
+    directory or nothing yet)."""
     if os.path.isdir(root):
-        if not create and not is_store(root):
+        if is_store(root):
+            return
+        if not create:
             raise NoStore(f"{root}: not an fsstore store (no {', '.join(_STORE_NAMES)})")
+        try:
+            crowded = bool(os.listdir(root))
+        except OSError as exc:
+            raise NoStore(f"{root}: cannot list ({exc.strerror})") from exc
+        if crowded:
+            raise NoStore(f"{root}: not an fsstore store, and not empty: not made into one "
+                          "(`fsstore init ROOT` marks a directory as a store on purpose)")
         return
     if os.path.lexists(root):
         raise NoStore(f"{root}: no store here (not a directory)")

@@ -242,6 +242,24 @@ def test_import_root_must_exist_unless_create(tmp_path: Path) -> None:
     assert SyncStore(typo, create=True).load(KEY) == [entry(1)]
 
 
+def test_import_create_takes_an_empty_directory_not_a_crowded_one(tmp_path: Path) -> None:
+    """Found by review: ``import --create`` made a store next to ``.ssh/`` in a home
+    directory given by mistake (exit 0). A directory that is not a store must be empty."""
+    projects = tmp_path / "projects"
+    write_jsonl(projects / P / f"{S}.jsonl", [entry(1)])
+    home = tmp_path / "home"
+    (home / ".ssh").mkdir(parents=True)
+    (home / ".ssh" / "id").write_text("secret")
+    proc = fsstore("import", home, projects, "--create")
+    assert proc.returncode == 2 and "not empty" in proc.stderr, proc.stdout + proc.stderr
+    assert sorted(p.name for p in home.iterdir()) == [".ssh"]
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert fsstore("import", empty, projects, "--create").returncode == 0
+    assert SyncStore(empty).load(KEY) == [entry(1)]
+    assert fsstore("import", empty, projects, "--create").returncode == 0  # a store now: fine
+
+
 # -- output ----------------------------------------------------------------------------
 
 
