@@ -136,9 +136,11 @@ def _remove_garbage(w: Walker, g: Garbage, older_than: float, dry_run: bool) -> 
 
 
 def _break(lk: LockInfo, older_than: float, dry_run: bool) -> Action | None:
-    """Break a lock older than ``older_than`` with the store's own reclaim (a marker
-    someone re-took meanwhile is put back, never removed)."""
-    if lk.age <= older_than:
+    """Break a lock older than ``older_than`` that the store's own waiters would break
+    too (its holder dead on this host, older than ``stale_lock_seconds``, or no record),
+    with the store's own reclaim (a marker someone re-took meanwhile is put back, never
+    removed). A live holder's lock is not garbage, however low the threshold."""
+    if lk.age <= older_than or lk.status == "held":
         return None
     detail = f"stale lock of {lk.describe()} on {lk.transcript()}, {age_text(lk.age)} old"
     if dry_run:
@@ -172,7 +174,8 @@ def gc(
     progress: Progress | None = None,
 ) -> list[Action]:
     """Remove temp files, ``.trash`` leftovers and lock recovery files older than
-    ``older_than``; break locks older than it. Nothing younger is touched."""
+    ``older_than``; break stale locks older than it (see :func:`_break`). Nothing
+    younger is touched."""
     actions: list[Action] = []
     with walking(root) as w:
         refs = w.sessions()

@@ -670,6 +670,21 @@ def test_every_command_is_safe_next_to_concurrent_writers(root: Path, tmp_path: 
     assert rounds >= 2
 
 
+def test_gc_never_breaks_a_live_holders_lock_however_low_its_threshold(root: Path, store: SyncStore) -> None:
+    """Found by review: ``gc --older-than 1s`` broke the lock of a process inside
+    ``locked(key)`` on this host, so another writer committed inside that section.
+    gc breaks only what the store's waiters would: a dead holder's, or one older than
+    ``stale_lock_seconds``."""
+    store.append(KEY, [entry(1)])
+    with store.locked(KEY):
+        lock = lock_file(root, KEY)
+        before = os.stat(lock)
+        time.sleep(1.2)
+        doc = fsstore_json("gc", root, "--older-than", "1s")
+        assert not [a for a in doc["actions"] if a["action"] == "break-lock"], doc
+        assert os.stat(lock).st_ino == before.st_ino
+
+
 def test_a_deletes_tombstone_is_info_for_check_and_removed_by_gc_once_old(root: Path, store: SyncStore) -> None:
     """A delete leaves its marks in .trash (``*-tomb``): `check` says so at info level
     (exit 0), `gc` keeps it while young and removes it once older than --older-than."""
