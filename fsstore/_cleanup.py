@@ -52,6 +52,14 @@ from ._walk import (
 #: Problem kinds that mean part of a session could not be looked at.
 _UNSEEN = frozenset({"unreadable", "symlink", "bad-name"})
 
+def not_looked_at(w: Walker) -> list[Action]:
+    """What the walk so far could not look at (a directory it cannot read, or that is a
+    symlink or a file where the layout has a directory): reported FAILED, so that the
+    exit code says the job is not all done."""
+    return [Action("skip", p.path, p.message, False, failed=True)
+            for p in w.problems if p.severity == "error" and p.kind in ("unreadable", "symlink")]
+
+
 @dataclass
 class Action:
     """Something gc, prune or compact did (or, in a dry run, would do)."""
@@ -194,8 +202,7 @@ def gc(
         actions += [_remove_garbage(w, g, older_than, dry_run)
                     for g in (*w.garbage, *w.trash(), *lock_garbage)
                     if g.age > older_than and g.kind != "orphan"]
-        actions += [Action("skip", p.path, p.message, False, failed=True)
-                    for p in w.problems if p.severity == "error" and p.kind == "unreadable"]
+        actions += not_looked_at(w)
     return actions
 
 
@@ -272,12 +279,14 @@ def prune(
     with walking(root, stale_lock_seconds=stale_lock_seconds,
                  lock_timeout_seconds=lock_timeout_seconds) as w:
         refs = w.sessions(project)
+        above = not_looked_at(w)  # the way down to the sessions (each session's own: _unseen)
         for i, ref in enumerate(refs):
             tick(progress, i, len(refs))
             act = _prune_one(w, ref, older_than, dry_run)
             if act is not None:
                 actions.append(act)
         tick(progress, len(refs), len(refs))
+        actions += above
     return actions, len(refs)
 
 
@@ -396,8 +405,7 @@ def compact(
                 if act is not None:
                     actions.append(act)
             tick(progress, i + 1, len(refs))
-        actions += [Action("skip", p.path, p.message, False, failed=True)
-                    for p in w.problems if p.kind in ("unreadable", "symlink")]
+        actions += not_looked_at(w)
     return actions
 
 

@@ -29,7 +29,7 @@ import os
 from collections.abc import Callable
 
 from . import _compact, _fsio, _layout
-from ._cleanup import Action
+from ._cleanup import Action, not_looked_at
 from ._commit import link_and_check
 from ._errors import FsStoreError
 from ._store import SyncStore
@@ -71,6 +71,7 @@ def _each_transcript(root: str, stale_lock_seconds: float, progress: Progress | 
             for tref in w.transcripts(ref):
                 actions += one(w, tref)
             tick(progress, i + 1, len(refs))
+        actions += not_looked_at(w)
     return actions
 
 

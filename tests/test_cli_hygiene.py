@@ -19,7 +19,7 @@ import pytest
 from fsstore import _layout
 from fsstore._store import SyncStore
 
-from ._helpers import SUB, P, S, fsstore, lock_file, tdir, write_jsonl
+from ._helpers import SUB, P, S, age, fsstore, lock_file, tdir, write_jsonl
 from .conftest import KEY, entry
 
 TOP = Path(__file__).resolve().parents[1]
@@ -42,6 +42,7 @@ def test_names_and_lock_records_planted_in_the_store_are_printed_escaped(
     (tdir(root, KEY) / f"x{PLANTED[0]}").write_text("planted")  # check: unexpected entry
     (tdir(root, KEY).parents[1] / f"bad{PLANTED[1]}").mkdir()  # ls: a name that does not decode
     lock_file(root, KEY).write_text(f"4242\nhost{PLANTED[2]}\n1\n")  # locks: the host line
+    age(lock_file(root, KEY), 7200)  # stale, so that gc would break it (and names its host)
     projects = tmp_path / "projects"
     write_jsonl(projects / P / f"s{PLANTED[0]}.jsonl", [entry(2)])  # import: a local name
 

@@ -22,7 +22,7 @@ import pytest
 from fsstore import _check, _cleanup, _transfer
 from fsstore._store import SyncStore
 
-from ._helpers import DAY, P, S, age, age_tree, fsstore, lock_file, tdir, write_jsonl
+from ._helpers import DAY, P, S, age, age_tree, fsstore, lock_file, snapshot, tdir, write_jsonl
 from .conftest import KEY, entry
 
 SUB = {**KEY, "subpath": "subagents/a"}
@@ -258,6 +258,24 @@ def test_import_create_takes_an_empty_directory_not_a_crowded_one(tmp_path: Path
     assert fsstore("import", empty, projects, "--create").returncode == 0
     assert SyncStore(empty).load(KEY) == [entry(1)]
     assert fsstore("import", empty, projects, "--create").returncode == 0  # a store now: fine
+
+
+@pytest.mark.parametrize("planted", ["projects", ".trash", ".locks"])
+def test_a_store_directory_replaced_by_a_symlink_fails_gc_and_prune_loudly(
+    root: Path, store: SyncStore, planted: str
+) -> None:
+    """Found by review: with ``projects`` a symlink, prune said "0 session(s) examined"
+    and gc, migrate said nothing, all exit 0: a job not done looked done."""
+    store.append(KEY, [entry(1)])
+    store.delete({"project_key": P, "session_id": "gone"})  # makes .trash
+    real = root.parent / "elsewhere"
+    (root / planted).rename(real)
+    (root / planted).symlink_to(real)
+    before = snapshot(real)
+    for args in (("gc", "--older-than", "0s"), ("prune", "--older-than", "0s")):
+        proc = fsstore(args[0], root, *args[1:])
+        assert proc.returncode == 1 and "FAILED" in proc.stdout, (args, proc.stdout, proc.stderr)
+    assert snapshot(real) == before  # never followed
 
 
 # -- output ----------------------------------------------------------------------------
