@@ -593,7 +593,11 @@ class SyncStore:
             if threaded:
                 self._to_compact[tk] = None
             if threaded and self._compactor is None:
-                self._compactor = threading.Thread(target=self._compact_queued, name="fsstore-compact")
+                # Never a daemon, whoever appended: a thread started from a daemon thread
+                # (a user's, or trio's worker threads) would otherwise be one, and be cut
+                # off at exit holding the lock.
+                self._compactor = threading.Thread(target=self._compact_queued, name="fsstore-compact",
+                                                   daemon=False)
                 try:
                     self._compactor.start()
                 except RuntimeError:  # the interpreter refuses new threads (shutting down)

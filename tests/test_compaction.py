@@ -62,6 +62,34 @@ def test_automatic_compaction_runs_after_the_append_and_a_process_exiting_waits_
     assert [e["uuid"] for e in SyncStore(root).load(KEY) or []] == [str(i) for i in range(8)]
 
 
+@pytest.mark.parametrize("appender", ["daemon thread", "trio worker thread"])
+def test_a_process_exiting_waits_for_a_compaction_a_daemon_threads_append_started(
+    root: Path, appender: str
+) -> None:
+    """Review: a thread inherits its starter's daemon flag, and the compaction thread an
+    append started from a daemon thread (a user's, or one of trio's worker threads that
+    the async API runs in) was one: the process exited without waiting for it, holding
+    the lock (10 of 10 runs with a daemon thread; 10 of 10 on trio)."""
+    if appender == "daemon thread":
+        body = ("import threading\n"
+                "t = threading.Thread(target=lambda: [s.append(KEY, [{'uuid': str(i), 'x': 'y' * 100000}])"
+                " for i in range(8)], daemon=True)\n"
+                "t.start(); t.join()\n")
+    else:
+        body = ("import anyio\n"
+                "from fsstore import FsSessionStore\n"
+                "a = FsSessionStore(ROOT, create=True, compact_every=8)\n"
+                "async def main():\n"
+                "    for i in range(8): await a.append(KEY, [{'uuid': str(i), 'x': 'y' * 100000}])\n"
+                "anyio.run(main, backend='trio')\n")
+    code = (f"from fsstore._store import SyncStore\nROOT, KEY = {str(root)!r}, {KEY!r}\n"
+            f"s = SyncStore(ROOT, create=True, compact_every=8)\n" + body)
+    proc = subprocess.run([sys.executable, "-c", code], timeout=60, check=False, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    assert not [p for p in (root / _layout.LOCKS).iterdir() if p.name.endswith(".lock")]
+    assert files_of(root) == [(1, 8)]
+
+
 def test_an_append_in_an_atexit_handler_compacts_before_the_process_ends(root: Path) -> None:
     """Review: ``atexit`` handlers run after the non-daemon threads were joined; a
     compaction thread started there was never waited for, and the process ended
