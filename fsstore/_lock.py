@@ -396,6 +396,12 @@ class Held:
                     soft.record = locks._record
                 self.since = locks._acquire(soft, path, operation, deadline)
             except BaseException:
+                # An interrupt (Ctrl-C) can land after the marker was taken and before
+                # this returns; nobody else in this process can hold it (the thread
+                # lock), so a marker held here is ours to give back.
+                if entry.soft is not None and entry.soft.is_locked:
+                    with contextlib.suppress(OSError):
+                        entry.soft.release()
                 entry.lock.release()
                 raise
         except BaseException:
@@ -496,6 +502,10 @@ class Locks:
                     self._trim()
             else:
                 self._local.move_to_end(lock_path)
+            if entry.users == 0 and entry.lock.locked():
+                # Taken by a thread interrupted (Ctrl-C) right after taking it and before
+                # it could note so: ``users`` counts every holder and waiter, and is 0.
+                entry.lock.release()
             entry.users += 1
         return entry
 

@@ -506,3 +506,63 @@ def test_a_killed_holder_not_yet_reaped_is_dead(tmp_path: Path) -> None:
     finally:
         child.kill()
         child.wait(10)
+
+
+
+def test_an_agent_that_survives_ctrl_c_can_still_append(tmp_path: Path) -> None:
+    """An agent CLI treats Ctrl-C as "cancel this turn": it catches KeyboardInterrupt
+    around append and goes on. 3.5 s of SIGINTs every 20-110 ms; then, signals ignored,
+    its next append gets in at once, and every batch it acknowledged is there once.
+
+    Found by review (5 of 5 runs, compact_every=3): an interrupt that landed just after
+    the in-process lock was taken left it held by nobody, and every later append of that
+    process to that transcript failed with LOCK_TIMEOUT."""
+    import random
+    import signal
+
+    root, acks = tmp_path / "store", tmp_path / "acks"
+    code = (
+        "import os, signal, sys, time\n"
+        "signal.signal(signal.SIGINT, signal.default_int_handler)\n"
+        "from fsstore import FsSessionStore, FsStoreError\n"
+        "key = {'project_key': 'p', 'session_id': 's'}\n"
+        "store = FsSessionStore(sys.argv[1], create=True, compact_every=3, lock_timeout_seconds=2).sync\n"
+        "acks = open(sys.argv[2], 'w')\n"
+        "end = time.monotonic() + float(sys.argv[3])\n"
+        "print('ready', flush=True)\n"
+        "k = 0\n"
+        "while time.monotonic() < end:\n"
+        "    try:\n"
+        "        k += 1\n"
+        "        store.append(key, [{'uuid': f'u{k}', 'k': k}])\n"
+        "        acks.write(f'u{k}\\n'); acks.flush()\n"
+        "    except KeyboardInterrupt:\n"
+        "        pass\n"
+        "signal.signal(signal.SIGINT, signal.SIG_IGN)\n"
+        "t = time.monotonic()\n"
+        "try:\n"
+        "    store.append(key, [{'uuid': 'final'}]); print('final ok', round(time.monotonic() - t, 2))\n"
+        "except FsStoreError as exc:\n"
+        "    print('final failed', exc.code, exc)\n"
+    )
+    env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    proc = subprocess.Popen([sys.executable, "-c", code, str(root), str(acks), "4"], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
+        rng = random.Random(7)
+        deadline = time.monotonic() + 3.5  # the agent appends for 4 s
+        while proc.poll() is None and time.monotonic() < deadline:
+            with contextlib.suppress(ProcessLookupError):
+                proc.send_signal(signal.SIGINT)
+            time.sleep(rng.uniform(0.02, 0.11))
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert "final ok" in out, out + err[-3000:]
+    uuids = [e.get("uuid") for e in SyncStore(root).load({"project_key": "p", "session_id": "s"}) or []]
+    acked = acks.read_text().split()
+    assert len(acked) > 20 and uuids[-1] == "final"
+    assert sorted(set(acked) - set(uuids)) == [] and len(uuids) == len(set(uuids))
