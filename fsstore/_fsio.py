@@ -267,8 +267,10 @@ class Fs:
             return
         try:
             os.mkdir(name, self.dir_mode, dir_fd=parent_fd)
-        except FileExistsError:
-            return
+        except OSError as exc:
+            if lost_race(exc, parent_fd, name):
+                return  # another writer made it first
+            raise
         self._fix_dir_mode(parent_fd, name)
         self.sync_dir(parent_fd)
 
@@ -300,10 +302,7 @@ class Fs:
             os.rename(tmp, name, src_dir_fd=parent_fd, dst_dir_fd=parent_fd)
             tmp = ""
         except OSError as exc:
-            # SFTP v3 (sshfs) has no EEXIST: a rename onto a name another writer took
-            # first comes back as a permission error there.
-            if exc.errno not in (errno.EEXIST, errno.ENOTEMPTY) and not (
-                    exc.errno in (errno.EPERM, errno.EACCES) and exists(parent_fd, name)):
+            if not lost_race(exc, parent_fd, name):
                 raise
             return False
         finally:
@@ -458,7 +457,7 @@ def link_noreplace(fs: Fs, dir_fd: int, src: str, dst: str) -> bool | None:
     None when ``dst`` exists. Where the mount has no hard links it moves instead
     (:func:`move_noreplace`) and returns False: ``src`` is gone then.
     """
-    for attempt in range(2) if fs.link_ok else ():
+    if fs.link_ok:
         try:
             os.link(src, dst, src_dir_fd=dir_fd, dst_dir_fd=dir_fd, follow_symlinks=False)
             return True
@@ -469,17 +468,10 @@ def link_noreplace(fs: Fs, dir_fd: int, src: str, dst: str) -> bool | None:
         except OSError as exc:
             if exc.errno not in _NO_LINK:
                 raise
-            # SFTP v3 (sshfs) has no EEXIST: a link onto an existing name is EPERM there.
-            if exists(dir_fd, dst):
-                return True if _same_inode(dir_fd, src, dst) else None
-            if _can_link(dir_fd, src):
-                if attempt == 0:
-                    # Links work: the name was taken when we linked, and its file is
-                    # gone since (a compaction merged it, a delete took it): again.
-                    continue
-                raise  # a real error of this one
+            refused = _refused_link(exc, dir_fd, src, dst)
+            if refused is not False:
+                return refused
             fs.link_ok = False  # a mount without hard links: moves from now on
-            break
     return False if move_noreplace(fs, dir_fd, src, dst) else None
 
 
@@ -511,14 +503,11 @@ def move_noreplace(fs: Fs, dir_fd: int, src: str, dst: str) -> bool:
     except OSError as exc:
         if exc.errno not in _NO_LINK:
             raise
-        # SFTP v3 (sshfs) has no EEXIST: a link onto an existing name is EPERM there.
-        if exists(dir_fd, dst):
-            if not _same_inode(dir_fd, src, dst):
-                return False
-        elif not _can_link(dir_fd, src):  # no RENAME_NOREPLACE, no hard links (rclone: EIO)
+        refused = _refused_link(exc, dir_fd, src, dst)
+        if refused is None:
+            return False
+        if refused is False:  # no RENAME_NOREPLACE, no hard links (rclone: EIO)
             raise unsupported_fs(exc, _dir_path(dir_fd, dst)) from exc
-        else:  # links work: a real error of this one
-            raise
     try:
         os.unlink(src, dir_fd=dir_fd)
     except FileNotFoundError:
@@ -546,16 +535,30 @@ def unsupported_fs(exc: OSError, path: str) -> FsStoreError:
     )
 
 
-def _can_link(dir_fd: int, src: str) -> bool:
-    """Whether this mount makes hard links at all: link ``src`` to a temp name and back."""
+def _refused_link(exc: OSError, dir_fd: int, src: str, dst: str) -> bool | None:
+    """What ``link(src, dst)`` refused with ``exc`` (one of :data:`_NO_LINK`) means.
+
+    SFTP v3 (sshfs) has no EEXIST: a link onto a name that exists is EPERM there, and
+    under contention the name can be gone again by the time we look (a lock released,
+    a part merged by a compaction). True: ``dst`` is ``src`` already; None: ``dst`` was
+    taken (it is there, or the refusal was EPERM and this process can link ``src`` to
+    another name here, so it was about the name); False: this mount makes no hard
+    links. Raises ``exc`` where links work and this one failed otherwise (EIO).
+    """
+    if exists(dir_fd, dst):
+        return True if _same_inode(dir_fd, src, dst) else None
     probe = temp_name("-probe")
     try:
         os.link(src, probe, src_dir_fd=dir_fd, dst_dir_fd=dir_fd, follow_symlinks=False)
-    except OSError as exc:
-        return exc.errno not in _NO_LINK
+    except OSError as probe_exc:
+        if probe_exc.errno in _NO_LINK:
+            return False
+        raise exc from probe_exc
     with contextlib.suppress(OSError):
         os.unlink(probe, dir_fd=dir_fd)
-    return True
+    if exc.errno == errno.EPERM:
+        return None
+    raise exc  # links work here: a real error of this one (EIO)
 
 
 def _dir_path(dir_fd: int, name: str) -> str:
@@ -563,6 +566,20 @@ def _dir_path(dir_fd: int, name: str) -> str:
         return os.path.join(os.readlink(f"/proc/self/fd/{dir_fd}"), name)
     except OSError:
         return name
+
+
+def lost_race(exc: OSError, dir_fd: int | None, name: str) -> bool:
+    """Whether a create of ``name`` (mkdir, ``O_EXCL`` open, rename into place) that failed
+    with ``exc`` lost to another creator: ``EEXIST``, or, since SFTP v3 (sshfs) has no
+    EEXIST, a permission error with the name there now (another client made it between
+    this client's lookup and its request)."""
+    if exc.errno in (errno.EEXIST, errno.ENOTEMPTY):
+        return True
+    if exc.errno not in (errno.EPERM, errno.EACCES):
+        return False
+    if dir_fd is None:
+        return os.path.lexists(name)
+    return exists(dir_fd, name)
 
 
 def exists(dir_fd: int, name: str) -> bool:
