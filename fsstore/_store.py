@@ -127,13 +127,14 @@ class SyncStore:
             try:
                 os.mkdir(self.root, self._fs.dir_mode)
                 made = True
-            except FileExistsError:
-                pass  # another writer made it first
             except FileNotFoundError:
                 raise FsStoreError(
                     "ENOENT", f"the parent of {self.root} does not exist; fsstore makes the root "
                     "only, never its parents (is the share mounted?)", operation="append",
                     path=os.path.dirname(self.root), errno=errno.ENOENT) from None
+            except OSError as exc:
+                if not _fsio.lost_race(exc, None, self.root):
+                    raise  # else another writer (maybe on another host) made it first
             fd = os.open(self.root, flags)
             if made:
                 try:
@@ -169,8 +170,9 @@ class SyncStore:
                "host": socket.gethostname()}
         try:
             self._fs.write_new(rfd, _layout.MARKER, (json.dumps(doc) + "\n").encode())
-        except FileExistsError:
-            pass
+        except OSError as exc:
+            if not _fsio.lost_race(exc, rfd, _layout.MARKER):
+                raise
 
     def _not_a_store(self, why: str) -> FsStoreError:
         return FsStoreError(
