@@ -158,7 +158,7 @@ def test_writers_on_two_hosts_lose_nothing(request: pytest.FixtureRequest, kind:
     roots = {1: str(r1 / "store"), 2: str(r2 / "store")}
     opts = {"compact_every": 16}
     writers = [Role(h, "writer", {"root": roots[h], "key": KEY, "wid": f"h{h}w{i}", "batches": 10,
-                                  "seconds": 8, "opts": opts}) for h in (1, 2) for i in range(4)]
+                                  "seconds": 8, "opts": opts, "tracebacks": True}) for h in (1, 2) for i in range(4)]
     readers = [Role(h, "reader", {"root": roots[h], "keys": [KEY], "opts": opts, "errors_are_problems": False})
                for h in (1, 2)]
     outs = run_roles(writers + readers, tmp_path, timeout=120, stop_after=list(range(len(writers))))
@@ -201,7 +201,9 @@ def test_writers_on_two_hosts_lose_nothing(request: pytest.FixtureRequest, kind:
     if kind == "gluster":  # only the known ESTALE (see the docstring)
         assert set(failed) <= {"ESTALE"}, failed
     elif failed:
-        defects.append(f"{sum(failed.values())} of {len(acked) + sum(failed.values())} appends failed: {dict(failed)}")
+        first = next(f for o in wouts for f in o["failed"])  # [batch, code, message + traceback]
+        defects.append(f"{sum(failed.values())} of {len(acked) + sum(failed.values())} appends failed: "
+                       f"{dict(failed)}; the first: {first[2]}")
     load_errors.update(_appends_failed(routs))
     if load_errors:
         defects.append(f"loads failed: {dict(load_errors)}")
