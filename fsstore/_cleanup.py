@@ -143,7 +143,7 @@ def _remove_garbage(w: Walker, g: Garbage, older_than: float, dry_run: bool) -> 
     return Action(verb, g.path, detail, True, g.age)
 
 
-def _break(lk: LockInfo, older_than: float, dry_run: bool) -> Action | None:
+def _break(lk: LockInfo, older_than: float, stale_lock_seconds: float, dry_run: bool) -> Action | None:
     """Break a lock older than ``older_than`` that the store's own waiters would break
     too (its holder dead on this host, older than ``stale_lock_seconds``, or no record),
     with the store's own reclaim (a marker someone re-took meanwhile is put back, never
@@ -153,7 +153,9 @@ def _break(lk: LockInfo, older_than: float, dry_run: bool) -> Action | None:
     detail = f"stale lock of {lk.describe()} on {lk.transcript()}, {age_text(lk.age)} old"
     if dry_run:
         return Action("break-lock", lk.path, detail, False, lk.age)
-    if reclaim_if_stale(lk.path, older_than=max(older_than, 0.0), operation="gc"):
+    # Judged again as it is now, as a waiter would: a live holder may have taken the
+    # lock since the scan, and its marker is older than a low --older-than at once.
+    if reclaim_if_stale(lk.path, older_than=max(older_than, stale_lock_seconds), operation="gc"):
         return Action("break-lock", lk.path, detail, True, lk.age)
     try:
         st = os.lstat(lk.path)
@@ -198,7 +200,8 @@ def gc(
             tick(progress, i + 1, len(refs))
         found, lock_garbage = scan_locks(w)
         name_locks(found, seen)
-        actions += [a for lk in found if (a := _break(lk, older_than, dry_run)) is not None]
+        actions += [a for lk in found
+                    if (a := _break(lk, older_than, w.stale_lock_seconds, dry_run)) is not None]
         actions += [_remove_garbage(w, g, older_than, dry_run)
                     for g in (*w.garbage, *w.trash(), *lock_garbage)
                     if g.age > older_than and g.kind != "orphan"]

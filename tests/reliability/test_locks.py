@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 import threading
@@ -566,3 +567,46 @@ def test_an_agent_that_survives_ctrl_c_can_still_append(tmp_path: Path) -> None:
     acked = acks.read_text().split()
     assert len(acked) > 20 and uuids[-1] == "final"
     assert sorted(set(acked) - set(uuids)) == [] and len(uuids) == len(set(uuids))
+
+
+@pytest.mark.skipif(shutil.which("strace") is None, reason="needs strace")
+def test_gc_stalled_after_judging_a_dead_holders_lock_never_breaks_the_live_holder_who_took_it(
+    procs: Any, tmp_path: Path
+) -> None:
+    """gc --older-than 0s finds two killed holders' locks, and stalls breaking the
+    first (strace: its first rename, 4 s). Meanwhile a live process takes both locks. gc must
+    leave the live holder's markers alone, and nobody else gets in while it holds them.
+
+    Found by review (7 of 7): gc broke whatever marker was there by then, judged only
+    against --older-than."""
+    root = str(tmp_path / "store")
+    keys = [KEY, {**KEY, "session_id": "other"}]
+    for key in keys:  # two killed holders: gc stalls breaking one, then looks at the other
+        parent, child = procs.Pipe(duplex=False)
+        p = procs.Process(target=_children.hold_lock, args=(root, key, {"stale_lock_seconds": 30}, child))
+        p.start()
+        child.close()
+        assert parent.poll(30) and parent.recv()[0] == "locked"
+        p.kill()
+        p.join(10)
+    env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    gc = subprocess.Popen(
+        ["strace", "-f", "-qq", "-o", "/dev/null", "-e", "trace=rename,renameat,renameat2",
+         "-e", "inject=rename,renameat,renameat2:delay_enter=4000000:when=1",
+         sys.executable, "-m", "fsstore", "gc", root, "--older-than", "0s"],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        time.sleep(2.0)  # gc has judged both dead markers and is inside its first rename
+        holder = SyncStore(root, create=True, stale_lock_seconds=30)
+        with holder.locked(keys[0]), holder.locked(keys[1]):  # reclaimed: live markers now
+            out, _ = gc.communicate(timeout=60)
+            other = SyncStore(root, create=True, stale_lock_seconds=30, lock_timeout_seconds=0.5)
+            for key in keys:
+                with pytest.raises(FsStoreError) as info:
+                    other.append(key, batch("other", 0, 1))
+                assert info.value.code == "LOCK_TIMEOUT", out
+    finally:
+        if gc.poll() is None:
+            gc.kill()
+            gc.wait()
+    assert "broke lock" not in out, out
