@@ -100,8 +100,12 @@ def _local_jsonl(directory: str, out: list[str], skipped: list[Problem], depth: 
     for entry in entries:
         if entry.is_symlink():
             skipped.append(Problem("info", "symlink", entry.path, "symlink skipped"))
-        elif entry.is_dir(follow_symlinks=False) and depth < 32:
-            _local_jsonl(entry.path, out, skipped, depth + 1)
+        elif entry.is_dir(follow_symlinks=False):
+            if depth >= 32:
+                skipped.append(Problem("error", "too-deep", entry.path,
+                                       "more than 32 directories below the session: not read"))
+            else:
+                _local_jsonl(entry.path, out, skipped, depth + 1)
         elif entry.is_file(follow_symlinks=False) and entry.name.endswith(".jsonl"):
             out.append(entry.path)
 
@@ -121,7 +125,10 @@ def local_transcripts(
     for pentry in projects:
         if project is not None and pentry.name != project:
             continue
-        if pentry.is_symlink() or not pentry.is_dir(follow_symlinks=False):
+        if pentry.is_symlink():
+            skipped.append(Problem("info", "symlink", pentry.path, "symlink skipped"))
+            continue
+        if not pentry.is_dir(follow_symlinks=False):
             continue
         try:
             entries = sorted(os.scandir(pentry.path), key=lambda e: e.name)
@@ -133,6 +140,7 @@ def local_transcripts(
         subs: list[str] = []
         for entry in entries:
             if entry.is_symlink():
+                skipped.append(Problem("info", "symlink", entry.path, "symlink skipped"))
                 continue
             if entry.is_file(follow_symlinks=False) and entry.name.endswith(".jsonl"):
                 mains.append(entry.path)
@@ -500,7 +508,7 @@ def export_session(
                                        "(<session>/<subpath>.jsonl needs two segments); not written"))
             continue
         meta, transcript = _split_metadata(entries)
-        if transcript:
+        if transcript or meta is not None:  # an empty file carries a sidecar back in on import
             out.append(_export_file(target, skey, transcript, force=force, dry_run=dry_run))
         if meta is not None:
             out.append(_export_meta(_meta_path(target), skey, meta, force=force,

@@ -497,6 +497,9 @@ def test_export_then_import_round_trips_every_subpath_the_local_layout_can_hold(
     for i, sp in enumerate([None, *subpaths, "x"]):
         key = KEY if sp is None else {**KEY, "subpath": sp}
         store.append(key, [entry(10 * i), {"type": "user", "i": i}])
+    # Only a sidecar's worth (re-review): exported as an empty file next to its .meta.json.
+    store.append({**KEY, "subpath": "subagents/meta-only"}, [{"type": "agent_metadata", "agentType": "Plan"}])
+    subpaths.append("subagents/meta-only")
     out = tmp_path / "projects"
     proc = fsstore_json("export", root, P, S, out, rc=1)
     refused = [f for f in proc["files"] if f["failed"]]
