@@ -114,10 +114,10 @@ def contend(root: str, timeout: float, b: int) -> tuple[float, FsStoreError | No
 AT_ONCE = 1.0  # seconds: "at once", as README promises a dead holder on this host
 
 
-def kill_a_holder(procs: Any, root: str) -> int:
-    """A process that took the lock of KEY in ``root``, killed with SIGKILL; its pid."""
+def kill_a_holder(procs: Any, root: str, key: dict[str, str] = KEY) -> int:
+    """A process that took the lock of ``key`` in ``root``, killed with SIGKILL; its pid."""
     parent, child = procs.Pipe(duplex=False)
-    p = procs.Process(target=_children.hold_lock, args=(root, KEY, {"stale_lock_seconds": 30}, child))
+    p = procs.Process(target=_children.hold_lock, args=(root, key, {"stale_lock_seconds": 30}, child))
     p.start()
     child.close()
     assert parent.poll(30) and parent.recv()[0] == "locked"
@@ -582,13 +582,7 @@ def test_gc_stalled_after_judging_a_dead_holders_lock_never_breaks_the_live_hold
     root = str(tmp_path / "store")
     keys = [KEY, {**KEY, "session_id": "other"}]
     for key in keys:  # two killed holders: gc stalls breaking one, then looks at the other
-        parent, child = procs.Pipe(duplex=False)
-        p = procs.Process(target=_children.hold_lock, args=(root, key, {"stale_lock_seconds": 30}, child))
-        p.start()
-        child.close()
-        assert parent.poll(30) and parent.recv()[0] == "locked"
-        p.kill()
-        p.join(10)
+        kill_a_holder(procs, root, key)
     env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     gc = subprocess.Popen(
         ["strace", "-f", "-qq", "-o", "/dev/null", "-e", "trace=rename,renameat,renameat2",
