@@ -13,7 +13,7 @@ from pathlib import Path
 import anyio
 import pytest
 
-from fsstore import FsSessionStore
+from fsstore import FsSessionStore, _layout
 
 from ._helpers import tdir
 from .conftest import KEY, entry
@@ -75,8 +75,11 @@ def test_automatic_compaction_comes_once_per_compact_every_appends_after_the_app
     calls = traced_appends(root, 131, (10, 128, 131), compact_every=64)
     assert calls[128]["getdents64"] == calls[10]["getdents64"] == 4
     assert calls[131] == calls[10]
-    parts = sorted(p.name for p in tdir(root, KEY).glob("*.jsonl"))
-    assert len(parts) <= 131 - 2 * 63, parts  # two compactions: 64 parts each merged into one
+    items = sorted(r for p in tdir(root, KEY).iterdir() if (r := _layout.parse_item(p.name)))
+    segments = [it for it in items if it[0] != it[1]]
+    # Merged all the same: a segment, and fewer than 64 parts after it (when the thread
+    # got to it depends on the machine's load: once the first merge ran at part 71).
+    assert segments and len(items) - len(segments) < 64, items
 
 
 @pytest.mark.anyio

@@ -274,6 +274,7 @@ def test_prune_stalled_past_older_than_after_its_first_look_keeps_a_batch_acknow
     writer = SyncStore(root, create=True)
     writer.append(KEY, [{"uuid": "old", "b": "old"}])
     time.sleep(2.0)
+    records = set(os.listdir(root / ".locks"))
     prune = subprocess.Popen(
         ["strace", "-f", "-qq", "-o", "/dev/null", "-e", "trace=linkat",
          "-e", "inject=linkat:delay_enter=3000000:when=1", sys.executable, "-m", "fsstore", "prune",
@@ -281,8 +282,11 @@ def test_prune_stalled_past_older_than_after_its_first_look_keeps_a_batch_acknow
         cwd=_overlap.REPO, env={**os.environ, "PYTHONPATH": _overlap.REPO},
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        time.sleep(1.0)  # prune has looked, and is inside the link that takes its lock
-        assert prune.poll() is None
+        # prune has looked once it writes its lock record, just before the stalled link
+        deadline = time.monotonic() + 30
+        while not set(os.listdir(root / ".locks")) - records:
+            assert prune.poll() is None and time.monotonic() < deadline
+            time.sleep(0.01)
         writer.append(KEY, [{"uuid": "new", "b": "new"}])  # acknowledged
         out, _ = prune.communicate(timeout=60)
     finally:
