@@ -237,11 +237,7 @@ def _append_once(store: SyncStore, t: Appending, payload: bytes, anew: bool) -> 
     finally:
         os.close(dfd)
     if _compaction_due(store, items):
-        try:
-            store._compact_soon(t.key)  # after the append, in a thread of its own
-        except Exception as exc:  # noqa: BLE001 - the batch is committed: never fail its append
-            log.warning("automatic compaction failed: %s", exc, extra={
-                "code": "COMPACT_FAILED", "operation": "compact", "path": t.path})
+        store._compact_soon(t.key)  # after the append, in a thread of its own; never raises
 
 
 def _next_seq(t: Appending, dfd: int) -> int:

@@ -584,12 +584,19 @@ class SyncStore:
         do; it is not a daemon, so a process waits for it at exit rather than leave a
         lock file behind: it waits for a lock at most _COMPACT_WAIT seconds (a busy
         transcript: the next append finds the parts due and queues it again). A failure
-        is logged (``COMPACT_FAILED``) and only costs load speed.
+        is logged (``COMPACT_FAILED``) and only costs load speed; nothing here raises
+        (the batch is committed).
 
         Once the interpreter is shutting down (the main thread is done: ``atexit``
         handlers run after the non-daemon threads were joined), it compacts in the
         caller's thread instead, and no compaction waits for a busy lock (exit waits
         for the compactions' own work only)."""
+        try:
+            self._queue_compaction(tk)
+        except Exception as exc:  # noqa: BLE001 - the batch is committed: never fail its append
+            self._compact_failed(tk, exc)
+
+    def _queue_compaction(self, tk: TranscriptKey) -> None:
         with self._compact_guard:
             threaded = threading.main_thread().is_alive()
             if threaded:
@@ -630,9 +637,12 @@ class SyncStore:
             self._compact(tk, everything=False, wait=wait)
         except (OSError, FsStoreError) as exc:
             if getattr(exc, "code", None) != "LOCK_TIMEOUT":  # busy: the next due append queues it
-                log.warning("automatic compaction failed: %s", exc, extra={
-                    "code": "COMPACT_FAILED", "operation": "compact",
-                    "path": self._path(_layout.transcript_dirs(tk))})
+                self._compact_failed(tk, exc)
+
+    def _compact_failed(self, tk: TranscriptKey, exc: Exception) -> None:
+        log.warning("automatic compaction failed: %s", exc, extra={
+            "code": "COMPACT_FAILED", "operation": "compact",
+            "path": self._path(_layout.transcript_dirs(tk))})
 
     def _compactions_done(self) -> None:
         """Wait for the automatic compactions queued so far (tests, benchmarks)."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import math
@@ -680,3 +681,20 @@ def test_a_transcript_deleted_while_loaded_is_gone_not_damaged(
     monkeypatch.setattr(_transcript, "scan", scan)
     assert store.load(KEY) is None
     assert not [r for r in caplog.records if getattr(r, "code", None) in ("GAP", "CORRUPT")]
+
+
+def test_a_compaction_that_cannot_even_be_queued_never_fails_the_committed_append(
+    root: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Queueing the automatic compaction comes after the commit point: a failure there
+    (here: made up, as nothing real produces one on demand) is logged COMPACT_FAILED,
+    and the append returns; raising would make the SDK store the batch twice."""
+    def refuse(self: SyncStore, tk: Any) -> None:
+        raise OSError(errno.EAGAIN, "no thread for you")
+
+    monkeypatch.setattr(SyncStore, "_queue_compaction", refuse)
+    store = SyncStore(root, create=True, compact_every=2)
+    store.append(KEY, [entry(0)])
+    store.append(KEY, [entry(1)])  # compaction due: queueing it fails
+    assert store.load(KEY) == [entry(0), entry(1)]
+    assert [getattr(r, "code", None) for r in caplog.records] == ["COMPACT_FAILED"]
