@@ -237,7 +237,7 @@ def _append_once(store: SyncStore, t: Appending, payload: bytes, anew: bool) -> 
     finally:
         os.close(dfd)
     if _compaction_due(store, items):
-        store._compact_soon(t.key)  # after the append, in a thread of its own; never raises
+        store._compactions.soon(t.key)  # after the append, in a thread of its own; never raises
 
 
 def _next_seq(t: Appending, dfd: int) -> int:
@@ -366,7 +366,7 @@ def _after_commit(
 def _compaction_due(store: SyncStore, items: list[Item]) -> bool:
     """Whether the check's listing (``items``) shows ``compact_every`` parts after the
     last segment: then compaction follows, once the append has returned
-    (:meth:`SyncStore._compact_soon`)."""
+    (:mod:`fsstore._autocompact`)."""
     if not store._compact_every:
         return False
     compacted = max((last for first, last, _ in items if first != last), default=0)

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import dataclasses
+import enum
 import errno
 import json
 import os
@@ -18,7 +20,7 @@ import time
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
-from . import _commit, _compact, _delete, _fsio, _keys, _layout, _summaries, _views
+from . import _autocompact, _commit, _compact, _delete, _fsio, _keys, _layout, _summaries, _views
 from ._errors import FsStoreError, log, translating
 from ._fsio import Fs
 from ._keys import TranscriptKey
@@ -45,11 +47,27 @@ from ._transcript import (
 _LOAD_ATTEMPTS, _OPTIMISTIC_LOADS = READ_ATTEMPTS, UNLOCKED_READS
 
 
+
+class _Again(enum.Enum):
+    """A load attempt lost a race (see :meth:`SyncStore._load_once`)."""
+
+    AGAIN = "again"
+
+
+_AGAIN = _Again.AGAIN
+
+
+@dataclasses.dataclass
+class _Retries:
+    """What a load's lost attempts learned."""
+
+    stale: OSError | None = None  # the last ESTALE (a mount that keeps answering it)
+    deleting: bool = False  # a .deleted mark was seen: look again under the lock
+    restored: int = 0  # times moved back from .trash (see _delete.restore)
+
+
 # Transcripts an appending process remembers (validated key, paths, next number).
 _APPENDING = 64
-
-# How long an automatic compaction (after an append) waits for a busy lock.
-_COMPACT_WAIT = 2.0
 
 
 class SyncStore:
@@ -98,10 +116,9 @@ class SyncStore:
             collections.OrderedDict()
         )
         self._appending_guard = threading.Lock()
-        # Automatic compactions waiting for the thread that runs them (_compact_soon).
-        self._to_compact: dict[TranscriptKey, None] = {}
-        self._compactor: threading.Thread | None = None
-        self._compact_guard = threading.Lock()  # guards the two above
+        self._compactions = _autocompact.Compactions(
+            lambda tk, wait: self._compact(tk, everything=False, wait=wait),
+            lambda tk: self._path(_layout.transcript_dirs(tk)), self._locks.timeout)
 
     # -- plumbing ------------------------------------------------------------------
 
@@ -282,76 +299,85 @@ class SyncStore:
         tk = _keys.parse_key(key, op)
         comps = _layout.transcript_dirs(tk)
         path = self._path(comps)
-        names = [n for n, _ in comps]
+        seen = _Retries()
         with translating(op, path):
-            stale: OSError | None = None
-            deleting = False  # a .deleted marker was seen: look again under the lock
-            restored = 0  # moved back from .trash (see _delete.restore)
             for attempt in range(_LOAD_ATTEMPTS):
-                with contextlib.ExitStack() as guard, self._open_root(create=False, path_only=True) as rfd:
-                    if rfd is None:
+                try:
+                    snapshot = self._load_once(tk, comps, path, attempt, seen)
+                except Deleted as marked:
+                    # A delete is committed once marked. Seen under the transcript's lock,
+                    # its deleter may have died: finish it (out of the lock: deleters hold
+                    # the lock of what they move).
+                    _delete.finish(self, comps, path, session=marked.session)
+                    return None
+                if snapshot is not _AGAIN:
+                    if snapshot is None:
                         return None
-                    locked = (deleting or attempt >= _OPTIMISTIC_LOADS) and self._hold_for_reading(guard, comps)
-                    try:
-                        dfd = self._open(rfd, comps, op, path_only=True)
-                    except OSError as exc:
-                        if exc.errno == errno.ESTALE:  # NFS: replaced by another host
-                            stale = exc
-                            continue
-                        raise
-                    if dfd is None:
-                        if restored < 2 and _delete.restore(self, rfd, comps):
-                            restored += 1
-                            continue  # a stalled delete had it in .trash by mistake
-                        return None
-                    try:
-                        batches, gap = read_snapshot(dfd, path, op, _layout.session_marker(tk))
-                        if not _fsio.same_dir(dfd, rfd, names):
-                            continue  # deleted (moved away) while we read: look again
-                    except Deleted as exc:
-                        if not (locked or deleting):
-                            deleting = True
-                            continue
-                        marked = exc
-                        break  # out of the lock, to finish the delete
-                    except Vanished as exc:
-                        if isinstance(exc.__cause__, OSError) and exc.__cause__.errno == errno.ESTALE:
-                            stale = exc.__cause__
-                        # Listed files gone again: our client may list from a cache.
-                        if attempt and not _views.refresh_listing(dfd):
-                            return None  # the directory is gone on the server: deleted
-                        continue
-                    except OSError as exc:
-                        if exc.errno not in (errno.ENOENT, errno.ESTALE):
-                            raise
-                        stale = exc if exc.errno == errno.ESTALE else stale
-                        if attempt and not _views.refresh_listing(dfd):
-                            return None
-                        continue  # the directory went away under us (another host's delete)
-                    except FsStoreError:
-                        if _fsio.same_dir(dfd, rfd, names):
-                            raise
-                        continue  # a half-removed directory (a delete) is not damage
-                    finally:
-                        os.close(dfd)
-                if gap is not None:
-                    warn_gap(gap, path, op)
-                return dedupe(batches) if batches else None
-            else:
-                if stale is not None:
-                    raise stale  # a mount that keeps answering ESTALE: say so, not "busy"
-                raise FsStoreError(
-                    "EAGAIN",
-                    f"transcript changed under the reader {_LOAD_ATTEMPTS} times in a row",
-                    operation=op,
-                    path=path,
-                    errno=errno.EAGAIN,
-                )
-            # A delete is committed once marked. Seen under the transcript's lock, its
-            # deleter may have died: finish it (deleters hold the lock of what they move).
-            if locked:
-                _delete.finish(self, comps, path, session=marked.session)
-            return None
+                    batches, gap = snapshot
+                    if gap is not None:
+                        warn_gap(gap, path, op)
+                    return dedupe(batches) if batches else None
+            if seen.stale is not None:
+                raise seen.stale  # a mount that keeps answering ESTALE: say so, not "busy"
+            raise FsStoreError(
+                "EAGAIN",
+                f"transcript changed under the reader {_LOAD_ATTEMPTS} times in a row",
+                operation=op,
+                path=path,
+                errno=errno.EAGAIN,
+            )
+
+    def _load_once(
+        self, tk: TranscriptKey, comps: list[Component], path: str, attempt: int, seen: _Retries
+    ) -> tuple[list[tuple[int, list[dict[str, Any]]]], int | None] | None | _Again:
+        """One attempt of :meth:`load`: its snapshot (batches, first missing number),
+        None (no transcript), or ``_AGAIN`` (a race: what it learned is in ``seen``).
+        Raises :class:`Deleted` for a delete to finish (seen under the lock)."""
+        op, names = "load", [n for n, _ in comps]
+        with contextlib.ExitStack() as guard, self._open_root(create=False, path_only=True) as rfd:
+            if rfd is None:
+                return None
+            locked = (seen.deleting or attempt >= _OPTIMISTIC_LOADS) and self._hold_for_reading(guard, comps)
+            try:
+                dfd = self._open(rfd, comps, op, path_only=True)
+            except OSError as exc:
+                if exc.errno != errno.ESTALE:
+                    raise
+                seen.stale = exc  # NFS: replaced by another host
+                return _AGAIN
+            if dfd is None:
+                if seen.restored < 2 and _delete.restore(self, rfd, comps):
+                    seen.restored += 1
+                    return _AGAIN  # a stalled delete had it in .trash by mistake
+                return None
+            try:
+                snapshot = read_snapshot(dfd, path, op, _layout.session_marker(tk))
+                # Deleted (moved away) while we read: look again.
+                return snapshot if _fsio.same_dir(dfd, rfd, names) else _AGAIN
+            except Deleted:
+                if locked:
+                    raise
+                if seen.deleting:
+                    return None  # marked, and we may not take the lock to finish it
+                seen.deleting = True  # look again under the lock
+                return _AGAIN
+            except (Vanished, OSError) as exc:
+                cause = exc.__cause__ if isinstance(exc, Vanished) else exc
+                if isinstance(exc, OSError) and exc.errno not in (errno.ENOENT, errno.ESTALE):
+                    raise
+                if isinstance(cause, OSError) and cause.errno == errno.ESTALE:
+                    seen.stale = cause
+                # Listed files, or the directory, gone under us (a compaction, another
+                # host's delete): our client may list from a cache. Ask the server.
+                if attempt and not _views.refresh_listing(dfd):
+                    return None  # the directory is gone on the server: deleted
+                return _AGAIN
+            except FsStoreError:
+                if _fsio.same_dir(dfd, rfd, names):
+                    raise
+                return _AGAIN  # a half-removed directory (a delete) is not damage
+            finally:
+                os.close(dfd)
 
     def _hold_for_reading(self, guard: contextlib.ExitStack, comps: list[Component]) -> bool:
         """Take the transcript's lock into ``guard`` for a reader that keeps losing races.
@@ -576,82 +602,6 @@ class SyncStore:
             raise FsStoreError("EAGAIN", f"files kept vanishing under {_LOAD_ATTEMPTS} compactions "
                                "(overlapping lock holders compacting)", operation=op, path=path,
                                errno=errno.EAGAIN)
-
-    def _compact_soon(self, tk: TranscriptKey) -> None:
-        """Compact the transcript's parts since its last segment once the append that
-        found them many has returned: in a thread of this process, off the append's
-        critical path (and off its lock hold). The thread ends when nothing is left to
-        do; it is not a daemon, so a process waits for it at exit rather than leave a
-        lock file behind: it waits for a lock at most _COMPACT_WAIT seconds (a busy
-        transcript: the next append finds the parts due and queues it again). A failure
-        is logged (``COMPACT_FAILED``) and only costs load speed; nothing here raises
-        (the batch is committed).
-
-        Once the interpreter is shutting down (the main thread is done: ``atexit``
-        handlers run after the non-daemon threads were joined), it compacts in the
-        caller's thread instead, and no compaction waits for a busy lock (exit waits
-        for the compactions' own work only)."""
-        try:
-            self._queue_compaction(tk)
-        except Exception as exc:  # noqa: BLE001 - the batch is committed: never fail its append
-            self._compact_failed(tk, exc)
-
-    def _queue_compaction(self, tk: TranscriptKey) -> None:
-        with self._compact_guard:
-            threaded = threading.main_thread().is_alive()
-            if threaded:
-                self._to_compact[tk] = None
-            if threaded and self._compactor is None:
-                # Never a daemon, whoever appended: a thread started from a daemon thread
-                # (a user's, or trio's worker threads) would otherwise be one, and be cut
-                # off at exit holding the lock.
-                self._compactor = threading.Thread(target=self._compact_queued, name="fsstore-compact",
-                                                   daemon=False)
-                try:
-                    self._compactor.start()
-                except RuntimeError:  # the interpreter refuses new threads (shutting down)
-                    self._compactor, threaded = None, False
-                    self._to_compact.clear()
-        if not threaded:
-            self._compact_now(tk)
-
-    def _compact_queued(self) -> None:
-        while True:
-            with self._compact_guard:
-                if not self._to_compact:
-                    self._compactor = None
-                    return
-                tk = next(iter(self._to_compact))
-                del self._to_compact[tk]
-            try:
-                self._compact_now(tk)
-            except BaseException:  # a bug: the thread's excepthook shows it; the next append starts another
-                with self._compact_guard:
-                    self._compactor = None
-                raise
-
-    def _compact_now(self, tk: TranscriptKey) -> None:
-        # Exiting (the main thread is done), a busy lock is not waited for.
-        wait = min(self._locks.timeout, _COMPACT_WAIT) if threading.main_thread().is_alive() else 0.0
-        try:
-            self._compact(tk, everything=False, wait=wait)
-        except (OSError, FsStoreError) as exc:
-            if getattr(exc, "code", None) != "LOCK_TIMEOUT":  # busy: the next due append queues it
-                self._compact_failed(tk, exc)
-
-    def _compact_failed(self, tk: TranscriptKey, exc: Exception) -> None:
-        log.warning("automatic compaction failed: %s", exc, extra={
-            "code": "COMPACT_FAILED", "operation": "compact",
-            "path": self._path(_layout.transcript_dirs(tk))})
-
-    def _compactions_done(self) -> None:
-        """Wait for the automatic compactions queued so far (tests, benchmarks)."""
-        while True:
-            with self._compact_guard:
-                worker = self._compactor
-            if worker is None:
-                return
-            worker.join()
 
     @contextlib.contextmanager
     def locked(self, key: Mapping[str, Any]) -> Iterator[None]:

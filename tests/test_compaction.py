@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from fsstore import FsStoreError, _commit, _compact, _layout, _store, _transcript
+from fsstore import FsStoreError, _autocompact, _commit, _compact, _layout, _transcript
 from fsstore._keys import parse_key
 from fsstore._store import SyncStore
 
@@ -41,7 +41,7 @@ def test_automatic_compaction_keeps_load_identical_and_files_few(root: Path) -> 
         store.append(KEY, batch)
         expected.extend(batch if i % 50 != 7 else batch[:2])
     assert store.load(KEY) == expected
-    store._compactions_done()  # the last due compaction may still run (after the append)
+    store._compactions.done()  # the last due compaction may still run (after the append)
     assert store.load(KEY) == expected
     files = files_of(root)
     segments = [f for f in files if f[0] != f[1]]
@@ -111,19 +111,19 @@ def test_automatic_compaction_of_a_busy_transcript_gives_up_quietly_and_runs_onc
     """While another holds the lock, an automatic compaction waits a little and gives up
     without a warning (nothing failed: the next append that finds the parts due queues
     it again); once the lock is free it merges them."""
-    monkeypatch.setattr(_store, "_COMPACT_WAIT", 0.2)
+    monkeypatch.setattr(_autocompact, "WAIT", 0.2)
     store = SyncStore(root, create=True, compact_every=0)
     for i in range(4):
         store.append(KEY, [entry(i)])
     with SyncStore(root).locked(KEY):
         started = time.monotonic()
-        store._compact_soon(parse_key(KEY, "test"))
-        store._compactions_done()
+        store._compactions.soon(parse_key(KEY, "test"))
+        store._compactions.done()
         assert time.monotonic() - started < 5
     assert len(files_of(root)) == 4
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING]  # nothing failed
-    store._compact_soon(parse_key(KEY, "test"))
-    store._compactions_done()
+    store._compactions.soon(parse_key(KEY, "test"))
+    store._compactions.done()
     assert files_of(root) == [(1, 4)]
     assert store.load(KEY) == [entry(i) for i in range(4)]
 
@@ -689,10 +689,10 @@ def test_a_compaction_that_cannot_even_be_queued_never_fails_the_committed_appen
     """Queueing the automatic compaction comes after the commit point: a failure there
     (here: made up, as nothing real produces one on demand) is logged COMPACT_FAILED,
     and the append returns; raising would make the SDK store the batch twice."""
-    def refuse(self: SyncStore, tk: Any) -> None:
+    def refuse(self: _autocompact.Compactions, tk: Any) -> None:
         raise OSError(errno.EAGAIN, "no thread for you")
 
-    monkeypatch.setattr(SyncStore, "_queue_compaction", refuse)
+    monkeypatch.setattr(_autocompact.Compactions, "_queue", refuse)
     store = SyncStore(root, create=True, compact_every=2)
     store.append(KEY, [entry(0)])
     store.append(KEY, [entry(1)])  # compaction due: queueing it fails

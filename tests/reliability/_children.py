@@ -374,7 +374,7 @@ def crash_child(root: str, spec: dict[str, Any], conn: Any) -> None:
         op = spec["op"]
         if op.startswith("append"):
             store.append(key, spec["batch"])
-            store._compactions_done()  # an automatic compaction is the append's work too
+            store._compactions.done()  # an automatic compaction is the append's work too
         elif op == "delete":
             store.delete(key)
         elif op == "compact":

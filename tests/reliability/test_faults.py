@@ -218,7 +218,7 @@ def test_fault_surfaces_with_code_errno_operation_path_and_store_stays_consisten
                         scene.store.append(scene.keys[which], batch(which, scene.n, 2))
                         scene.expected[which].append((which, scene.n))
                         scene.n += 1
-                    scene.store._compactions_done()  # one an append left to its thread
+                    scene.store._compactions.done()  # one an append left to its thread
                     victim = None
                 elif case.action == "load":
                     scene.store.load(KEY)

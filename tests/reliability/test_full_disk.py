@@ -83,7 +83,7 @@ class Book:
         except FsStoreError as exc:
             return exc
         finally:
-            self.store._compactions_done()  # one an append left to its thread
+            self.store._compactions.done()  # one an append left to its thread
         self.expected[which].append((which, self.n))
         self.sizes[(which, self.n)] = n
         return None

@@ -1,0 +1,101 @@
+"""Compaction after the append: in a thread of this process, off the append's
+critical path (and off its lock hold).
+
+An append that finds many parts since the last segment asks for one with
+:meth:`Compactions.soon` once its batch is committed. The thread ends when nothing is
+left to do; it is not a daemon, so a process waits for it at exit rather than leave a
+lock file behind: it waits for a lock at most :data:`WAIT` seconds (a busy transcript:
+the next append finds the parts due and asks again). A failure is logged
+(``COMPACT_FAILED``) and only costs load speed; nothing here raises (the batch is
+committed).
+
+Once the interpreter is shutting down (the main thread is done: ``atexit`` handlers run
+after the non-daemon threads were joined), it compacts in the caller's thread instead,
+and no compaction waits for a busy lock (exit waits for the compactions' own work only).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+
+from ._errors import FsStoreError, log
+from ._keys import TranscriptKey
+
+#: How long an automatic compaction waits for a busy lock (seconds).
+WAIT = 2.0
+
+
+class Compactions:
+    """The automatic compactions of one store object. ``compact(tk, wait)`` merges a
+    transcript's parts, waiting at most ``wait`` seconds for its lock; ``where(tk)``
+    names it in the log."""
+
+    def __init__(self, compact: Callable[[TranscriptKey, float], object], where: Callable[[TranscriptKey], str],
+                 lock_timeout: float) -> None:
+        self._compact, self._where, self._lock_timeout = compact, where, lock_timeout
+        self._queued: dict[TranscriptKey, None] = {}  # in order, once each
+        self._thread: threading.Thread | None = None
+        self._guard = threading.Lock()  # guards the two above
+
+    def soon(self, tk: TranscriptKey) -> None:
+        """Compact the transcript once the caller's append has returned. Never raises."""
+        try:
+            self._queue(tk)
+        except Exception as exc:  # noqa: BLE001 - the batch is committed: never fail its append
+            self._failed(tk, exc)
+
+    def done(self) -> None:
+        """Wait for the compactions asked for so far (tests, benchmarks)."""
+        while True:
+            with self._guard:
+                worker = self._thread
+            if worker is None:
+                return
+            worker.join()
+
+    def _queue(self, tk: TranscriptKey) -> None:
+        with self._guard:
+            threaded = threading.main_thread().is_alive()
+            if threaded:
+                self._queued[tk] = None
+            if threaded and self._thread is None:
+                # Never a daemon, whoever appended: a thread started from a daemon thread
+                # (a user's, or trio's worker threads) would otherwise be one, and be cut
+                # off at exit holding the lock.
+                self._thread = threading.Thread(target=self._run, name="fsstore-compact", daemon=False)
+                try:
+                    self._thread.start()
+                except RuntimeError:  # the interpreter refuses new threads (shutting down)
+                    self._thread, threaded = None, False
+                    self._queued.clear()
+        if not threaded:
+            self._now(tk)
+
+    def _run(self) -> None:
+        while True:
+            with self._guard:
+                if not self._queued:
+                    self._thread = None
+                    return
+                tk = next(iter(self._queued))
+                del self._queued[tk]
+            try:
+                self._now(tk)
+            except BaseException:  # a bug: the thread's excepthook shows it; the next append starts another
+                with self._guard:
+                    self._thread = None
+                raise
+
+    def _now(self, tk: TranscriptKey) -> None:
+        # Exiting (the main thread is done), a busy lock is not waited for.
+        wait = min(self._lock_timeout, WAIT) if threading.main_thread().is_alive() else 0.0
+        try:
+            self._compact(tk, wait)
+        except (OSError, FsStoreError) as exc:
+            if getattr(exc, "code", None) != "LOCK_TIMEOUT":  # busy: the next due append asks again
+                self._failed(tk, exc)
+
+    def _failed(self, tk: TranscriptKey, exc: Exception) -> None:
+        log.warning("automatic compaction failed: %s", exc, extra={
+            "code": "COMPACT_FAILED", "operation": "compact", "path": self._where(tk)})
