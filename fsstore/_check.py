@@ -16,6 +16,7 @@ from typing import Any
 
 from . import _layout
 from ._lockfiles import LockInfo, name_locks, scan_locks
+from ._output import age_text, iso_ns
 from ._walk import (
     Garbage,
     Problem,
@@ -24,8 +25,6 @@ from ._walk import (
     TranscriptInfo,
     TranscriptRef,
     Walker,
-    age_text,
-    iso_ns,
     tick,
     walking,
 )

@@ -31,6 +31,7 @@ from . import _fsio
 from ._errors import FsStoreError
 from ._lock import reclaim_if_stale
 from ._lockfiles import LockInfo, name_locks, scan_locks
+from ._output import age_text, iso_ns
 from ._walk import (
     NFS_SILLY_PREFIX,
     Garbage,
@@ -40,11 +41,9 @@ from ._walk import (
     TranscriptInfo,
     TranscriptRef,
     Walker,
-    age_text,
     changed_at,
     error_code,
     gone,
-    iso_ns,
     tick,
     walking,
 )

@@ -20,7 +20,8 @@ from typing import Any
 
 from . import _layout
 from ._lock import read_marker
-from ._walk import Garbage, Problem, Progress, TranscriptRef, Walker, changed_at, iso, tick, walking
+from ._output import iso
+from ._walk import Garbage, Problem, Progress, TranscriptRef, Walker, changed_at, tick, walking
 
 #: A lock take-over interrupted by a crash leaves ``<lock>.break.<pid>.<hex>`` or
 #: ``<lock>.restore.<pid>.<hex>`` (filelock) or ``<lock>.stale-<pid>-<hex>`` (fsstore).

@@ -10,8 +10,6 @@ import time
 from collections.abc import Sequence
 from typing import Any, TextIO
 
-from ._walk import age_text
-
 
 def _raw(c: str) -> bytes:
     """The bytes a character stands for on the command line: a lone surrogate from
@@ -141,3 +139,26 @@ class Progress:
             self.stream.write("\r\033[K")
             self.stream.flush()
             self._shown = False
+
+
+def iso(ts: float | None) -> str | None:
+    """A time as ``2026-01-01T10:00:00Z`` (None stays None)."""
+    if ts is None:
+        return None
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(ts))
+
+
+def iso_ns(ns: int | None) -> str | None:
+    return None if ns is None else iso(ns / 1e9)
+
+
+def age_text(seconds: float) -> str:
+    """An age for a person: ``4.2s``, ``42s``, ``5m07s``, ``3h00m``, ``40d01h``."""
+    s = int(seconds)
+    if s < 60:
+        return f"{seconds:.1f}s" if seconds < 10 else f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s"
+    if s < 86400:
+        return f"{s // 3600}h{s % 3600 // 60:02d}m"
+    return f"{s // 86400}d{s % 86400 // 3600:02d}h"

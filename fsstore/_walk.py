@@ -40,7 +40,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from . import _delete, _fsio, _keys, _layout
+from . import _delete, _fsio, _keys, _layout, _output
 from ._errors import FsStoreError
 from ._keys import TranscriptKey
 from ._store import SyncStore
@@ -180,7 +180,7 @@ class TranscriptInfo:
         return {
             "subpath": self.ref.subpath,
             "path": self.path,
-            "modified": iso_ns(self.mtime_ns),
+            "modified": _output.iso_ns(self.mtime_ns),
             "mtime_ms": None if self.mtime_ns is None else self.mtime_ns // 1_000_000,
             "parts": self.parts,
             "segments": self.segments,
@@ -192,29 +192,6 @@ class TranscriptInfo:
 
 
 # -- small helpers ---------------------------------------------------------------
-
-
-def iso(ts: float | None) -> str | None:
-    """A time as ``2026-01-01T10:00:00Z`` (None stays None)."""
-    if ts is None:
-        return None
-    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(ts))
-
-
-def iso_ns(ns: int | None) -> str | None:
-    return None if ns is None else iso(ns / 1e9)
-
-
-def age_text(seconds: float) -> str:
-    """An age for a person: ``4.2s``, ``42s``, ``5m07s``, ``3h00m``, ``40d01h``."""
-    s = int(seconds)
-    if s < 60:
-        return f"{seconds:.1f}s" if seconds < 10 else f"{s}s"
-    if s < 3600:
-        return f"{s // 60}m{s % 60:02d}s"
-    if s < 86400:
-        return f"{s // 3600}h{s % 3600 // 60:02d}m"
-    return f"{s // 86400}d{s % 86400 // 3600:02d}h"
 
 
 def gone(exc: OSError) -> bool:
