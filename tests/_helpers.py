@@ -103,3 +103,50 @@ def no_lock_taken_twice(monkeypatch: pytest.MonkeyPatch) -> None:
         return cm
 
     monkeypatch.setattr(_lock.Locks, "hold", hold)
+
+
+# -- another user (root ignores file modes) ---------------------------------------
+
+NOBODY = 65534
+
+
+def as_nobody(*args: object) -> tuple[int, str]:
+    """Run the CLI as uid 65534; its exit code and its stdout and stderr together.
+
+    In a forked child that drops root, not in a new interpreter: the interpreter is
+    installed under /root, which that uid cannot reach.
+    """
+    import filelock._identity  # noqa: F401 - lazily imported by the lock code; import it as root
+
+    import fsstore.cli
+
+    fsstore.cli.build_parser()  # --version reads the package metadata (email.parser): as root
+
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child
+        rc = 99
+        try:
+            os.close(r)
+            os.setgroups([])
+            os.setgid(NOBODY)
+            os.setuid(NOBODY)
+            sys.stdout = sys.stderr = open(w, "w", closefd=False)  # noqa: SIM115
+            rc = fsstore.cli.main([str(a) for a in args])
+            sys.stdout.flush()
+        except BaseException:  # noqa: BLE001
+            import traceback
+
+            traceback.print_exc(file=sys.stdout)
+            sys.stdout.flush()
+        os._exit(rc)
+    os.close(w)
+    with open(r) as fh:
+        out = fh.read()
+    _pid, status = os.waitpid(pid, 0)
+    return os.waitstatus_to_exitcode(status), out
+
+
+def chown_tree(path: Path, uid: int) -> None:
+    for p in [path, *path.rglob("*")]:
+        os.chown(p, uid, uid, follow_symlinks=False)

@@ -1,8 +1,12 @@
-"""Shared fixtures: a store in a fresh temp directory, and both async backends."""
+"""Shared fixtures: a store in a fresh temp directory, both async backends, and a
+directory another uid can reach."""
 
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -71,3 +75,16 @@ def trash_left(root: Path) -> list[str]:
             continue
         out += [str(p.relative_to(trash)) for p in entry.rglob("*") if not p.is_dir() and p.name != ".deleted"]
     return out
+
+
+@pytest.fixture
+def shared() -> Iterator[Path]:
+    """A directory another uid can reach (pytest's tmp_path is 0700 root's)."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root, to run the CLI as another uid")
+    d = Path(tempfile.mkdtemp(prefix="fsstore-cli-", dir="/tmp"))
+    d.chmod(0o755)
+    try:
+        yield d
+    finally:
+        shutil.rmtree(d, ignore_errors=True)

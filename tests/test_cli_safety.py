@@ -9,12 +9,9 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
-import tempfile
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -22,68 +19,24 @@ import pytest
 from fsstore import _check, _cleanup, _transfer
 from fsstore._store import SyncStore
 
-from ._helpers import DAY, P, S, age, age_tree, fsstore, lock_file, snapshot, tdir, write_jsonl
+from ._helpers import (
+    DAY,
+    NOBODY,
+    P,
+    S,
+    age,
+    age_tree,
+    as_nobody,
+    chown_tree,
+    fsstore,
+    lock_file,
+    snapshot,
+    tdir,
+    write_jsonl,
+)
 from .conftest import KEY, entry
 
 SUB = {**KEY, "subpath": "subagents/a"}
-NOBODY = 65534
-
-
-@pytest.fixture
-def shared() -> Iterator[Path]:
-    """A directory another uid can reach (pytest's tmp_path is 0700 root's)."""
-    if os.geteuid() != 0:
-        pytest.skip("needs root, to run the CLI as another uid")
-    d = Path(tempfile.mkdtemp(prefix="fsstore-cli-", dir="/tmp"))
-    d.chmod(0o755)
-    try:
-        yield d
-    finally:
-        shutil.rmtree(d, ignore_errors=True)
-
-
-def as_nobody(*args: object) -> tuple[int, str]:
-    """Run the CLI as uid 65534; its exit code and its stdout and stderr together.
-
-    In a forked child that drops root, not in a new interpreter: the interpreter is
-    installed under /root, which that uid cannot reach.
-    """
-    import filelock._identity  # noqa: F401 - lazily imported by the lock code; import it as root
-
-    import fsstore.cli
-
-    fsstore.cli.build_parser()  # --version reads the package metadata (email.parser): as root
-
-    r, w = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # pragma: no cover - the child
-        rc = 99
-        try:
-            os.close(r)
-            os.setgroups([])
-            os.setgid(NOBODY)
-            os.setuid(NOBODY)
-            sys.stdout = sys.stderr = open(w, "w", closefd=False)  # noqa: SIM115
-            rc = fsstore.cli.main([str(a) for a in args])
-            sys.stdout.flush()
-        except BaseException:  # noqa: BLE001
-            import traceback
-
-            traceback.print_exc(file=sys.stdout)
-            sys.stdout.flush()
-        os._exit(rc)
-    os.close(w)
-    with open(r) as fh:
-        out = fh.read()
-    _pid, status = os.waitpid(pid, 0)
-    return os.waitstatus_to_exitcode(status), out
-
-
-def chown_tree(path: Path, uid: int) -> None:
-    for p in [path, *path.rglob("*")]:
-        os.chown(p, uid, uid, follow_symlinks=False)
-
-
 def actions(root: Path, older_than: float, **kw: object) -> list[tuple[str, bool, bool]]:
     found, _examined = _cleanup.prune(str(root), older_than=older_than, **kw)  # type: ignore[arg-type]
     return [(a.action, a.done, a.failed) for a in found]

@@ -25,9 +25,22 @@ import pytest
 from fsstore import FsSessionStore, FsStoreError, _layout
 from fsstore._store import SyncStore
 
-from ._helpers import DAY, P, S, age, age_tree, fsstore, lock_file, snapshot, tdir, write_jsonl
+from ._helpers import (
+    DAY,
+    NOBODY,
+    P,
+    S,
+    age,
+    age_tree,
+    as_nobody,
+    chown_tree,
+    fsstore,
+    lock_file,
+    snapshot,
+    tdir,
+    write_jsonl,
+)
 from .conftest import KEY, entry
-from .test_cli_safety import NOBODY, as_nobody, chown_tree, shared  # noqa: F401 - fixture
 
 #: The nesting depth append accepts (README: "Entries").
 MAX_DEPTH = 500
@@ -128,7 +141,7 @@ def test_check_of_a_directory_that_is_not_a_store_says_so(tmp_path: Path) -> Non
 # -- 4: prune keeps what it cannot read --------------------------------------------------
 
 
-def test_prune_keeps_a_session_with_an_unreadable_part(shared: Path) -> None:  # noqa: F811
+def test_prune_keeps_a_session_with_an_unreadable_part(shared: Path) -> None:
     root = shared / "store"
     store = SyncStore(root, create=True, summaries=False)
     store.append(KEY, [entry(1)])
@@ -246,7 +259,7 @@ def test_import_reports_a_file_with_an_unreadable_line_and_goes_on(
 # -- 7, 8: unreadable directories are said, not hidden ------------------------------------
 
 
-def test_locks_says_when_it_cannot_read_the_lock_directory(shared: Path) -> None:  # noqa: F811
+def test_locks_says_when_it_cannot_read_the_lock_directory(shared: Path) -> None:
     root = shared / "store"
     SyncStore(root, create=True, summaries=False, dir_mode=0o755, file_mode=0o644).append(KEY, [entry(1)])
     (root / _layout.LOCKS).chmod(0o700)  # root's: the operator cannot list it
@@ -256,7 +269,7 @@ def test_locks_says_when_it_cannot_read_the_lock_directory(shared: Path) -> None
     assert "0 lock(s), 0 stale; incomplete: 1 place(s) could not be read" in out
 
 
-def test_list_sessions_lists_the_readable_sessions_and_names_the_other(shared: Path) -> None:  # noqa: F811
+def test_list_sessions_lists_the_readable_sessions_and_names_the_other(shared: Path) -> None:
     root = shared / "store"
     store = SyncStore(root, create=True, summaries=False, dir_mode=0o755, file_mode=0o644)
     hidden = {"project_key": P, "session_id": "hidden"}

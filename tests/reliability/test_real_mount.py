@@ -28,8 +28,8 @@ from fsstore import FsSessionStore
 from fsstore._store import SyncStore
 
 from . import _children
-from .test_concurrency import run_workload
-from .test_crashes import named_point
+from ._crash import named_point
+from ._workload import run_workload
 
 REPO = Path(__file__).resolve().parents[2]
 
