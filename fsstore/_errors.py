@@ -17,43 +17,63 @@ from __future__ import annotations
 
 import errno as _errno
 import logging
+from typing import NamedTuple
 
 log = logging.getLogger("fsstore")
 log.addHandler(logging.NullHandler())
 
-#: The store's own codes (POSIX names are used for everything the OS reports), each
-#: listed in README's tables (tests/test_docs.py checks both against the source).
-STORE_CODES: dict[str, str] = {
+
+class Code(NamedTuple):
+    """One of the store's own codes: what it means, and what to do about it."""
+
+    meaning: str
+    action: str
+
+
+#: The store's own codes (POSIX names are used for everything the OS reports): for
+#: each, what it means and what to do (README's "retry?" or "action" column, word for
+#: word). tests/test_docs.py checks the codes against the source and README's tables.
+STORE_CODES: dict[str, Code] = {
     # raised (FsStoreError.code)
-    "INVALID_KEY": "a key part is empty, not a string, contains NUL, or a subpath is not relative",
-    "INVALID_ENTRY": "entries is not a list of JSON objects that json.dumps accepts and every "
-    "default reader can read back",
-    "CORRUPT": "a committed part or segment cannot be parsed (file and line in the message)",
-    "LOCK_TIMEOUT": "the transcript lock was not acquired within lock_timeout_seconds",
-    "LOCK_EXPIRED": "the lock was held past half of stale_lock_seconds before publishing; "
-    "nothing was written (retryable)",
-    "UNSAFE_PATH": "something inside root is a symlink or not a directory where the store expects one",
-    "NOT_A_STORE": "root is not a store (no .fsstore marker): a share not mounted, or a store "
-    "never created (fsstore init, create=True); nothing was written",
-    "UNSUPPORTED_FS": "the mount cannot host a store: it has neither renameat2(RENAME_NOREPLACE) "
-    "nor hard links (link() fails), so a part cannot be committed without replacing; nothing "
-    "was committed",
+    "INVALID_KEY": Code("a key part is empty, not a string, contains NUL, or a subpath is not relative",
+                        "no"),
+    "INVALID_ENTRY": Code("entries is not a list of JSON objects that json.dumps accepts and every "
+                          "default reader can read back", "no"),
+    "CORRUPT": Code("a committed part or segment cannot be parsed (file and line in the message)",
+                    "repair (`fsstore check`)"),
+    "LOCK_TIMEOUT": Code("the transcript lock was not acquired within lock_timeout_seconds", "yes"),
+    "LOCK_EXPIRED": Code("the lock was held past half of stale_lock_seconds before publishing; "
+                         "nothing was written", "yes"),
+    "UNSAFE_PATH": Code("something inside root is a symlink or not a directory where the store "
+                        "expects one", "investigate"),
+    "NOT_A_STORE": Code("root is not a store (no .fsstore marker): a share not mounted, or a store "
+                        "never created (fsstore init, create=True); nothing was written", "mount the share"),
+    "UNSUPPORTED_FS": Code("the mount cannot host a store: it has neither renameat2(RENAME_NOREPLACE) "
+                           "nor hard links (link() fails), so a part cannot be committed without "
+                           "replacing; nothing was committed", "no: use another mount (docs/operations.md)"),
     # logged only (the operation succeeded, or went on)
-    "SUMMARY_BEHIND": "the session summary sidecar was not updated; readers fold it themselves",
-    "RELOCATED": "an append's number had been compacted away under it (two lock holders "
-    "overlapped); the batch was committed again above",
-    "COMPACT_FAILED": "automatic compaction failed; the append itself succeeded",
-    "TRASH_LEFT": "a delete left files in .trash",
-    "DELETE_RACED": "a delete whose lock was overtaken moved a session made anew after its "
-    "mark, and moved it back or merged it into the one made since (error level: neither, "
-    "left in .trash for the operator)",
-    "TEMP_LEFT": "a commit could not remove the temp name of the committed part",
-    "GAP": "load() returned a transcript with a sequence gap",
-    "DIR_FSYNC_UNSUPPORTED": "the mount refuses directory fsync",
-    "LOCK_RECLAIMED": "a stale lock was reclaimed",
-    "LOCK_RELEASE_FAILED": "a lock could not be released after the work under it was done",
+    "SUMMARY_BEHIND": Code("the session summary sidecar was not updated",
+                           "none: readers fold it themselves"),
+    "RELOCATED": Code("an append's number had been compacted away under it (two lock holders "
+                      "overlapped); the batch was committed again above",
+                      "alert if frequent: writers are overtaking each other's locks"),
+    "COMPACT_FAILED": Code("automatic compaction failed; the append itself succeeded", "`fsstore check`"),
+    "TRASH_LEFT": Code("a delete left files in .trash", "none: `fsstore gc` removes them"),
+    "DELETE_RACED": Code("a delete whose lock was overtaken moved a session made anew after its "
+                         "mark, and moved it back or merged it into the one made since (error "
+                         "level: neither, left in .trash for the operator)",
+                         "warning: none, alert if frequent (stalls); error: see docs/operations.md "
+                         "\"Deletes racing appends\""),
+    "TEMP_LEFT": Code("a commit could not remove the temp name of the committed part",
+                      "none: `fsstore gc` removes it"),
+    "GAP": Code("load() returned a transcript with a sequence gap", "`fsstore check`"),
+    "DIR_FSYNC_UNSUPPORTED": Code("the mount refuses directory fsync",
+                                  "know that power-loss safety is per file"),
+    "LOCK_RECLAIMED": Code("a stale lock was reclaimed", "alert if frequent"),
+    "LOCK_RELEASE_FAILED": Code("a lock could not be released after the work under it was done",
+                                "check the mount"),
     # the command line (cat --json, export)
-    "NOT_FOUND": "no such transcript or session",
+    "NOT_FOUND": Code("no such transcript or session", "—"),
 }
 
 

@@ -54,6 +54,15 @@ def test_every_code_raised_or_logged_is_in_readmes_code_tables() -> None:
     assert own == set(STORE_CODES)
 
 
+def test_readmes_code_tables_say_what_the_registry_says_to_do() -> None:
+    """README's "retry?"/"action" cell of each of the store's own codes is the
+    registry's, word for word: one place says whether to retry."""
+    tables = _section(README, "Error codes")
+    rows = re.findall(r"^\| `([A-Z][A-Z0-9_]+)` \|.*\| ([^|]+) \|$", tables, re.MULTILINE)
+    said = {code: action for code, action in rows if code in STORE_CODES}
+    assert said == {code: c.action for code, c in STORE_CODES.items()}
+
+
 # -- 17 -----------------------------------------------------------------------------------
 
 
