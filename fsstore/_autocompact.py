@@ -17,33 +17,34 @@ and no compaction waits for a busy lock (exit waits for the compactions' own wor
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+from typing import TYPE_CHECKING
 
+from . import _layout
 from ._errors import FsStoreError, log
 from ._keys import TranscriptKey
+
+if TYPE_CHECKING:
+    from ._store import SyncStore
 
 #: How long an automatic compaction waits for a busy lock (seconds).
 WAIT = 2.0
 
 
 class Compactions:
-    """The automatic compactions of one store object. ``compact(tk, wait)`` merges a
-    transcript's parts, waiting at most ``wait`` seconds for its lock; ``where(tk)``
-    names it in the log."""
+    """The automatic compactions of one store object (which it does not hold: a store
+    object that goes removes its lock record at once, see :mod:`fsstore._lock`)."""
 
-    def __init__(self, compact: Callable[[TranscriptKey, float], object], where: Callable[[TranscriptKey], str],
-                 lock_timeout: float) -> None:
-        self._compact, self._where, self._lock_timeout = compact, where, lock_timeout
+    def __init__(self) -> None:
         self._queued: dict[TranscriptKey, None] = {}  # in order, once each
         self._thread: threading.Thread | None = None
         self._guard = threading.Lock()  # guards the two above
 
-    def soon(self, tk: TranscriptKey) -> None:
+    def soon(self, store: SyncStore, tk: TranscriptKey) -> None:
         """Compact the transcript once the caller's append has returned. Never raises."""
         try:
-            self._queue(tk)
+            self._queue(store, tk)
         except Exception as exc:  # noqa: BLE001 - the batch is committed: never fail its append
-            self._failed(tk, exc)
+            _failed(store, tk, exc)
 
     def done(self) -> None:
         """Wait for the compactions asked for so far (tests, benchmarks)."""
@@ -54,7 +55,7 @@ class Compactions:
                 return
             worker.join()
 
-    def _queue(self, tk: TranscriptKey) -> None:
+    def _queue(self, store: SyncStore, tk: TranscriptKey) -> None:
         with self._guard:
             threaded = threading.main_thread().is_alive()
             if threaded:
@@ -63,16 +64,17 @@ class Compactions:
                 # Never a daemon, whoever appended: a thread started from a daemon thread
                 # (a user's, or trio's worker threads) would otherwise be one, and be cut
                 # off at exit holding the lock.
-                self._thread = threading.Thread(target=self._run, name="fsstore-compact", daemon=False)
+                self._thread = threading.Thread(target=self._run, args=(store,), name="fsstore-compact",
+                                                daemon=False)
                 try:
                     self._thread.start()
                 except RuntimeError:  # the interpreter refuses new threads (shutting down)
                     self._thread, threaded = None, False
                     self._queued.clear()
         if not threaded:
-            self._now(tk)
+            _now(store, tk)
 
-    def _run(self) -> None:
+    def _run(self, store: SyncStore) -> None:
         while True:
             with self._guard:
                 if not self._queued:
@@ -81,21 +83,23 @@ class Compactions:
                 tk = next(iter(self._queued))
                 del self._queued[tk]
             try:
-                self._now(tk)
+                _now(store, tk)
             except BaseException:  # a bug: the thread's excepthook shows it; the next append starts another
                 with self._guard:
                     self._thread = None
                 raise
 
-    def _now(self, tk: TranscriptKey) -> None:
-        # Exiting (the main thread is done), a busy lock is not waited for.
-        wait = min(self._lock_timeout, WAIT) if threading.main_thread().is_alive() else 0.0
-        try:
-            self._compact(tk, wait)
-        except (OSError, FsStoreError) as exc:
-            if getattr(exc, "code", None) != "LOCK_TIMEOUT":  # busy: the next due append asks again
-                self._failed(tk, exc)
 
-    def _failed(self, tk: TranscriptKey, exc: Exception) -> None:
-        log.warning("automatic compaction failed: %s", exc, extra={
-            "code": "COMPACT_FAILED", "operation": "compact", "path": self._where(tk)})
+def _now(store: SyncStore, tk: TranscriptKey) -> None:
+    # Exiting (the main thread is done), a busy lock is not waited for.
+    wait = min(store._locks.timeout, WAIT) if threading.main_thread().is_alive() else 0.0
+    try:
+        store._compact(tk, everything=False, wait=wait)
+    except (OSError, FsStoreError) as exc:
+        if getattr(exc, "code", None) != "LOCK_TIMEOUT":  # busy: the next due append asks again
+            _failed(store, tk, exc)
+
+
+def _failed(store: SyncStore, tk: TranscriptKey, exc: Exception) -> None:
+    log.warning("automatic compaction failed: %s", exc, extra={
+        "code": "COMPACT_FAILED", "operation": "compact", "path": store._path(_layout.transcript_dirs(tk))})

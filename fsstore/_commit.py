@@ -237,7 +237,7 @@ def _append_once(store: SyncStore, t: Appending, payload: bytes, anew: bool) -> 
     finally:
         os.close(dfd)
     if _compaction_due(store, items):
-        store._compactions.soon(t.key)  # after the append, in a thread of its own; never raises
+        store._compactions.soon(store, t.key)  # after the append, in a thread of its own; never raises
 
 
 def _next_seq(t: Appending, dfd: int) -> int:

@@ -116,9 +116,7 @@ class SyncStore:
             collections.OrderedDict()
         )
         self._appending_guard = threading.Lock()
-        self._compactions = _autocompact.Compactions(
-            lambda tk, wait: self._compact(tk, everything=False, wait=wait),
-            lambda tk: self._path(_layout.transcript_dirs(tk)), self._locks.timeout)
+        self._compactions = _autocompact.Compactions()
 
     # -- plumbing ------------------------------------------------------------------
 

@@ -117,12 +117,12 @@ def test_automatic_compaction_of_a_busy_transcript_gives_up_quietly_and_runs_onc
         store.append(KEY, [entry(i)])
     with SyncStore(root).locked(KEY):
         started = time.monotonic()
-        store._compactions.soon(parse_key(KEY, "test"))
+        store._compactions.soon(store, parse_key(KEY, "test"))
         store._compactions.done()
         assert time.monotonic() - started < 5
     assert len(files_of(root)) == 4
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING]  # nothing failed
-    store._compactions.soon(parse_key(KEY, "test"))
+    store._compactions.soon(store, parse_key(KEY, "test"))
     store._compactions.done()
     assert files_of(root) == [(1, 4)]
     assert store.load(KEY) == [entry(i) for i in range(4)]
@@ -689,7 +689,7 @@ def test_a_compaction_that_cannot_even_be_queued_never_fails_the_committed_appen
     """Queueing the automatic compaction comes after the commit point: a failure there
     (here: made up, as nothing real produces one on demand) is logged COMPACT_FAILED,
     and the append returns; raising would make the SDK store the batch twice."""
-    def refuse(self: _autocompact.Compactions, tk: Any) -> None:
+    def refuse(self: _autocompact.Compactions, store: SyncStore, tk: Any) -> None:
         raise OSError(errno.EAGAIN, "no thread for you")
 
     monkeypatch.setattr(_autocompact.Compactions, "_queue", refuse)
