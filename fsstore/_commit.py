@@ -205,15 +205,17 @@ def _append_once(store: SyncStore, t: Appending, payload: bytes, anew: bool) -> 
                 return
         raise FileNotFoundError(errno.ENOENT, "created and deleted meanwhile", t.path)
     try:
-        # The directory as it was: the temp file's creation can move its mtime back
-        # (a coarse clock behind the last commit's tick: see _tick_mtime).
-        before = os.fstat(dfd)
         tmp = _fsio.temp_name()
         try:
+            # The directory as it was: the temp file's creation can move its mtime back
+            # (a coarse clock behind the last commit's tick: see _tick_mtime).
+            before = os.fstat(dfd)
             store._fs.write_temp(dfd, tmp, payload)
         except (FileNotFoundError, FileExistsError) as exc:
-            # A new random name cannot exist: EEXIST is how a GlusterFS client answers
-            # for a directory another client just moved away (a delete), like ENOENT.
+            # Gone on the server while its path still opens here (another host deleted
+            # it; sshfs keeps names longer than attributes). A new random name cannot
+            # exist: EEXIST is how a GlusterFS client answers for a directory another
+            # client just moved away (a delete), like ENOENT.
             tmp = ""
             if not anew:
                 raise Gone(t.path) from exc

@@ -317,9 +317,10 @@ class ThirdMount:
     """The sshfs export of a pair mounted once more, by an sshfs process of our own
     (foreground), so that the test can kill it: a host whose client died."""
 
-    def __init__(self, pair: Pair, mnt: Path) -> None:
+    def __init__(self, pair: Pair, mnt: Path, options: str | None = None) -> None:
         assert pair.export is not None and pair.sshfs_args is not None
-        port, key, options = pair.sshfs_args
+        port, key, pair_options = pair.sshfs_args
+        options = pair_options if options is None else options
         mnt.mkdir(parents=True, exist_ok=True)
         opts = (f"IdentityFile={key},StrictHostKeyChecking=no,UserKnownHostsFile=/dev/null,"
                 f"port={port},LogLevel=ERROR" + ("," + options if options else ""))
@@ -360,9 +361,10 @@ def _mount_gluster(vol: str, mnt: Path) -> None:
 
 
 @contextlib.contextmanager
-def third_mount(pair: Pair, mnt: Path) -> Iterator[ThirdMount | Path]:
+def third_mount(pair: Pair, mnt: Path, options: str | None = None) -> Iterator[ThirdMount | Path]:
     """The sshfs export (or the GlusterFS volume) of ``pair`` mounted once more (a third
-    host); gone on exit. For GlusterFS, the mount point."""
+    host); gone on exit. For GlusterFS, the mount point. ``options``: sshfs's, instead
+    of the pair's."""
     if pair.volume is not None:
         mnt.mkdir(parents=True, exist_ok=True)
 
@@ -378,7 +380,7 @@ def third_mount(pair: Pair, mnt: Path) -> Iterator[ThirdMount | Path]:
             with contextlib.suppress(ValueError):
                 CLEANUPS.remove(unmount)
         return
-    m = ThirdMount(pair, mnt)
+    m = ThirdMount(pair, mnt, options)
     CLEANUPS.append(m.close)
     try:
         yield m

@@ -505,6 +505,38 @@ def test_an_append_after_a_remote_delete_starts_a_new_session(request: pytest.Fi
             assert_transcript(s.load(key), [("new", 0)], 2)
 
 
+@pytest.mark.parametrize("kind", [pytest.param("sshfs", id="sshfs")])
+def test_an_append_after_a_remote_delete_starts_a_new_session_where_names_outlive_attributes(
+    request: pytest.FixtureRequest, kind: str, tmp_path: Path
+) -> None:
+    """A client that keeps names longer than attributes (kernel entries 60 s, no
+    attribute cache): after another host deleted the session, the transcript's path
+    still opens there but a ``stat`` of it asks the server, which says ENOENT. The
+    append makes the session anew, as where the cache answers both (found by review:
+    every append failed ENOENT, "kept disappearing", for as long as the names lived)."""
+    pair = pair_of(request, kind)
+    r1, _r2 = pair.fresh("names")
+    with third_mount(pair, tmp_path / "m3", "cache=no,entry_timeout=60,attr_timeout=0,negative_timeout=0") as m3:
+        assert isinstance(m3, ThirdMount)
+        root1, root3 = str(r1 / "store"), str(m3.mnt / r1.name / "store")
+        keys = _sessions(root1, 3, batches=2)
+        s1, s3 = FsSessionStore(root1).sync, FsSessionStore(root3).sync
+        codes: collections.Counter[str] = collections.Counter()
+        for key in keys:
+            assert len(s3.load(key) or []) == 8  # host 3 has the names now
+            s1.delete(key)
+            try:
+                s3.append(key, batch("new", 0, 2))
+            except FsStoreError as exc:
+                codes[exc.code] += 1
+        if codes:
+            raise AppendsFailed(f"{sum(codes.values())} of {len(keys)} appends after a remote delete failed: "
+                                f"{dict(codes)}")
+        for key in keys:
+            for s in (s1, s3):
+                assert_transcript(s.load(key), [("new", 0)], 2)
+
+
 @pytest.mark.parametrize("kind", params())
 def test_a_load_right_after_the_other_host_compacts(request: pytest.FixtureRequest, kind: str) -> None:
     """Host 2 loads (warm caches), host 1 appends and compacts, host 2 loads at once and
