@@ -20,13 +20,14 @@ Commit (``append``), step by step, and what a crash at each step leaves:
    covering ``n`` that does not hold the batch's bytes means that another writer
    used ``n`` and a compaction merged and removed it while this writer's view was
    old (two holders overlapped: a stall, a clock, a reclaimed lock). A part inside
-   a segment's range is not in the chain, so the batch is not committed: link it
-   again above the highest number, remove the misplaced name, check again. (A
+   a segment's range is not in the chain, so the batch is not committed: remove
+   the misplaced name, link it again above the highest number, check again. (A
    covering segment that holds the bytes merged this very part after the link:
    committed.) Likewise a part above a hole (``n - 1`` in no file): ``n`` came
    from a stale view (a client cache still showing a file of a directory another
-   host deleted and made anew): link it again above the highest number of the
-   others. A ``.deleted`` marker means the transcript is being deleted: remove
+   host deleted and made anew): remove it, and link it again above the highest
+   number of the others (never both names at once: above a hole a reader takes
+   every part). A ``.deleted`` marker means the transcript is being deleted: remove
    the name, and start over in a new directory. Otherwise the part is in the chain
    of every listing from now on (a segment made later over its number was made
    from a listing that held it): **the batch is committed**. Crash before the
@@ -271,7 +272,8 @@ def link_and_check(
     deleted, FileNotFoundError when the directory or the batch vanished under us
     (the caller starts over; nothing of the batch is committed).
     """
-    misplaced: list[str] = []
+    misplaced: list[str] = []  # linked by us, not committed: removed on the way out
+    relinked: set[str] = set()  # ours, removed already (a cached listing may still show them)
     src = tmp
     holes = 0
     try:
@@ -293,7 +295,7 @@ def link_and_check(
             except BaseException:
                 misplaced.append(name)  # not committed: the check did not pass
                 raise
-            others = [it for it in items if it[2] != name and it[2] not in misplaced]
+            others = [it for it in items if it[2] != name and it[2] not in relinked]
             hole = seq > 1 and not any(f <= seq - 1 <= last for f, last, _n in others)
             if cover is None and (not hole or holes >= _HOLE_RETRIES):
                 return seq, items  # (past the retries: a client that keeps naming gone files)
@@ -306,7 +308,10 @@ def link_and_check(
                         else "above a hole (a stale view of the directory)", extra={
                             "code": "RELOCATED", "operation": "append", "path": name})
             if linked:
-                misplaced.append(name)
+                # Gone before the batch is linked again: above a hole, a reader takes
+                # every part, and would read the batch twice (found by review on sshfs).
+                _fsio.unlink_quiet(dir_fd, name)
+                relinked.add(name)
             seq = top(others) + 1
     finally:
         for name in misplaced:

@@ -1051,6 +1051,30 @@ def test_a_part_linked_above_a_hole_is_linked_again_lower(
     assert any(getattr(r, "code", None) == "RELOCATED" for r in caplog.records)
 
 
+def test_a_reader_never_sees_a_batch_linked_again_lower_twice(root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The part a stale view put above a hole is gone before the batch is linked again
+    lower: a reader listing between the two (above a hole it takes every part) never
+    reads the batch twice (found by review on sshfs: a batch without a ``uuid`` came
+    back twice in a load)."""
+    store = SyncStore(root, create=True)
+    for i in range(3):
+        store.append(KEY, [{"n": i}])
+    stale = iter([6])
+    real_next, real_check = _commit._next_seq, _commit.check
+    monkeypatch.setattr(_commit, "_next_seq", lambda t, dfd: next(stale, None) or real_next(t, dfd))
+    seen: list[Any] = []
+
+    def check(dir_fd: int, seq: int, marker: str | None) -> Any:
+        if seq == 4:  # linked again lower: a reader looks now
+            seen.append(SyncStore(root).load(KEY))
+        return real_check(dir_fd, seq, marker)
+
+    monkeypatch.setattr(_commit, "check", check)
+    store.append(KEY, [{"n": 3}])
+    assert seen == [[{"n": i} for i in range(4)]]
+    assert SyncStore(root).load(KEY) == [{"n": i} for i in range(4)]
+
+
 def test_a_session_deleted_between_a_link_and_its_check_gets_the_batch_anew(
     root: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
