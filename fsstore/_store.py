@@ -47,7 +47,6 @@ from ._transcript import (
 _LOAD_ATTEMPTS, _OPTIMISTIC_LOADS = READ_ATTEMPTS, UNLOCKED_READS
 
 
-
 class _Again(enum.Enum):
     """A load attempt lost a race (see :meth:`SyncStore._load_once`)."""
 
@@ -308,13 +307,14 @@ class SyncStore:
                     # the lock of what they move).
                     _delete.finish(self, comps, path, session=marked.session)
                     return None
-                if snapshot is not _AGAIN:
-                    if snapshot is None:
-                        return None
-                    batches, gap = snapshot
-                    if gap is not None:
-                        warn_gap(gap, path, op)
-                    return dedupe(batches) if batches else None
+                if snapshot is _AGAIN:
+                    continue
+                if snapshot is None:
+                    return None
+                batches, gap = snapshot
+                if gap is not None:
+                    warn_gap(gap, path, op)
+                return dedupe(batches) if batches else None
             if seen.stale is not None:
                 raise seen.stale  # a mount that keeps answering ESTALE: say so, not "busy"
             raise FsStoreError(
