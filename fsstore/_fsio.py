@@ -456,19 +456,31 @@ def _fresh_size(fd: int) -> int:
     return os.fstat(fd).st_size
 
 
-@functools.lru_cache(maxsize=32)
 def _on_fuse(dev: int) -> bool:
-    """Whether the file system on device ``dev`` is a FUSE mount (/proc/self/mountinfo:
-    its type is ``fuse`` or ``fuse.<name>``). Local disks, tmpfs and NFS (which checks
-    a file's attributes as it opens it) read without asking."""
+    """Whether the file system on device ``dev`` is a FUSE mount, whose files another
+    host can replace behind this client's cache. Local disks, tmpfs and NFS (which
+    checks a file's attributes as it opens it) read without asking."""
+    return os.major(dev) == 0 and _anonymous_is_fuse(dev)  # FUSE mounts have no block device
+
+
+@functools.lru_cache(maxsize=32)
+def _anonymous_is_fuse(dev: int) -> bool:
+    """/proc/self/mountinfo's type for ``dev`` is ``fuse`` or ``fuse.<name>``. Cached;
+    a store object made clears it (:func:`forget_mounts`): device numbers without a
+    block device are reused by the next mount, of any type."""
     want = f"{os.major(dev)}:{os.minor(dev)}"
     with (contextlib.suppress(OSError, ValueError, IndexError),
           open("/proc/self/mountinfo", encoding="utf-8", errors="replace") as fh):
         for line in fh:
             fields = line.split()
             if fields[2] == want:
-                return fields[fields.index("-") + 1].split(".")[0] in ("fuse", "fuseblk")
+                return fields[fields.index("-") + 1].split(".")[0] == "fuse"
     return False
+
+
+def forget_mounts() -> None:
+    """Forget which devices are FUSE mounts (see :func:`_anonymous_is_fuse`)."""
+    _anonymous_is_fuse.cache_clear()
 
 
 def unlink_quiet(dir_fd: int, name: str) -> None:

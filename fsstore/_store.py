@@ -99,6 +99,7 @@ class SyncStore:
         self._locks_path = f"{self.root}/{_layout.LOCKS}"
         self._compact_every = compact_every
         self._fs = Fs(fsync=fsync, dir_mode=dir_mode, file_mode=file_mode)
+        _fsio.forget_mounts()  # mounts may have come and gone since the last store was made
         self._locks = Locks(
             self._fs, stale_lock_seconds=stale_lock_seconds, lock_timeout_seconds=lock_timeout_seconds)
         self._fold = _summaries.fold_function() if summaries is not False else None
