@@ -14,7 +14,8 @@ Commit (``append``), step by step, and what a crash at each step leaves:
    since), else one above the highest of a listing.
 5. ``link(temp, n)``: a link never replaces, so a committed file is never
    overwritten, whoever holds the lock. ``EEXIST``: list, ``n`` = highest + 1,
-   again.
+   again (unless only this client still had the name: an open of it that the
+   server answers ``ENOENT`` drops it from a FUSE client's cache; then ``n`` again).
 6. List the directory twice (the *check*: :func:`check`; a segment in either
    listing counts, since one listing can be torn by a compaction). A segment
    covering ``n`` that does not hold the batch's bytes means that another writer
@@ -258,6 +259,9 @@ def _next_seq(t: Appending, dfd: int) -> int:
 # How often a commit that landed above a hole links again lower (a client whose cache
 # still names files that are gone can refuse every lower number: sshfs's 20 s cache).
 _HOLE_RETRIES = 2
+# How often a link refused for a name the server no longer has is tried again (see
+# _views.forgot_stale_name): a bound, should a client keep refusing it.
+_FORGET_RETRIES = 8
 
 
 def link_and_check(
@@ -275,11 +279,14 @@ def link_and_check(
     misplaced: list[str] = []  # linked by us, not committed: removed on the way out
     relinked: set[str] = set()  # ours, removed already (a cached listing may still show them)
     src = tmp
-    holes = 0
+    holes = forgotten = 0
     try:
         while True:
             name = _layout.part_name(seq)
             linked = _fsio.link_noreplace(fs, dir_fd, src, name)
+            if linked is None and forgotten < _FORGET_RETRIES and _views.forgot_stale_name(dir_fd, name):
+                forgotten += 1
+                continue  # a name another host removed, which only this client still had
             if linked is None:  # taken: our view was old; a client cache may be too (sshfs)
                 _views.refresh_listing(dir_fd)
                 seq = max(seq, top(_transcript.scan_items(dir_fd))) + 1

@@ -15,7 +15,7 @@ import errno
 import os
 import time
 
-from ._fsio import CREATE_FLAGS, DIR_FLAGS, Fs, temp_name, unlink_quiet
+from ._fsio import CREATE_FLAGS, DIR_FLAGS, READ_FLAGS, Fs, temp_name, unlink_quiet
 
 
 def refresh_listing(dir_fd: int) -> bool:
@@ -34,6 +34,20 @@ def refresh_listing(dir_fd: int) -> bool:
         return exc.errno not in (errno.ENOENT, errno.ESTALE)
     unlink_quiet(dir_fd, name)
     return True
+
+
+def forgot_stale_name(dir_fd: int, name: str) -> bool:
+    """Whether ``name`` (a link to it was refused: EEXIST) was there for this client
+    only, and is forgotten now: an open of it that the server answers ENOENT makes a
+    FUSE client drop the name (sshfs keeps names another host removed; a link onto
+    one is refused by this client's kernel, never asked of the server)."""
+    try:
+        os.close(os.open(name, READ_FLAGS | os.O_NONBLOCK, dir_fd=dir_fd))
+    except FileNotFoundError:
+        return True
+    except OSError:
+        pass  # there, of some other kind, or not ours to open: taken
+    return False
 
 
 def listed_ino(parent: int, name: str) -> int | None:
