@@ -455,6 +455,9 @@ class SyncStore:
                 os.close(pfd)
 
     def list_sessions(self, project_key: str) -> list[dict[str, Any]]:
+        """``[{"session_id", "mtime"}]`` (epoch ms, the storage's time of the last commit)
+        of the project's sessions with a main transcript; nothing for a missing project.
+        A session this process may not read is left out and logged, not raised."""
         op = "list_sessions"
         _keys.check_part(project_key, "project_key", op)
         comps = _layout.project_dirs(project_key)
@@ -464,6 +467,7 @@ class SyncStore:
                         pfd, children, f"/{_layout.MAIN}", self._path(comps), op)]
 
     def list_subkeys(self, key: Mapping[str, Any]) -> list[str]:
+        """The ``subpath`` of every subagent transcript of the session ``key``."""
         op = "list_subkeys"
         tk = _keys.parse_key(key, op, allow_subpath=False)
         comps = [*_layout.session_dirs(tk.project_key, tk.session_id), (_layout.SUBKEYS, None)]
@@ -479,6 +483,8 @@ class SyncStore:
                     in self._transcript_mtimes(pfd, valid, "", self._path(comps), op)]
 
     def list_session_summaries(self, project_key: str) -> list[dict[str, Any]]:
+        """The Claude SDK's summaries of the project's sessions, each current as of its
+        ``mtime``; a session whose summary cannot be had now is left out."""
         op = "list_session_summaries"
         _keys.check_part(project_key, "project_key", op)
         comps = _layout.project_dirs(project_key)
