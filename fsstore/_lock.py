@@ -153,12 +153,13 @@ def reclaim_if_stale(
     after = os.lstat(aside)
     if (after.st_ino, after.st_mtime_ns) != (before.st_ino, before.st_mtime_ns):
         # A new holder took the lock since we looked: put its marker back. If yet
-        # another marker is there already (link refuses to replace it), leave the
-        # moved one where it is rather than delete a live holder's marker;
-        # `fsstore gc` removes `.stale-*` files once old.
+        # another marker is there already (link refuses to replace it: EEXIST, or
+        # EPERM over SFTP, which has no EEXIST), leave the moved one where it is
+        # rather than delete a live holder's marker; `fsstore gc` removes `.stale-*`
+        # files once old. (The rename above needed write access here: EPERM is the race.)
         try:
             os.link(aside, lock_path)
-        except FileExistsError:
+        except (FileExistsError, PermissionError):
             return False
         with contextlib.suppress(FileNotFoundError):
             os.unlink(aside)

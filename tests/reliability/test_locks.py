@@ -374,6 +374,45 @@ def test_reclaiming_a_stale_marker_never_breaks_a_live_holders_lock(
         os.close(live[0])
 
 
+def test_a_reclaim_refused_its_put_back_as_over_sftp_gives_way(
+    fault_mount: _mounts.FaultFs, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A waiter judged a marker stale, and a new holder took the lock just before the
+    waiter moved the marker aside; the link putting it back is refused EPERM, as an
+    SFTP server refuses a link onto a name taken meanwhile (SFTP has no EEXIST). The
+    reclaim gives way; it does not fail the append with EPERM (found by review: 2 of
+    12 runs with a skewed writer on sshfs without caches). The interleaving is staged;
+    the refusal comes from the FUSE mount (faultfs)."""
+    import socket
+
+    from fsstore import _lock
+
+    locks = Path(fault_mount.mountpoint) / f"reclaim-eperm-{time.monotonic_ns()}"
+    locks.mkdir()
+    path = locks / "x.lock"
+    path.write_text("4242\nsome-other-host\n")  # judged stale by age
+    old = time.time() - 100
+    os.utime(path, (old, old))
+    real_rename = os.rename
+
+    def staged(src: Any, dst: Any, *args: Any, **kwargs: Any) -> Any:
+        if os.fspath(src) == str(path):
+            (locks / "new").write_text(f"{os.getpid()}\n{socket.gethostname()}\n")
+            real_rename(locks / "new", path)  # a live holder, just before the move
+        return real_rename(src, dst, *args, **kwargs)
+
+    monkeypatch.setattr(os, "rename", staged)
+    fault_mount.set({"op": "link", "path": r"\.stale-", "errno": "EPERM", "times": 1})
+    try:
+        assert _lock.reclaim_if_stale(str(path), older_than=30, operation="append") is False
+    finally:
+        fault_mount.clear()
+        monkeypatch.undo()
+    assert [f for f in fault_mount.take_injected() if f.startswith("link EPERM")], "the refusal never fired"
+    # the live holder's marker stays aside for gc (a marker there would have been another's)
+    assert [p.name for p in locks.iterdir() if ".stale-" in p.name]
+
+
 def _stall(root: str, procs: Any, point: str) -> tuple[Any, FsStoreError | None]:
     """A writer stalls at ``point`` under the lock for longer than stale_lock_seconds while
     another writer takes the lock by age and commits; returns (the staller's last message,
