@@ -60,7 +60,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from . import _delete, _fsio, _layout, _transcript, _views
+from . import _delete, _fsio, _layout, _read, _transcript, _views
 from ._errors import FsStoreError, log
 from ._keys import TranscriptKey
 from ._layout import Component
@@ -295,7 +295,7 @@ def link_and_check(
                 src = name  # moved, not linked (a mount without hard links)
             try:
                 items, cover = check(dir_fd, seq, session_marker)
-                if cover is not None and payload in _fsio.read_file(dir_fd, cover):
+                if cover is not None and payload in _read.read_file(dir_fd, cover):
                     # A compaction that listed our part after we linked it merged it:
                     # the batch is in the chain, in that segment.
                     return seq, items

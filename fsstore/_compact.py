@@ -42,7 +42,7 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-from . import _fsio, _layout, _summaries
+from . import _fsio, _layout, _read, _summaries
 from ._errors import FsStoreError, log
 from ._lock import Held
 from ._transcript import Item, State, Vanished, parse, plan, read_state, scan, write_state
@@ -108,7 +108,7 @@ def compact(
     newest = 0
     for first, last, name in merge:
         try:
-            blob = _fsio.read_file(dir_fd, name)
+            blob = _read.read_file(dir_fd, name)
         except FileNotFoundError as exc:
             raise Vanished(name) from exc
         if first == last:
@@ -143,7 +143,7 @@ def close_gaps(fs: _fsio.Fs, dir_fd: int, path: str, chain: list[Item]) -> None:
     closes them (``fsstore check --repair``: the missing parts were lost already)."""
     blobs = []
     for _first, _last, name in chain:
-        blob = _fsio.read_file(dir_fd, name)
+        blob = _read.read_file(dir_fd, name)
         parse(blob, f"{path}/{name}", "repair")  # never hide damage inside a segment
         blobs.append(blob)
     segment = _layout.segment_name(1, chain[-1][1])
@@ -175,7 +175,7 @@ def _publish(fs: _fsio.Fs, dir_fd: int, segment: str, data: bytes, mtime_ns: int
 def _write_summary(fs: _fsio.Fs, dir_fd: int, path: str, summary: Summary, chain: list[Item],
                    blobs: dict[str, bytes]) -> None:
     def read(name: str) -> list[dict[str, Any]]:
-        blob = blobs[name] if name in blobs else _fsio.read_file(dir_fd, name)
+        blob = blobs[name] if name in blobs else _read.read_file(dir_fd, name)
         return parse(blob, f"{path}/{name}", "summary")
 
     folded, through = fold_chain(summary, read_state(dir_fd) or State(), chain, read)

@@ -22,7 +22,7 @@ import hashlib
 import os
 import re
 
-from . import _fsio, _keys
+from . import _fsio, _keys, _read
 from ._keys import TranscriptKey
 
 PROJECTS = "projects"
@@ -115,10 +115,10 @@ def decode_entry(parent_fd: int, entry: os.DirEntry[str]) -> str | None:
     try:
         fd = os.open(name, _fsio.DIR_FLAGS, dir_fd=parent_fd)
         try:
-            original = _fsio.read_file(fd, _fsio.KEY_FILE).decode("utf-8")
+            original = _read.read_file(fd, _fsio.KEY_FILE).decode("utf-8")
         finally:
             os.close(fd)
-    except (FileNotFoundError, NotADirectoryError, _fsio.NotAFile, UnicodeDecodeError):
+    except (FileNotFoundError, NotADirectoryError, _read.NotAFile, UnicodeDecodeError):
         return None  # vanished meanwhile, or not a directory/.key fsstore made
     except OSError as exc:
         if exc.errno == errno.ELOOP:

@@ -28,7 +28,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 
-from . import _compact, _fsio, _layout
+from . import _compact, _fsio, _layout, _read
 from ._cleanup import Action, not_looked_at
 from ._commit import link_and_check
 from ._errors import FsStoreError
@@ -91,8 +91,8 @@ def misplaced_parts(dir_fd: int, items: list[Item]) -> list[tuple[str, bytes]]:
             continue
         try:
             if cover[2] not in blobs:
-                blobs[cover[2]] = _fsio.read_file(dir_fd, cover[2])
-            part = _fsio.read_file(dir_fd, name)
+                blobs[cover[2]] = _read.read_file(dir_fd, cover[2])
+            part = _read.read_file(dir_fd, name)
             ctime = os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_ctime_ns
         except FileNotFoundError:
             continue

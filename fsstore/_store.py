@@ -20,7 +20,18 @@ import time
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
-from . import _autocompact, _commit, _compact, _delete, _fsio, _keys, _layout, _summaries, _views
+from . import (
+    _autocompact,
+    _commit,
+    _compact,
+    _delete,
+    _fsio,
+    _keys,
+    _layout,
+    _read,
+    _summaries,
+    _views,
+)
 from ._errors import FsStoreError, log, translating
 from ._fsio import Fs
 from ._keys import TranscriptKey
@@ -99,7 +110,7 @@ class SyncStore:
         self._locks_path = f"{self.root}/{_layout.LOCKS}"
         self._compact_every = compact_every
         self._fs = Fs(fsync=fsync, dir_mode=dir_mode, file_mode=file_mode)
-        _fsio.forget_mounts()  # mounts may have come and gone since the last store was made
+        _read.forget_mounts()  # mounts may have come and gone since the last store was made
         self._locks = Locks(
             self._fs, stale_lock_seconds=stale_lock_seconds, lock_timeout_seconds=lock_timeout_seconds)
         self._fold = _summaries.fold_function() if summaries is not False else None
@@ -526,7 +537,7 @@ class SyncStore:
                 return None, 0
             summary, _folded = _compact.fold_chain(
                 (self._fold, key), state, chain,
-                lambda name: parse(_fsio.read_file(mfd, name), f"{path}/{name}", "summary"))
+                lambda name: parse(_read.read_file(mfd, name), f"{path}/{name}", "summary"))
         except (FsStoreError, FileNotFoundError) as exc:
             log.warning("summary left out: %s", exc, extra={"code": "SUMMARY_BEHIND",
                         "operation": "list_session_summaries", "path": path})

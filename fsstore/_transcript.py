@@ -30,7 +30,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from . import _fsio, _layout
+from . import _fsio, _layout, _read
 from ._errors import FsStoreError, log
 
 ENCODER = json.JSONEncoder(ensure_ascii=True, separators=(",", ":"), allow_nan=True)
@@ -56,8 +56,8 @@ class State:
 def read_state(dir_fd: int) -> State | None:
     """The state file, or None if there is none fsstore can use (missing, torn, foreign)."""
     try:
-        raw = _fsio.read_file(dir_fd, _layout.STATE, limit=MAX_STATE_BYTES)
-    except (FileNotFoundError, _fsio.NotAFile):
+        raw = _read.read_file(dir_fd, _layout.STATE, limit=MAX_STATE_BYTES)
+    except (FileNotFoundError, _read.NotAFile):
         return None
     return parse_state(raw)
 
@@ -312,8 +312,8 @@ def snapshot(
     for _first, last, name in chain if read else ():
         fpath = f"{path}/{name}"
         try:
-            data = _fsio.read_file(dir_fd, name)
-        except _fsio.NotAFile as exc:
+            data = _read.read_file(dir_fd, name)
+        except _read.NotAFile as exc:
             err = FsStoreError("CORRUPT", "not a regular file", operation=operation, path=fpath)
             err.__cause__ = exc
             damage.append(Damage(name, err))

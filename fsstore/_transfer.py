@@ -20,7 +20,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from . import _fsio, _keys
+from . import _fsio, _keys, _read
 from ._errors import FsStoreError
 from ._store import SyncStore
 from ._transcript import dedupe
@@ -152,10 +152,10 @@ def local_transcripts(
 
 def _read_local_file(path: str) -> bytes:
     """A local file's bytes, not through a symlink and never blocking on a FIFO;
-    ``_fsio.NotAFile`` for anything but a regular file."""
+    ``_read.NotAFile`` for anything but a regular file."""
     dfd = os.open(os.path.dirname(path) or ".", _fsio.DIR_FLAGS & ~os.O_NOFOLLOW)
     try:
-        return _fsio.read_file(dfd, os.path.basename(path))
+        return _read.read_file(dfd, os.path.basename(path))
     finally:
         os.close(dfd)
 
