@@ -74,6 +74,7 @@ class Marker:
     pid: int | None
     host: str | None
     age: float  # seconds, by this host's clock against the storage's mtime
+    text: bytes  # the holder's record as read (its first 4 KiB)
 
     @property
     def here(self) -> bool:
@@ -94,15 +95,15 @@ def read_marker(lock_path: str) -> Marker | None:
             return None
         fd = os.open(lock_path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
         try:
-            content = os.read(fd, 4096).decode("utf-8", "replace")
+            text = os.read(fd, 4096)
         finally:
             os.close(fd)
     except FileNotFoundError:  # released meanwhile
         return None
-    lines = content.split("\n")
+    lines = text.decode("utf-8", "replace").split("\n")
     pid = int(lines[0]) if lines[0].isdigit() else None
     host = lines[1] if len(lines) > 2 else None
-    return Marker(st, pid, host, time.time() - st.st_mtime)
+    return Marker(st, pid, host, time.time() - st.st_mtime, text)
 
 
 # A marker without its holder's record (filelock creates the file, then writes the
@@ -113,12 +114,15 @@ RECORDLESS_SECONDS = 0.5
 
 def reclaim_if_stale(
     lock_path: str, *, older_than: float, operation: str,
-    recordless: dict[tuple[int, int, int], float] | None = None,
+    recordless: dict[tuple[int, int, int], float] | None = None, mine: bytes | None = None,
 ) -> bool:
     """Remove the marker at ``lock_path`` if it is older than ``older_than`` seconds, its
-    holder is provably dead on this host, or it has no record and ``recordless`` (the
+    holder is provably dead on this host, it has no record and ``recordless`` (the
     caller's memory of such markers, by identity: when first seen) shows it unchanged
-    for :data:`RECORDLESS_SECONDS`; True if the marker judged stale is gone.
+    for :data:`RECORDLESS_SECONDS`, or it is the waiter's own record ``mine`` (a waiter
+    holds no marker: one linked to its record was put back by a reclaim after it was
+    released, and its own touches before each try keep it young); True if the marker
+    judged stale is gone.
 
     Rename it aside, check that what was moved is the marker judged stale (same inode
     and mtime), remove it. A marker that a new holder took meanwhile is put back
@@ -134,7 +138,10 @@ def reclaim_if_stale(
         return False
     if marker is None:
         return False
-    if recordless is not None and (marker.pid is None or marker.host is None):
+    ours = mine is not None and marker.text == mine
+    if ours:
+        why = "this waiter's own record, left at the lock name"
+    elif recordless is not None and (marker.pid is None or marker.host is None):
         st = marker.stat
         first = recordless.setdefault((st.st_ino, st.st_size, st.st_mtime_ns), time.monotonic())
         if time.monotonic() - first < RECORDLESS_SECONDS:
@@ -151,7 +158,8 @@ def reclaim_if_stale(
     except OSError:  # someone else reclaimed or released it first
         return False
     after = os.lstat(aside)
-    if (after.st_ino, after.st_mtime_ns) != (before.st_ino, before.st_mtime_ns):
+    # Ours by content: where inode numbers go by name (sshfs), the moved one has another.
+    if (_content(aside) != mine) if ours else (after.st_ino, after.st_mtime_ns) != (before.st_ino, before.st_mtime_ns):
         # A new holder took the lock since we looked: put its marker back. If yet
         # another marker is there already (link refuses to replace it: EEXIST, or
         # EPERM over SFTP, which has no EEXIST), leave the moved one where it is
@@ -258,6 +266,11 @@ class _Record:
                 self._forget(name)
                 return lock_name, text
             return name, text
+
+    @property
+    def text(self) -> bytes | None:
+        """This record's content, once written (what a marker linked to it reads)."""
+        return self._text or None
 
     def _current(self, directory: str, dir_fd: int) -> tuple[str, bytes]:
         with self._guard:
@@ -547,7 +560,8 @@ class Locks:
                     raise
                 # .locks is not a real directory (swapped for a symlink): never followed
                 raise _fsio.unsafe(os.path.dirname(lock_path), operation) from exc
-            reclaim_if_stale(lock_path, older_than=self.stale, operation=operation, recordless=recordless)
+            reclaim_if_stale(lock_path, older_than=self.stale, operation=operation, recordless=recordless,
+                             mine=self._record.text)
             wait = poll
 
     def _timeout(self, path: str, operation: str, exc: filelock.Timeout | None) -> FsStoreError:
