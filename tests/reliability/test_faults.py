@@ -179,6 +179,7 @@ class Scene:
         self.expected[which].append((which, self.n))
 
     def check(self) -> None:
+        self.store._compactions.done()  # a compaction the last append left to its thread
         store = SyncStore(self.root, create=True, **self.opts)
         for which, key in self.keys.items():
             loaded = store.load(key)
