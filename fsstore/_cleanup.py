@@ -51,6 +51,7 @@ from ._walk import (
 #: Problem kinds that mean part of a session could not be looked at.
 _UNSEEN = frozenset({"unreadable", "symlink", "bad-name"})
 
+
 def not_looked_at(w: Walker) -> list[Action]:
     """What the walk so far could not look at (a directory it cannot read, or that is a
     symlink or a file where the layout has a directory): reported FAILED, so that the
