@@ -159,8 +159,8 @@ def _garbage_problem(g: Garbage, older_than: float) -> Problem:
         return Problem("error", "orphan", g.path, "a transcript a delete moved by mistake and did not "
                        "move back or merge (its deleter died, or the merge failed: see the log): hidden "
                        "from list_sessions until a load or append of it moves it back (where nothing "
-                       "else is at its name); fsstore gc keeps it (docs/operations.md: Deletes racing "
-                       "appends)")
+                       "else is at its name); fsstore gc merges it into the session at its name, if "
+                       "any (docs/operations.md: Deletes racing appends)")
     if g.kind == "orphan":
         return Problem("info", "young-orphan", g.path, f"a transcript a delete moved by mistake, "
                        f"{age_text(g.age)} old: being moved back or merged")

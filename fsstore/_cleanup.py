@@ -27,8 +27,9 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from . import _fsio
+from . import _delete, _fsio, _layout
 from ._errors import FsStoreError
+from ._layout import Component
 from ._lock import reclaim_if_stale
 from ._lockfiles import LockInfo, name_locks, scan_locks
 from ._output import age_text, iso_ns
@@ -202,11 +203,32 @@ def gc(
         name_locks(found, seen)
         actions += [a for lk in found
                     if (a := _break(lk, older_than, w.stale_lock_seconds, dry_run)) is not None]
+        trash = w.trash()
         actions += [_remove_garbage(w, g, older_than, dry_run)
-                    for g in (*w.garbage, *w.trash(), *lock_garbage)
+                    for g in (*w.garbage, *trash, *lock_garbage)
                     if g.age > older_than and g.kind != "orphan"]
+        actions += [a for g in trash if g.kind == "orphan" and g.age > older_than
+                    and (a := _merge_orphan(w, g, [_layout.transcript_dirs(t.tk) for t in seen], dry_run)) is not None]
         actions += not_looked_at(w)
     return actions
+
+
+def _merge_orphan(w: Walker, g: Garbage, transcripts: list[list[Component]], dry_run: bool) -> Action | None:
+    """Finish the merge of what a delete moved by mistake into the session (or
+    transcript) at its name (its merger died, or failed: :func:`_delete.merge_back`);
+    None where nothing is at its name (a load or append of it moves it back)."""
+    name = os.path.basename(g.path)
+    target = _delete.orphan_target(name, transcripts)
+    if target is None:
+        return None
+    comps, mark = target
+    into = w.path([c for c, _ in comps])
+    if dry_run:
+        return Action("merge", g.path, f"would be merged into {into}", False, age=g.age)
+    _delete.merge_back(w.store, name, comps, mark, into)
+    left = os.path.lexists(os.path.join(w.store.root, _layout.TRASH, name))
+    return Action("merge", g.path, f"merged into {into}" if not left else
+                  f"not merged into {into} (see the log)", not left, age=g.age, failed=left)
 
 
 # -- prune -----------------------------------------------------------------------

@@ -154,7 +154,7 @@ def append(store: SyncStore, t: Appending, payload: bytes, *, anew: bool = True)
     its directory away (see :func:`_delete.finish`). ``anew=False``: only into the
     session at the name (the transcript may be new in it); raise :class:`Gone`
     instead of finishing a delete or making the session (the merge of a session a
-    delete moved by mistake: :func:`_delete._merge_back`)."""
+    delete moved by mistake: :func:`_delete.merge_back`)."""
     for attempt in range(_APPEND_ATTEMPTS):
         try:
             _append_once(store, t, payload, anew)

@@ -21,9 +21,10 @@ A delete, holding the lock of what it moves (a session's: its main transcript's)
    finds the transcript missing moves back an unmarked directory of its tag from
    ``.trash`` itself (:func:`restore`). If yet another session was made at the name
    meanwhile (a client that did not see it in ``.trash``), the one moved cannot go
-   back: its batches are appended to the one made since (:func:`_merge_back`); only
-   where that fails it stays (an error in the log, and for ``fsstore check`` once
-   old; never removed by gc). A delete that began while it was at the
+   back: its batches are appended to the one made since (:func:`merge_back`); where
+   that fails, or its merger dies, it stays (an error in the log, and for ``fsstore
+   check`` once old; never removed by gc, which resumes the merge once old). A delete
+   that began while it was at the
    name or in ``.trash`` *claims* it (:func:`_claim_moved`: marks it; a delete leaves a
    ticket in what it is to delete as it begins, :func:`_tickets`): then it is deleted
    after all, and step 5 runs;
@@ -34,8 +35,9 @@ A delete, holding the lock of what it moves (a session's: its main transcript's)
 Crash table: before 2, nothing happened; after 2, the next writer or reader under
 the lock finishes it (and ``fsstore prune`` takes its marks back where its last look
 says keep); after 3, a marked directory in ``.trash`` is garbage for ``fsstore gc``,
-an unmarked one (step 4) is moved back by the next load or append, and kept by gc
-(``fsstore check``: an orphan once old).
+an unmarked one (step 4) is moved back by the next load or append, and kept by gc,
+which merges it, once old, into a session made at its name since (``fsstore
+check``: an orphan once old).
 """
 
 from __future__ import annotations
@@ -109,7 +111,7 @@ def remove(
             if parent is not None:
                 os.close(parent)
     if orphan is not None:  # not under the lock: appending takes the locks it needs
-        _merge_back(store, orphan, comps, mark, path)
+        merge_back(store, orphan, comps, mark, path)
 
 
 def finish(store: SyncStore, comps: list[Component], path: str, *, session: bool) -> None:
@@ -350,6 +352,20 @@ def _holds(store: SyncStore, parent: int, name: str, mark: str, base: str, ticke
 _MOVED = re.compile(r"\.tmp-[0-9]+-[0-9a-f]+-[0-9]+-([0-9a-f]{16})(?:-([0-9a-f]{16}))?" + ASIDE_TAG)
 
 
+def orphan_target(name: str, transcripts: list[list[Component]]) -> tuple[list[Component], str] | None:
+    """Where the orphan ``.trash/<name>`` (moved by mistake, unmarked) was moved from,
+    if it was one of ``transcripts`` (their components) or their sessions: the
+    arguments :func:`merge_back` takes (``comps``, ``mark``); None if none is there."""
+    tags = _tags_of(name)
+    for comps in transcripts if tags is not None else []:
+        found = _tags(comps)
+        if tags == found[:1]:
+            return comps[:4], _layout.MAIN
+        if tags == found:
+            return comps, ""
+    return None
+
+
 def _tags(comps: list[Component]) -> list[str]:
     """The tags of the session ``comps[:4]`` and, below it, of a subagent transcript."""
     session = _layout.lock_name([*comps[:4], (_layout.MAIN, None)])[:16]
@@ -362,7 +378,7 @@ def _tags_of(name: str) -> list[str] | None:
     return None if m is None else [t for t in (m.group(1), m.group(2)) if t]
 
 
-def _merge_back(store: SyncStore, orphan: str, comps: list[Component], mark: str, path: str) -> None:
+def merge_back(store: SyncStore, orphan: str, comps: list[Component], mark: str, path: str) -> None:
     """Append the batches of ``.trash/<orphan>`` (each transcript's, in order, one
     append a batch) to the transcripts at its old name, then remove it.
 
@@ -372,9 +388,11 @@ def _merge_back(store: SyncStore, orphan: str, comps: list[Component], mark: str
     it: :func:`_claim_moved`) by the next look: marked, its batches are deleted, and
     the rest are not appended. If the session is gone (a delete, or being deleted:
     that delete claims this one too) or this one is back at the name (a load moved it
-    back when the name was empty), it is left where it is. Entries with a ``uuid``
-    are loaded once whatever is appended twice (a crash between the appends and the
-    removal); one that cannot be read whole stays, for the operator."""
+    back when the name was empty), it is left where it is. Each batch appended is
+    marked in the orphan (:func:`merged_name`): a merge resumed after its merger died
+    (``fsstore gc``: :func:`orphan_target`) appends the rest; only a batch whose
+    merger died between its append and its mark is appended twice (entries with a
+    ``uuid`` load once). One that cannot be read whole stays, for the operator."""
     stopped: str | None = None
     try:
         with store._open_root(create=False) as rfd:
@@ -409,7 +427,7 @@ def _merge_transcript(
     mark: str, main: dict[str, Any], key: dict[str, Any], path: str,
 ) -> str | None:
     """Append the batches of the transcript ``orphan/names...`` to ``key``; why it
-    stopped ("claimed", "gone", "back": see :func:`_merge_back`), None when done. A
+    stopped ("claimed", "gone", "back": see :func:`merge_back`), None when done. A
     subagent transcript of it that is claimed alone (a delete of that transcript) is
     skipped. ``itself``: the orphan's inode number and the path of its old name."""
     own = "/".join([orphan, *names])  # a subagent transcript's own mark; the orphan's for a subagent orphan
@@ -417,32 +435,43 @@ def _merge_transcript(
     if tfd is None:
         return None
     try:
-        batches, gap = read_snapshot(tfd, f"{path}/{'/'.join(names)}", "delete")
-    except Deleted:
-        return "claimed" if marked(trash, orphan, mark) else None
+        try:
+            batches, gap = read_snapshot(tfd, f"{path}/{'/'.join(names)}", "delete")
+        except Deleted:
+            return "claimed" if marked(trash, orphan, mark) else None
+        if gap is not None:
+            raise FsStoreError("GAP", f"part {gap} is missing", operation="delete", path=path)
+        for last, entries in batches:
+            # The look and the append under the locks a delete of the session (or of this
+            # transcript) takes: one that runs between two batches claims the orphan (its
+            # ticket is in it) before the next look.
+            with contextlib.ExitStack() as held:
+                held.enter_context(store.locked(main))
+                if key != main:
+                    held.enter_context(store.locked(key))
+                if marked(trash, orphan, mark):
+                    return "claimed"
+                if names not in ([], [_layout.MAIN]) and marked(trash, own, ""):
+                    return None
+                if _views.looked_up_ino(rfd, itself[1]) == itself[0]:
+                    return "back"
+                if _fsio.exists(tfd, merged_name(last)):
+                    continue  # appended by a merge of it that died before removing it
+                try:
+                    store._append(key, entries, anew=False)
+                except _commit.Gone:
+                    return "gone"
+                os.close(os.open(merged_name(last), os.O_WRONLY | os.O_CREAT, 0o600, dir_fd=tfd))
+        return None
     finally:
         os.close(tfd)
-    if gap is not None:
-        raise FsStoreError("GAP", f"part {gap} is missing", operation="delete", path=path)
-    for _last, entries in batches:
-        # The look and the append under the locks a delete of the session (or of this
-        # transcript) takes: one that runs between two batches claims the orphan (its
-        # ticket is in it) before the next look.
-        with contextlib.ExitStack() as held:
-            held.enter_context(store.locked(main))
-            if key != main:
-                held.enter_context(store.locked(key))
-            if marked(trash, orphan, mark):
-                return "claimed"
-            if names not in ([], [_layout.MAIN]) and marked(trash, own, ""):
-                return None
-            if _views.looked_up_ino(rfd, itself[1]) == itself[0]:
-                return "back"
-            try:
-                store._append(key, entries, anew=False)
-            except _commit.Gone:
-                return "gone"
-    return None
+
+
+def merged_name(last: int) -> str:
+    """The mark a merge leaves in an orphan's transcript once the batch ending at part
+    ``last`` is appended, so that a merge resumed (its merger died: ``fsstore gc``)
+    appends each batch once. A temp name: garbage wherever else it ends up."""
+    return f"{_fsio.TEMP_PREFIX}merged-{last}"
 
 
 def _transcripts(

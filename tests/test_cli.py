@@ -704,10 +704,12 @@ def test_a_deletes_tombstone_is_info_for_check_and_removed_by_gc_once_old(root: 
 
 
 def _delete_racing_remakes(root: Path, store: SyncStore, deleter: SyncStore,
-                           monkeypatch: pytest.MonkeyPatch, meanwhile: Callable[[], None]) -> None:
+                           monkeypatch: pytest.MonkeyPatch, meanwhile: Callable[[], None],
+                           more: list[list[dict[str, Any]]] | None = None) -> None:
     """A delete whose lock overlapped (docs/format.md, "Deletes"): it marks the session,
-    a writer finishes the delete and makes the session anew with a batch, the delete
-    moves that one, and before it can move it back, ``meanwhile`` runs."""
+    a writer finishes the delete and makes the session anew with a batch (and the
+    batches ``more``), the delete moves that one, and before it can move it back,
+    ``meanwhile`` runs."""
     hold = deleter._locks.hold  # the delete's own lock overtaken; its appends lock as always
     monkeypatch.setattr(deleter._locks, "hold",
                         lambda path, op: contextlib.nullcontext() if op == "delete" else hold(path, op))
@@ -721,6 +723,8 @@ def _delete_racing_remakes(root: Path, store: SyncStore, deleter: SyncStore,
 
     def keep() -> bool:
         store.append(KEY, [entry(1)])  # between the mark and the move: finished and made anew
+        for batch in more or []:
+            store.append(KEY, batch)
         armed.append(1)
         return False
 
@@ -731,7 +735,8 @@ def _delete_racing_remakes(root: Path, store: SyncStore, deleter: SyncStore,
 
 
 def _delete_racing_two_remakes(root: Path, store: SyncStore, deleter: SyncStore,
-                               monkeypatch: pytest.MonkeyPatch) -> None:
+                               monkeypatch: pytest.MonkeyPatch,
+                               more: list[list[dict[str, Any]]] | None = None) -> None:
     """... and yet another writer makes the session again, through a client that does
     not see the moved one in .trash (a cached listing: else it moves it back first)."""
     other = SyncStore(root)
@@ -741,7 +746,7 @@ def _delete_racing_two_remakes(root: Path, store: SyncStore, deleter: SyncStore,
             m.setattr(_delete, "restore", lambda *args: False)
             other.append(KEY, [entry(2)])
 
-    _delete_racing_remakes(root, store, deleter, monkeypatch, remake)
+    _delete_racing_remakes(root, store, deleter, monkeypatch, remake, more)
 
 
 def test_a_session_a_stalled_delete_moved_by_mistake_is_moved_back_by_the_next_load(
@@ -1020,7 +1025,7 @@ def test_a_session_a_delete_could_neither_move_back_nor_merge_is_kept_and_an_err
 ) -> None:
     """Where the merge fails too (here its append), the moved session stays in .trash
     with its batch intact: logged as an error, an error for `check` once old, never
-    removed by gc."""
+    removed by gc, which merges it once older than --older-than."""
     deleter = SyncStore(root)
 
     def failing_append(key: Any, entries: Any, anew: bool = True) -> None:
@@ -1036,4 +1041,53 @@ def test_a_session_a_delete_could_neither_move_back_nor_merge_is_kept_and_an_err
     time.sleep(1.1)
     check = fsstore("check", root, "--older-than", "1s")
     assert check.returncode != 0 and "did not move back or merge" in check.stdout, check.stdout
-    assert fsstore("gc", root, "--older-than", "1s").returncode == 0 and orphans[0].exists()
+    assert fsstore("gc", root, "--older-than", "1h").returncode == 0 and orphans[0].exists()
+    dry = fsstore("gc", root, "--older-than", "1s", "--dry-run")
+    assert dry.returncode == 0 and "would merge" in dry.stdout and orphans[0].exists(), dry.stdout
+    gc = fsstore("gc", root, "--older-than", "1s")
+    assert gc.returncode == 0 and "merged" in gc.stdout, gc.stdout + gc.stderr
+    assert SyncStore(root).load(KEY) == [entry(2), entry(1)] and _orphans(root) == []
+
+
+# A merger killed (kill -9) as it is about to append the third batch: `fsstore gc`, with
+# SyncStore._append wrapped to count its calls.
+_GC_KILLED_AT_THIRD_APPEND = """
+import os, signal, sys
+from fsstore import cli
+from fsstore._store import SyncStore
+real, calls = SyncStore._append, []
+def append(self, *args, **kwargs):
+    calls.append(1)
+    if len(calls) == 3:
+        os.kill(os.getpid(), signal.SIGKILL)
+    return real(self, *args, **kwargs)
+SyncStore._append = append
+sys.exit(cli.main(["gc", sys.argv[1], "--older-than", "0s"]))
+"""
+
+
+def test_a_merge_killed_part_way_is_finished_by_gc_each_batch_once(
+    root: Path, store: SyncStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The rest of a session a delete moved by mistake, whose merge into the one made
+    since was killed part way, stayed in .trash (in no load) until an operator re-appended
+    it. `fsstore gc` finishes the merge once it is older than --older-than, appending
+    each batch once: the batches a merge appended are marked in the orphan. (Batches
+    without a uuid here: a load would show one appended twice.)"""
+    deleter = SyncStore(root)
+
+    def failing_append(key: Any, entries: Any, anew: bool = True) -> None:
+        raise FsStoreError("EIO", "injected", operation="append", path="-")
+
+    monkeypatch.setattr(deleter, "_append", failing_append)  # the deleter's own merge fails
+    more = [[{"type": "user", "n": n}] for n in range(3)]
+    _delete_racing_two_remakes(root, store, deleter, monkeypatch, more)
+    assert SyncStore(root).load(KEY) == [entry(2)] and len(_orphans(root)) == 1
+    killed = subprocess.run([sys.executable, "-c", _GC_KILLED_AT_THIRD_APPEND, str(root)],
+                            check=False, capture_output=True, text=True, timeout=60)
+    assert killed.returncode == -signal.SIGKILL, killed.stdout + killed.stderr
+    assert SyncStore(root).load(KEY) == [entry(2), entry(1), *more[0]] and len(_orphans(root)) == 1
+    gc = fsstore("gc", root, "--older-than", "0s")
+    assert gc.returncode == 0 and "merged" in gc.stdout, gc.stdout + gc.stderr
+    assert SyncStore(root).load(KEY) == [entry(2), entry(1), *more[0], *more[1], *more[2]]
+    assert _orphans(root) == [] and fsstore("check", root).returncode == 0
