@@ -133,7 +133,7 @@ def _remove_garbage(w: Walker, g: Garbage, older_than: float, dry_run: bool) -> 
                 return Action("keep", g.path,
                               f"holds {silly}: a deleted file still open on an NFS client; "
                               "gc retries on its next run", False, g.age)
-            _fsio.remove_tree(pfd, g.name)
+            _fsio.remove_marked_tree(pfd, g.name, _layout.DELETED)  # cut short: never an orphan
         else:
             _fsio.unlink_quiet(pfd, g.name)
     except OSError as exc:

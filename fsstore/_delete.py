@@ -58,6 +58,7 @@ if TYPE_CHECKING:
 
 ASIDE_TAG = "-deleted"  # what a delete moved into .trash, until it is emptied or moved back
 CLAIM_TAG = "-claim"  # a delete's ticket in what it is to delete (see _tickets)
+MERGED_TAG = "-merged"  # what a delete moved by mistake, merged back, until it is removed
 
 
 def remove(
@@ -392,7 +393,11 @@ def merge_back(store: SyncStore, orphan: str, comps: list[Component], mark: str,
     marked in the orphan (:func:`merged_name`): a merge resumed after its merger died
     (``fsstore gc``: :func:`orphan_target`) appends the rest; only a batch whose
     merger died between its append and its mark is appended twice (entries with a
-    ``uuid`` load once). One that cannot be read whole stays, for the operator."""
+    ``uuid`` load once). Merged whole, it is renamed off its name under the lock
+    before it is removed: a merger still going through it (another ``fsstore gc``)
+    stops at its next look, and a removal cut short leaves garbage, never an orphan
+    to merge again (found by review: a part left without its merge mark was appended
+    twice). One that cannot be read whole stays, for the operator."""
     stopped: str | None = None
     try:
         with store._open_root(create=False) as rfd:
@@ -409,7 +414,12 @@ def merge_back(store: SyncStore, orphan: str, comps: list[Component], mark: str,
                     if stopped is not None:
                         break
                 if stopped in (None, "claimed"):
-                    _fsio.remove_tree(trash, orphan)
+                    # Off its name under the lock first: a merger still going through it
+                    # stops at its next look, and what a crash leaves is no orphan.
+                    with store.locked(main):
+                        done = _fsio.temp_name(MERGED_TAG)
+                        os.rename(orphan, done, src_dir_fd=trash, dst_dir_fd=trash)
+                    _fsio.remove_tree(trash, done)
             finally:
                 os.close(trash)
     except (OSError, FsStoreError, Vanished) as exc:  # Vanished: someone else's work there
@@ -418,7 +428,8 @@ def merge_back(store: SyncStore, orphan: str, comps: list[Component], mark: str,
     log.warning("the transcript a delete moved by mistake is %s", {
         None: "merged into the one made since", "claimed": "deleted by a later delete",
         "gone": "left in .trash: the session was deleted while it was merged (that delete takes it)",
-        "back": "back at its name (moved back while it was merged)"}[stopped],
+        "back": "back at its name (moved back while it was merged)",
+        "done": "merged or deleted by another process meanwhile"}[stopped],
         extra={"code": "DELETE_RACED", "operation": "delete", "path": path})
 
 
@@ -455,6 +466,8 @@ def _merge_transcript(
                     return None
                 if _views.looked_up_ino(rfd, itself[1]) == itself[0]:
                     return "back"
+                if _views.looked_up_ino(trash, orphan) != itself[0]:
+                    return "done"  # merged (or taken by its delete) by another merger
                 if _fsio.exists(tfd, merged_name(last)):
                     continue  # appended by a merge of it that died before removing it
                 try:

@@ -598,6 +598,13 @@ def remove_tree(parent_fd: int, name: str) -> None:
         pass
 
 
+def remove_marked_tree(parent_fd: int, name: str, mark: str) -> None:
+    """Remove ``parent/name`` and everything below, the files named ``mark`` last:
+    cut short (a crash), what is left still carries its marks."""
+    empty_tree(parent_fd, name, mark)
+    remove_tree(parent_fd, name)
+
+
 def listdir(dir_fd: int) -> list[str]:
     """The names in the directory open as ``dir_fd``, through a handle of its own.
 
