@@ -226,7 +226,15 @@ def _merge_orphan(w: Walker, g: Garbage, transcripts: list[list[Component]], dry
     if dry_run:
         return Action("merge", g.path, f"would be merged into {into}", False, age=g.age)
     _delete.merge_back(w.store, name, comps, mark, into)
-    left = os.path.lexists(os.path.join(w.store.root, _layout.TRASH, name))
+    pfd = w.open(g.parent)
+    try:
+        left = pfd is not None and _fsio.exists(pfd, name)
+        if left and pfd is not None and _delete.marked(pfd, name, mark):
+            return Action("merge", g.path, "taken by a delete of its session meanwhile "
+                          "(removed once old)", False, age=g.age)
+    finally:
+        if pfd is not None:
+            os.close(pfd)
     return Action("merge", g.path, f"merged into {into}" if not left else
                   f"not merged into {into} (see the log)", not left, age=g.age, failed=left)
 
