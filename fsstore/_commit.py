@@ -145,22 +145,25 @@ def encode_batch(entries: object, operation: str) -> bytes:
 
 
 class Gone(Exception):
-    """``append(..., anew=False)``: the session is not there (or is being deleted); nothing
-    was committed."""
+    """``append(..., into=...)``: that session is not at the name (or is being deleted);
+    nothing was committed."""
 
 
-def append(store: SyncStore, t: Appending, payload: bytes, *, anew: bool = True) -> None:
+def append(store: SyncStore, t: Appending, payload: bytes, *, into: int | None = None) -> None:
     """Commit ``payload`` (step 1 done) to ``t``, starting over where a delete took
-    its directory away (see :func:`_delete.finish`). ``anew=False``: only into the
-    session at the name (the transcript may be new in it); raise :class:`Gone`
-    instead of finishing a delete or making the session (the merge of a session a
-    delete moved by mistake: :func:`_delete.merge_back`)."""
+    its directory away (see :func:`_delete.finish`). ``into``: only into the session
+    directory of that inode number, which its caller's look (under the session's
+    lock) found at the name (the transcript may be new in it); raise :class:`Gone`
+    instead of finishing a delete or making the session, or where another session is
+    at the name by then (the caller's lock overtaken: a delete and a new session
+    meanwhile). For the merge of a session a delete moved by mistake
+    (:func:`_delete.merge_back`): its batches are the deleted session's."""
     for attempt in range(_APPEND_ATTEMPTS):
         try:
-            _append_once(store, t, payload, anew)
+            _append_once(store, t, payload, into)
             return
         except Deleted as exc:
-            if not anew:
+            if into is not None:
                 raise Gone(t.path) from exc
             # A delete is committed once marked: finish it (its deleter may
             # have died) and start over in a new directory. Nothing of ours
@@ -190,19 +193,19 @@ def append(store: SyncStore, t: Appending, payload: bytes, *, anew: bool = True)
     )
 
 
-def _append_once(store: SyncStore, t: Appending, payload: bytes, anew: bool) -> None:
+def _append_once(store: SyncStore, t: Appending, payload: bytes, into: int | None) -> None:
     """Steps 2 to 8 (the first batch of a transcript: :func:`_first_commit`)."""
     op = "append"
     with store._open_root(create=False, path_only=True) as rfd:
         dfd = store._open(rfd, t.comps, op, path_only=True) if rfd is not None else None
-        if dfd is None and not anew and (rfd is None or not _fsio.exists(rfd, _layout.rel(t.comps[:4]))):
-            raise Gone(t.path)  # its transcript may be new in the session (then its first commit)
-        if dfd is None and anew and rfd is not None and _delete.restore(store, rfd, t.comps):
+        if into is not None:
+            _only_into(rfd, dfd, t, into)  # the transcript may be new in it (then its first commit)
+        elif dfd is None and rfd is not None and _delete.restore(store, rfd, t.comps):
             raise FileNotFoundError(errno.ENOENT, "moved back just now: look again", t.path)
     if dfd is None:
         with store._open_root(create=True, path_only=True) as rfd:
             assert rfd is not None
-            if _first_commit(store, rfd, t, payload):
+            if _first_commit(store, rfd, t, payload, into):
                 t.next_seq, t.last_name = 2, _layout.part_name(1)
                 return
         raise FileNotFoundError(errno.ENOENT, "created and deleted meanwhile", t.path)
@@ -219,7 +222,7 @@ def _append_once(store: SyncStore, t: Appending, payload: bytes, anew: bool) -> 
             # exist: EEXIST is how a GlusterFS client answers for a directory another
             # client just moved away (a delete), like ENOENT.
             tmp = ""
-            if not anew:
+            if into is not None:
                 raise Gone(t.path) from exc
             if _recreate(store, t, payload):
                 t.next_seq, t.last_name = 2, _layout.part_name(1)
@@ -242,6 +245,21 @@ def _append_once(store: SyncStore, t: Appending, payload: bytes, anew: bool) -> 
         os.close(dfd)
     if _compaction_due(store, items):
         store._compactions.soon(store, t.key)  # after the append, in a thread of its own; never raises
+
+
+def _only_into(rfd: int | None, dfd: int | None, t: Appending, into: int) -> None:
+    """:class:`Gone` (``dfd`` closed) unless the transcript directory ``dfd`` (None:
+    the one a first commit is to make at the name) is in the session directory of
+    inode number ``into``. Past this, a delete of that session marks it before
+    moving it: the commit's check sees the mark (step 6)."""
+    if dfd is not None:
+        up = "/".join([".."] * (len(t.comps) - 4))  # main -> <S>; subkeys/<SP> -> <S>
+        if os.stat(up, dir_fd=dfd).st_ino == into:
+            return
+        os.close(dfd)
+    elif rfd is not None and _views.looked_up_ino(rfd, _layout.rel(t.comps[:4])) == into:
+        return
+    raise Gone(t.path)
 
 
 def _next_seq(t: Appending, dfd: int) -> int:
@@ -401,11 +419,23 @@ def _tick_mtime(dfd: int, before_ns: int) -> None:
 # -- a new transcript, or one made anew ------------------------------------------
 
 
-def _first_commit(store: SyncStore, rfd: int, t: Appending, payload: bytes) -> bool:
+def _first_commit(store: SyncStore, rfd: int, t: Appending, payload: bytes, into: int | None) -> bool:
     """Commit the first batch of a new transcript: its directory appears with part
     1 already in it (one rename), so no reader or listing ever sees a transcript
-    without a part. False if another writer's directory appeared first."""
-    parent = store._open(rfd, t.comps[:-1], "append", create=True, path_only=True)
+    without a part. False if another writer's directory appeared first. ``into``:
+    only in that session (see :func:`append`), never making it."""
+    if into is None:
+        parent = store._open(rfd, t.comps[:-1], "append", create=True, path_only=True)
+    else:
+        session = store._open(rfd, t.comps[:4], "append", path_only=True)
+        if session is None or os.fstat(session).st_ino != into:
+            if session is not None:
+                os.close(session)
+            raise Gone(t.path)
+        try:
+            parent = store._open(session, t.comps[4:-1], "append", create=True, path_only=True)
+        finally:
+            os.close(session)
     assert parent is not None
     name, original = t.comps[-1]
     try:

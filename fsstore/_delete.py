@@ -383,9 +383,9 @@ def merge_back(store: SyncStore, orphan: str, comps: list[Component], mark: str,
     """Append the batches of ``.trash/<orphan>`` (each transcript's, in order, one
     append a batch) to the transcripts at its old name, then remove it.
 
-    Only into the session there (never making it anew: :class:`_commit.Gone`), each
-    batch looked at and appended under the locks a delete of the session (or of that
-    transcript) takes. A delete that runs meanwhile has claimed it (its ticket is in
+    Only into the session there (never making it anew: :class:`_commit.Gone`), and
+    only into the directory the look found there, each batch looked at and appended
+    under the locks a delete of the session (or of that transcript) takes. A delete that runs meanwhile has claimed it (its ticket is in
     it: :func:`_claim_moved`) by the next look: marked, its batches are deleted, and
     the rest are not appended. If the session is gone (a delete, or being deleted:
     that delete claims this one too) or this one is back at the name (a load moved it
@@ -406,10 +406,10 @@ def merge_back(store: SyncStore, orphan: str, comps: list[Component], mark: str,
                 return
             try:
                 ident = os.stat(orphan, dir_fd=trash, follow_symlinks=False).st_ino
-                target = _layout.rel(comps)
+                target = (_layout.rel(comps), _layout.rel(comps[:4]))
                 main = {"project_key": _part(comps[1]), "session_id": _part(comps[3])}
                 for key, names in _transcripts(store, trash, orphan, comps, mark):
-                    stopped = _merge_transcript(store, rfd, trash, orphan, (ident, target), names, mark,
+                    stopped = _merge_transcript(store, rfd, trash, orphan, (ident, *target), names, mark,
                                                 main, key, path)
                     if stopped is not None:
                         break
@@ -434,13 +434,14 @@ def merge_back(store: SyncStore, orphan: str, comps: list[Component], mark: str,
 
 
 def _merge_transcript(
-    store: SyncStore, rfd: int, trash: int, orphan: str, itself: tuple[int, str], names: list[str],
+    store: SyncStore, rfd: int, trash: int, orphan: str, itself: tuple[int, str, str], names: list[str],
     mark: str, main: dict[str, Any], key: dict[str, Any], path: str,
 ) -> str | None:
     """Append the batches of the transcript ``orphan/names...`` to ``key``; why it
     stopped ("claimed", "gone", "back": see :func:`merge_back`), None when done. A
     subagent transcript of it that is claimed alone (a delete of that transcript) is
-    skipped. ``itself``: the orphan's inode number and the path of its old name."""
+    skipped. ``itself``: the orphan's inode number, the path of its old name and of
+    its session's."""
     own = "/".join([orphan, *names])  # a subagent transcript's own mark; the orphan's for a subagent orphan
     tfd = store._open(trash, [(n, None) for n in [orphan, *names]], "delete")
     if tfd is None:
@@ -468,10 +469,15 @@ def _merge_transcript(
                     return "back"
                 if _views.looked_up_ino(trash, orphan) != itself[0]:
                     return "done"  # merged (or taken by its delete) by another merger
+                session = _views.looked_up_ino(rfd, itself[2])
+                if session is None:
+                    return "gone"
                 if _fsio.exists(tfd, merged_name(last)):
                     continue  # appended by a merge of it that died before removing it
                 try:
-                    store._append(key, entries, anew=False)
+                    # Only into the session seen here: should this lock be overtaken
+                    # (a stall), a delete and a session made since may come first.
+                    store._append(key, entries, into=session)
                 except _commit.Gone:
                     return "gone"
                 os.close(os.open(merged_name(last), os.O_WRONLY | os.O_CREAT, 0o600, dir_fd=tfd))

@@ -278,14 +278,14 @@ class SyncStore:
         """
         self._append(key, entries)
 
-    def _append(self, key: Mapping[str, Any], entries: list[Any], *, anew: bool = True) -> None:
+    def _append(self, key: Mapping[str, Any], entries: list[Any], *, into: int | None = None) -> None:
         op = "append"
         t = self._appending_to(key, op)
         if isinstance(entries, list) and not entries:
             return
         payload = _commit.encode_batch(entries, op)
         with translating(op, t.path):
-            _commit.append(self, t, payload, anew=anew)
+            _commit.append(self, t, payload, into=into)
 
     def _summary_of(self, tk: TranscriptKey) -> _compact.Summary | None:
         """What compaction needs to keep the summary sidecar: main transcripts only."""

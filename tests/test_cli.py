@@ -1030,7 +1030,7 @@ def test_a_session_a_delete_could_neither_move_back_nor_merge_is_kept_and_an_err
     removed by gc, which merges it once older than --older-than."""
     deleter = SyncStore(root)
 
-    def failing_append(key: Any, entries: Any, anew: bool = True) -> None:
+    def failing_append(key: Any, entries: Any, **kwargs: Any) -> None:
         raise FsStoreError("EIO", "injected", operation="append", path="-")
 
     monkeypatch.setattr(deleter, "_append", failing_append)
@@ -1068,22 +1068,26 @@ sys.exit(cli.main(["gc", sys.argv[1], "--older-than", "0s"]))
 """
 
 
-def _orphan_of(root: Path, batches: list[list[dict[str, Any]]], *, marked: bool = False) -> None:
-    """A session of ``batches`` moved into .trash as a delete moves one by mistake (an
-    unmarked ``-deleted`` directory of its tag), and a session made at its name since
-    holding ``[entry(2)]``: what a merger that died before its first append leaves.
-    ``marked``: moved by its own delete, which died before emptying it."""
+def _orphan_of(root: Path, batches: list[list[dict[str, Any]]], *, marked: bool = False,
+               key: dict[str, str] = KEY) -> str:
+    """A session of ``batches`` (in transcript ``key``) moved into .trash as a delete
+    moves one by mistake (an unmarked ``-deleted`` directory of its tag), and a session
+    made at its name since holding ``[entry(2)]``: what a merger that died before its
+    first append leaves; its name in .trash. ``marked``: moved by its own delete,
+    which died before emptying it."""
     store = SyncStore(root, create=True)
     for batch in batches:
-        store.append(KEY, batch)
-    comps = _layout.transcript_dirs(parse_key(KEY, "test"))
+        store.append(key, batch)
+    comps = _layout.transcript_dirs(parse_key(key, "test"))
     if marked:
         (root / _layout.rel(comps) / _layout.DELETED).touch()
     aside = root.parent / f"{root.name}-aside"  # not in .trash yet: the append would move it back
     (root / _layout.rel(comps[:4])).rename(aside)
     store.append(KEY, [entry(2)])
     (root / _layout.TRASH).mkdir(exist_ok=True)
-    aside.rename(root / _layout.TRASH / f".tmp-4242-0123456789ab-0-{_delete._tags(comps)[0]}{_delete.ASIDE_TAG}")
+    name = f".tmp-4242-0123456789ab-0-{_delete._tags(comps)[0]}{_delete.ASIDE_TAG}"
+    aside.rename(root / _layout.TRASH / name)
+    return name
 
 
 @pytest.mark.skipif(shutil.which("strace") is None, reason="needs strace")
@@ -1153,6 +1157,47 @@ def _gc_killed_at_each_unlink_removing_a_deleted_session(base: Path) -> None:
     assert k > 3, "too few kill points to tell anything"
 
 
+class _Overtaken:
+    """A lock hold whose lease another process has taken over (a stall past it): what
+    its holder checks passes, and nothing keeps others out."""
+
+    path = "-"
+
+    def check(self, operation: str) -> None:
+        pass
+
+
+@pytest.mark.parametrize("into", ["its main transcript", "a subagent transcript new in it"])
+def test_a_merger_stalled_past_its_lease_never_appends_into_a_session_made_after_a_delete(
+    root: Path, monkeypatch: pytest.MonkeyPatch, into: str
+) -> None:
+    """A merger's look and append are under the session's lock; stalled past its lease
+    between the two, a delete of the session runs (it takes the orphan too) and a
+    writer makes the session anew. The merger's batch must not land in that new
+    session: it was the deleted session's (before: it did, a deleted batch back after
+    the delete returned). ``into``: a transcript there to append to, or one the
+    session made since lacks (the merger's first commit makes it)."""
+    key = KEY if into == "its main transcript" else SUB
+    orphan = _orphan_of(root, [[{"type": "user", "n": 0}]], key=key)
+    merger, deleter, writer = SyncStore(root), SyncStore(root), SyncStore(root)
+    monkeypatch.setattr(merger._locks, "hold", lambda *a, **k: contextlib.nullcontext(_Overtaken()))
+    real, stalls = merger._append, []
+
+    def append(*args: Any, **kwargs: Any) -> None:
+        if not stalls:  # the look passed; the lease lapses: a delete and a new session
+            stalls.append(1)
+            deleter.delete(KEY)
+            writer.append(KEY, [entry(3)])
+        real(*args, **kwargs)
+
+    monkeypatch.setattr(merger, "_append", append)
+    comps = _layout.transcript_dirs(parse_key(KEY, "test"))[:4]
+    _delete.merge_back(merger, orphan, comps, _layout.MAIN, "-")
+    assert stalls
+    assert SyncStore(root).load(KEY) == [entry(3)]
+    assert SyncStore(root).load(SUB) is None
+
+
 def test_two_gcs_finishing_one_merge_at_once_append_each_batch_once(tmp_path: Path) -> None:
     """Two `fsstore gc` at once on one orphan: each batch is appended once (found by
     review: one finished and removed the orphan while the other, going through the
@@ -1180,7 +1225,7 @@ def test_a_merge_killed_part_way_is_finished_by_gc_each_batch_once(
     without a uuid here: a load would show one appended twice.)"""
     deleter = SyncStore(root)
 
-    def failing_append(key: Any, entries: Any, anew: bool = True) -> None:
+    def failing_append(key: Any, entries: Any, **kwargs: Any) -> None:
         raise FsStoreError("EIO", "injected", operation="append", path="-")
 
     monkeypatch.setattr(deleter, "_append", failing_append)  # the deleter's own merge fails
