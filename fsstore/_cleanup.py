@@ -225,18 +225,14 @@ def _merge_orphan(w: Walker, g: Garbage, transcripts: list[list[Component]], dry
     into = w.path([c for c, _ in comps])
     if dry_run:
         return Action("merge", g.path, f"would be merged into {into}", False, age=g.age)
-    _delete.merge_back(w.store, name, comps, mark, into)
-    pfd = w.open(g.parent)
-    try:
-        left = pfd is not None and _fsio.exists(pfd, name)
-        if left and pfd is not None and _delete.marked(pfd, name, mark):
-            return Action("merge", g.path, "taken by a delete of its session meanwhile "
-                          "(removed once old)", False, age=g.age)
-    finally:
-        if pfd is not None:
-            os.close(pfd)
-    return Action("merge", g.path, f"merged into {into}" if not left else
-                  f"not merged into {into} (see the log)", not left, age=g.age, failed=left)
+    how = _delete.merge_back(w.store, name, comps, mark, into)
+    detail = {"merged": f"merged into {into}",
+              "claimed": "taken by a delete of its session meanwhile",
+              "gone": "left for the delete of its session that runs meanwhile",
+              "back": "moved back to its name meanwhile",
+              "done": "merged or removed by another process meanwhile",
+              "failed": f"not merged into {into} (see the log)"}[how]
+    return Action("merge", g.path, detail, how == "merged", age=g.age, failed=how == "failed")
 
 
 # -- prune -----------------------------------------------------------------------

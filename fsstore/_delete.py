@@ -379,7 +379,7 @@ def _tags_of(name: str) -> list[str] | None:
     return None if m is None else [t for t in (m.group(1), m.group(2)) if t]
 
 
-def merge_back(store: SyncStore, orphan: str, comps: list[Component], mark: str, path: str) -> None:
+def merge_back(store: SyncStore, orphan: str, comps: list[Component], mark: str, path: str) -> str:
     """Append the batches of ``.trash/<orphan>`` (each transcript's, in order, one
     append a batch) to the transcripts at its old name, then remove it.
 
@@ -397,13 +397,17 @@ def merge_back(store: SyncStore, orphan: str, comps: list[Component], mark: str,
     before it is removed: a merger still going through it (another ``fsstore gc``)
     stops at its next look, and a removal cut short leaves garbage, never an orphan
     to merge again (found by review: a part left without its merge mark was appended
-    twice). One that cannot be read whole stays, for the operator."""
+    twice). One that cannot be read whole stays, for the operator.
+
+    Returns how it ended: ``"merged"``; ``"claimed"``, ``"gone"``, ``"back"``,
+    ``"done"`` (another process merged or removed it first), as logged; or
+    ``"failed"`` (logged as an error; it stays)."""
     stopped: str | None = None
     try:
         with store._open_root(create=False) as rfd:
             trash = store._open(rfd, [(_layout.TRASH, None)], "delete") if rfd is not None else None
             if rfd is None or trash is None:
-                return
+                return "done"
             try:
                 ident = os.stat(orphan, dir_fd=trash, follow_symlinks=False).st_ino
                 target = (_layout.rel(comps), _layout.rel(comps[:4]))
@@ -418,19 +422,24 @@ def merge_back(store: SyncStore, orphan: str, comps: list[Component], mark: str,
                     # stops at its next look, and what a crash leaves is no orphan.
                     with store.locked(main):
                         done = _fsio.temp_name(MERGED_TAG)
-                        os.rename(orphan, done, src_dir_fd=trash, dst_dir_fd=trash)
-                    _fsio.remove_tree(trash, done)
+                        try:
+                            os.rename(orphan, done, src_dir_fd=trash, dst_dir_fd=trash)
+                        except FileNotFoundError:
+                            done, stopped = "", "done"  # another merger's, a step ahead
+                    if done:
+                        _fsio.remove_tree(trash, done)
             finally:
                 os.close(trash)
     except (OSError, FsStoreError, Vanished) as exc:  # Vanished: someone else's work there
         _orphaned(orphan, path, exc)
-        return
+        return "failed"
     log.warning("the transcript a delete moved by mistake is %s", {
         None: "merged into the one made since", "claimed": "deleted by a later delete",
         "gone": "left in .trash: the session was deleted while it was merged (that delete takes it)",
         "back": "back at its name (moved back while it was merged)",
         "done": "merged or deleted by another process meanwhile"}[stopped],
         extra={"code": "DELETE_RACED", "operation": "delete", "path": path})
+    return stopped or "merged"
 
 
 def _merge_transcript(
@@ -467,13 +476,17 @@ def _merge_transcript(
                     return None
                 if _views.looked_up_ino(rfd, itself[1]) == itself[0]:
                     return "back"
-                if _views.looked_up_ino(trash, orphan) != itself[0]:
+                # Through listings made afresh, not lookups: a client's caches (GlusterFS
+                # about 1 s, sshfs 20 s) can still show what another host's merger took
+                # off its name, or not yet a mark it made (found by review: a batch twice).
+                if not (_views.refresh_listing(trash) and _views.refresh_listing(tfd)
+                        and orphan in _fsio.listdir(trash)):  # its name is its own (random)
                     return "done"  # merged (or taken by its delete) by another merger
+                if merged_name(last) in _fsio.listdir(tfd):
+                    continue  # appended by a merge of it that died before removing it
                 session = _views.looked_up_ino(rfd, itself[2])
                 if session is None:
                     return "gone"
-                if _fsio.exists(tfd, merged_name(last)):
-                    continue  # appended by a merge of it that died before removing it
                 try:
                     # Only into the session seen here: should this lock be overtaken
                     # (a stall), a delete and a session made since may come first.

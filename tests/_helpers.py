@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from fsstore import _layout
+from fsstore import _delete, _layout
 from fsstore._keys import parse_key
 from fsstore._store import SyncStore
 
@@ -150,3 +150,27 @@ def as_nobody(*args: object) -> tuple[int, str]:
 def chown_tree(path: Path, uid: int) -> None:
     for p in [path, *path.rglob("*")]:
         os.chown(p, uid, uid, follow_symlinks=False)
+
+
+def orphan_of(root: Path, batches: list[list[dict[str, Any]]], *, key: dict[str, Any] = KEY,
+              made_since: list[dict[str, Any]] | None = None, marked: bool = False) -> str:
+    """A session of ``batches`` (in transcript ``key``) moved into .trash as a delete
+    moves one by mistake (an unmarked ``-deleted`` directory of its tag: docs/format.md,
+    "Deletes"), and a session made at its name since holding ``made_since`` (default
+    ``[entry(2)]``) in its main transcript: what a merger that died before its first
+    append leaves. Returns its name in .trash. ``marked``: moved by its own delete,
+    which died before emptying it."""
+    store = SyncStore(root, create=True)
+    for batch in batches:
+        store.append(key, batch)
+    comps = _layout.transcript_dirs(parse_key(key, "test"))
+    if marked:
+        (root / _layout.rel(comps) / _layout.DELETED).touch()
+    aside = root.parent / f"{root.name}-aside"  # not in .trash yet: the append would move it back
+    (root / _layout.rel(comps[:4])).rename(aside)
+    main = {"project_key": key["project_key"], "session_id": key["session_id"]}
+    store.append(main, [entry(2)] if made_since is None else made_since)
+    (root / _layout.TRASH).mkdir(exist_ok=True)
+    name = f".tmp-4242-0123456789ab-0-{_delete._tags(comps)[0]}{_delete.ASIDE_TAG}"
+    aside.rename(root / _layout.TRASH / name)
+    return name

@@ -34,6 +34,7 @@ from ._helpers import (
     fsstore,
     fsstore_json,
     lock_file,
+    orphan_of,
     snapshot,
     tdir,
     write_jsonl,
@@ -1068,28 +1069,6 @@ sys.exit(cli.main(["gc", sys.argv[1], "--older-than", "0s"]))
 """
 
 
-def _orphan_of(root: Path, batches: list[list[dict[str, Any]]], *, marked: bool = False,
-               key: dict[str, str] = KEY) -> str:
-    """A session of ``batches`` (in transcript ``key``) moved into .trash as a delete
-    moves one by mistake (an unmarked ``-deleted`` directory of its tag), and a session
-    made at its name since holding ``[entry(2)]``: what a merger that died before its
-    first append leaves; its name in .trash. ``marked``: moved by its own delete,
-    which died before emptying it."""
-    store = SyncStore(root, create=True)
-    for batch in batches:
-        store.append(key, batch)
-    comps = _layout.transcript_dirs(parse_key(key, "test"))
-    if marked:
-        (root / _layout.rel(comps) / _layout.DELETED).touch()
-    aside = root.parent / f"{root.name}-aside"  # not in .trash yet: the append would move it back
-    (root / _layout.rel(comps[:4])).rename(aside)
-    store.append(KEY, [entry(2)])
-    (root / _layout.TRASH).mkdir(exist_ok=True)
-    name = f".tmp-4242-0123456789ab-0-{_delete._tags(comps)[0]}{_delete.ASIDE_TAG}"
-    aside.rename(root / _layout.TRASH / name)
-    return name
-
-
 @pytest.mark.skipif(shutil.which("strace") is None, reason="needs strace")
 def test_a_merge_killed_at_any_unlink_is_finished_by_the_next_gc_in_order(tmp_path: Path) -> None:
     """`fsstore gc` killed (strace injects SIGKILL) at each of its `unlinkat` calls in
@@ -1101,7 +1080,7 @@ def test_a_merge_killed_at_any_unlink_is_finished_by_the_next_gc_in_order(tmp_pa
     batches = [[{"type": "user", "n": n}] for n in range(2)]
     for k in range(1, 60):
         root = tmp_path / f"k{k}"
-        _orphan_of(root, batches)
+        orphan_of(root, batches)
         killed = subprocess.run(
             ["strace", "-f", "-qq", "-o", "/dev/null", "-e", "trace=unlinkat", "-e",
              f"inject=unlinkat:signal=KILL:when={k}", sys.executable, "-m", "fsstore", "gc", str(root),
@@ -1141,7 +1120,7 @@ def _gc_killed_at_each_unlink_removing_a_deleted_session(base: Path) -> None:
     batches = [[{"type": "user", "n": n}] for n in range(3)]
     for k in range(1, 60):
         root = base / f"k{k}"
-        _orphan_of(root, batches, marked=True)
+        orphan_of(root, batches, marked=True)
         killed = subprocess.run(
             ["strace", "-f", "-qq", "-o", "/dev/null", "-e", "trace=unlinkat", "-e",
              f"inject=unlinkat:signal=KILL:when={k}", sys.executable, "-m", "fsstore", "gc", str(root),
@@ -1179,7 +1158,7 @@ def test_a_merger_stalled_past_its_lease_never_appends_into_a_session_made_after
     the delete returned). ``into``: a transcript there to append to, or one the
     session made since lacks (the merger's first commit makes it)."""
     key = KEY if into == "its main transcript" else SUB
-    orphan = _orphan_of(root, [[{"type": "user", "n": 0}]], key=key)
+    orphan = orphan_of(root, [[{"type": "user", "n": 0}]], key=key)
     merger, deleter, writer = SyncStore(root), SyncStore(root), SyncStore(root)
     monkeypatch.setattr(merger._locks, "hold", lambda *a, **k: contextlib.nullcontext(_Overtaken()))
     real, stalls = merger._append, []
@@ -1206,7 +1185,7 @@ def test_two_gcs_finishing_one_merge_at_once_append_each_batch_once(tmp_path: Pa
     batches = [[{"type": "user", "n": n}] for n in range(30)]
     for run in range(3):
         root = tmp_path / f"r{run}"
-        _orphan_of(root, batches)
+        orphan_of(root, batches)
         gcs = [subprocess.Popen([sys.executable, "-m", "fsstore", "gc", str(root), "--older-than", "0s"],
                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
                for _ in range(2)]
