@@ -385,9 +385,9 @@ def merge_back(store: SyncStore, orphan: str, comps: list[Component], mark: str,
 
     Only into the session there (never making it anew: :class:`_commit.Gone`), and
     only into the directory the look found there, each batch looked at and appended
-    under the locks a delete of the session (or of that transcript) takes. A delete that runs meanwhile has claimed it (its ticket is in
-    it: :func:`_claim_moved`) by the next look: marked, its batches are deleted, and
-    the rest are not appended. If the session is gone (a delete, or being deleted:
+    under the locks a delete of the session (or of that transcript) takes. A delete
+    that runs meanwhile has claimed it (its ticket is in it: :func:`_claim_moved`) by
+    the next look: marked, its batches are deleted, and the rest are not appended. If the session is gone (a delete, or being deleted:
     that delete claims this one too) or this one is back at the name (a load moved it
     back when the name was empty), it is left where it is. Each batch appended is
     marked in the orphan (:func:`merged_name`): a merge resumed after its merger died
