@@ -149,15 +149,17 @@ class Gone(Exception):
     nothing was committed."""
 
 
-def append(store: SyncStore, t: Appending, payload: bytes, *, into: int | None = None) -> None:
+def append(
+    store: SyncStore, t: Appending, payload: bytes, *, into: Callable[[int], bool] | None = None,
+) -> None:
     """Commit ``payload`` (step 1 done) to ``t``, starting over where a delete took
     its directory away (see :func:`_delete.finish`). ``into``: only into the session
-    directory of that inode number, which its caller's look (under the session's
-    lock) found at the name (the transcript may be new in it); raise :class:`Gone`
-    instead of finishing a delete or making the session, or where another session is
-    at the name by then (the caller's lock overtaken: a delete and a new session
-    meanwhile). For the merge of a session a delete moved by mistake
-    (:func:`_delete.merge_back`): its batches are the deleted session's."""
+    at the name (the transcript may be new in it) and only if ``into`` says yes to its
+    directory (a descriptor), asked once the commit holds the directory it goes into;
+    raise :class:`Gone` instead of finishing a delete or making the session, or where
+    ``into`` says no. For the merge of a session a delete moved by mistake
+    (:func:`_delete.merge_back`): its batches are a deleted session's, and its
+    caller's lock may have been overtaken since it looked."""
     for attempt in range(_APPEND_ATTEMPTS):
         try:
             _append_once(store, t, payload, into)
@@ -193,14 +195,14 @@ def append(store: SyncStore, t: Appending, payload: bytes, *, into: int | None =
     )
 
 
-def _append_once(store: SyncStore, t: Appending, payload: bytes, into: int | None) -> None:
+def _append_once(store: SyncStore, t: Appending, payload: bytes, into: Callable[[int], bool] | None) -> None:
     """Steps 2 to 8 (the first batch of a transcript: :func:`_first_commit`)."""
     op = "append"
     with store._open_root(create=False, path_only=True) as rfd:
         dfd = store._open(rfd, t.comps, op, path_only=True) if rfd is not None else None
-        if into is not None:
-            _only_into(rfd, dfd, t, into)  # the transcript may be new in it (then its first commit)
-        elif dfd is None and rfd is not None and _delete.restore(store, rfd, t.comps):
+        if into is not None and dfd is not None:
+            _only_into(dfd, t, into)  # (a transcript new in the session: its first commit asks)
+        elif into is None and dfd is None and rfd is not None and _delete.restore(store, rfd, t.comps):
             raise FileNotFoundError(errno.ENOENT, "moved back just now: look again", t.path)
     if dfd is None:
         with store._open_root(create=True, path_only=True) as rfd:
@@ -247,18 +249,18 @@ def _append_once(store: SyncStore, t: Appending, payload: bytes, into: int | Non
         store._compactions.soon(store, t.key)  # after the append, in a thread of its own; never raises
 
 
-def _only_into(rfd: int | None, dfd: int | None, t: Appending, into: int) -> None:
-    """:class:`Gone` (``dfd`` closed) unless the transcript directory ``dfd`` (None:
-    the one a first commit is to make at the name) is in the session directory of
-    inode number ``into``. Past this, a delete of that session marks it before
-    moving it: the commit's check sees the mark (step 6)."""
-    if dfd is not None:
-        up = "/".join([".."] * (len(t.comps) - 4))  # main -> <S>; subkeys/<SP> -> <S>
-        if os.stat(up, dir_fd=dfd).st_ino == into:
+def _only_into(dfd: int, t: Appending, into: Callable[[int], bool]) -> None:
+    """:class:`Gone` (``dfd`` closed) unless ``into`` says yes to the session directory
+    holding the transcript directory ``dfd``. Past this, a delete of that session
+    marks it before moving it: the commit's check sees the mark (step 6)."""
+    up = "/".join([".."] * (len(t.comps) - 4))  # main -> <S>; subkeys/<SP> -> <S>
+    session = os.open(up, _fsio.PATH_FLAGS, dir_fd=dfd)
+    try:
+        if into(session):
             return
-        os.close(dfd)
-    elif rfd is not None and _views.looked_up_ino(rfd, _layout.rel(t.comps[:4])) == into:
-        return
+    finally:
+        os.close(session)
+    os.close(dfd)
     raise Gone(t.path)
 
 
@@ -419,7 +421,9 @@ def _tick_mtime(dfd: int, before_ns: int) -> None:
 # -- a new transcript, or one made anew ------------------------------------------
 
 
-def _first_commit(store: SyncStore, rfd: int, t: Appending, payload: bytes, into: int | None) -> bool:
+def _first_commit(
+    store: SyncStore, rfd: int, t: Appending, payload: bytes, into: Callable[[int], bool] | None,
+) -> bool:
     """Commit the first batch of a new transcript: its directory appears with part
     1 already in it (one rename), so no reader or listing ever sees a transcript
     without a part. False if another writer's directory appeared first. ``into``:
@@ -428,7 +432,7 @@ def _first_commit(store: SyncStore, rfd: int, t: Appending, payload: bytes, into
         parent = store._open(rfd, t.comps[:-1], "append", create=True, path_only=True)
     else:
         session = store._open(rfd, t.comps[:4], "append", path_only=True)
-        if session is None or os.fstat(session).st_ino != into:
+        if session is None or not into(session):
             if session is not None:
                 os.close(session)
             raise Gone(t.path)

@@ -451,7 +451,6 @@ def _merge_transcript(
     subagent transcript of it that is claimed alone (a delete of that transcript) is
     skipped. ``itself``: the orphan's inode number, the path of its old name and of
     its session's."""
-    own = "/".join([orphan, *names])  # a subagent transcript's own mark; the orphan's for a subagent orphan
     tfd = store._open(trash, [(n, None) for n in [orphan, *names]], "delete")
     if tfd is None:
         return None
@@ -470,10 +469,13 @@ def _merge_transcript(
                 held.enter_context(store.locked(main))
                 if key != main:
                     held.enter_context(store.locked(key))
-                if marked(trash, orphan, mark):
-                    return "claimed"
-                if names not in ([], [_layout.MAIN]) and marked(trash, own, ""):
-                    return None
+                # The session at the name first, the claims after: a delete that took
+                # the session seen here (or the orphan) before any session made since
+                # could be at the name has claimed the orphan by then (found by review:
+                # a lock overtaken between the two looks, the other way round).
+                session = _views.looked_up_ino(rfd, itself[2])
+                if session is None:
+                    return "gone"
                 if _views.looked_up_ino(rfd, itself[1]) == itself[0]:
                     return "back"
                 # Through listings made afresh, not lookups: a client's caches (GlusterFS
@@ -482,21 +484,57 @@ def _merge_transcript(
                 if not (_views.refresh_listing(trash) and _views.refresh_listing(tfd)
                         and orphan in _fsio.listdir(trash)):  # its name is its own (random)
                     return "done"  # merged (or taken by its delete) by another merger
+                claim = _claimed(store, trash, orphan, names, mark)
+                if claim is not None:
+                    return {"gone": "done", "claimed": "claimed", "alone": None}[claim]  # alone: skipped
                 if merged_name(last) in _fsio.listdir(tfd):
                     continue  # appended by a merge of it that died before removing it
-                session = _views.looked_up_ino(rfd, itself[2])
-                if session is None:
-                    return "gone"
+
+                def into(session_fd: int, session: int = session) -> bool:
+                    """Only into the session seen here, and only while nothing is claimed,
+                    looked at again once the commit has the directory it goes into:
+                    should this lock be overtaken (a stall, a clock ahead), a delete and
+                    a session made since (ext4 may give it the same inode number) may
+                    come first; a delete after this look marks the session it moves,
+                    which the commit's check sees."""
+                    return (os.fstat(session_fd).st_ino == session
+                            and _claimed(store, trash, orphan, names, mark) is None)
+
                 try:
-                    # Only into the session seen here: should this lock be overtaken
-                    # (a stall), a delete and a session made since may come first.
-                    store._append(key, entries, into=session)
-                except _commit.Gone:
-                    return "gone"
+                    store._append(key, entries, into=into)
+                except _commit.Gone:  # why: looked at again
+                    claim = _claimed(store, trash, orphan, names, mark)
+                    return {"gone": "done", "claimed": "claimed", "alone": None, None: "gone"}[claim]
                 os.close(os.open(merged_name(last), os.O_WRONLY | os.O_CREAT, 0o600, dir_fd=tfd))
         return None
     finally:
         os.close(tfd)
+
+
+def _claimed(store: SyncStore, trash: int, orphan: str, names: list[str], mark: str) -> str | None:
+    """``"gone"`` where the orphan is no longer in .trash (merged, or claimed and
+    removed, by another process), ``"claimed"`` where a delete has marked it (its
+    session's mark, or a subagent orphan's own), ``"alone"`` where it marked only the
+    subagent transcript ``names`` of it, else None: through listings made afresh (a
+    client's cached lookups may not show what another host did yet)."""
+    looks = [([orphan], None), ([orphan, _layout.MAIN] if mark else [orphan], "claimed")]
+    if names not in ([], [_layout.MAIN]):
+        looks.append(([orphan, *names], "alone"))
+    for where, what in looks:
+        fd = store._open(trash, [(n, None) for n in where], "delete")
+        if fd is None and what is None:
+            return "gone"
+        if fd is None:
+            continue  # no main (a session of subagent transcripts)
+        try:
+            fresh = _views.refresh_listing(fd)
+            if what is None and not fresh:
+                return "gone"  # gone on the server: this client still had it
+            if what is not None and fresh and _layout.DELETED in _fsio.listdir(fd):
+                return what
+        finally:
+            os.close(fd)
+    return None
 
 
 def merged_name(last: int) -> str:

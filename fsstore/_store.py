@@ -278,7 +278,9 @@ class SyncStore:
         """
         self._append(key, entries)
 
-    def _append(self, key: Mapping[str, Any], entries: list[Any], *, into: int | None = None) -> None:
+    def _append(
+        self, key: Mapping[str, Any], entries: list[Any], *, into: Callable[[int], bool] | None = None,
+    ) -> None:
         op = "append"
         t = self._appending_to(key, op)
         if isinstance(entries, list) and not entries:

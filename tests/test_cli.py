@@ -1178,6 +1178,43 @@ def test_a_merger_stalled_past_its_lease_never_appends_into_a_session_made_after
     assert SyncStore(root).load(SUB) is None
 
 
+@pytest.mark.parametrize("gc", [False, True], ids=["orphan claimed", "orphan claimed and removed by gc"])
+def test_a_stalled_merger_never_appends_into_a_session_made_since_at_the_same_inode_number(
+    root: Path, monkeypatch: pytest.MonkeyPatch, gc: bool
+) -> None:
+    """As above, but the session made since has the deleted one's inode number (ext4
+    hands a freed number to the next directory made, once gc removed the deleted
+    session's marks; here the deleted session's own directory is made the new session
+    again, which has the same effect). The merger's check of the directory it goes
+    into by inode number alone let the batch in (found by review: 4 of 4 runs); the
+    orphan, claimed by that delete, is looked at again there (and found gone, where a
+    gc removed it meanwhile: the re-review's case)."""
+    orphan = orphan_of(root, [[{"type": "user", "n": 0}]])
+    merger, deleter, writer = SyncStore(root), SyncStore(root), SyncStore(root)
+    monkeypatch.setattr(merger._locks, "hold", lambda *a, **k: contextlib.nullcontext(_Overtaken()))
+    real, stalls = merger._append, []
+    session = tdir(root, KEY).parent
+
+    def append(*args: Any, **kwargs: Any) -> None:
+        if not stalls:  # the look passed; the lease lapses: a delete and a new session
+            stalls.append(os.stat(session).st_ino)
+            deleter.delete(KEY)
+            tomb = next(p for p in (root / _layout.TRASH).iterdir() if p.name.endswith(_layout.TOMB_TAG))
+            (tomb / _layout.MAIN / _layout.DELETED).unlink()
+            tomb.rename(session)  # the new session, at the old one's inode number
+            if gc:
+                assert fsstore("gc", root, "--older-than", "0s").returncode == 0
+                assert not (root / _layout.TRASH / orphan).exists()
+            writer.append(KEY, [entry(3)])
+        real(*args, **kwargs)
+
+    monkeypatch.setattr(merger, "_append", append)
+    comps = _layout.transcript_dirs(parse_key(KEY, "test"))[:4]
+    _delete.merge_back(merger, orphan, comps, _layout.MAIN, "-")
+    assert stalls == [os.stat(session).st_ino]
+    assert SyncStore(root).load(KEY) == [entry(3)]
+
+
 def test_two_gcs_finishing_one_merge_at_once_append_each_batch_once(tmp_path: Path) -> None:
     """Two `fsstore gc` at once on one orphan: each batch is appended once (found by
     review: one finished and removed the orphan while the other, going through the
