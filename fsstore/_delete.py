@@ -447,7 +447,7 @@ def _merge_transcript(
     mark: str, main: dict[str, Any], key: dict[str, Any], path: str,
 ) -> str | None:
     """Append the batches of the transcript ``orphan/names...`` to ``key``; why it
-    stopped ("claimed", "gone", "back": see :func:`merge_back`), None when done. A
+    stopped ("claimed", "gone", "back", "done": see :func:`merge_back`), None when done. A
     subagent transcript of it that is claimed alone (a delete of that transcript) is
     skipped. ``itself``: the orphan's inode number, the path of its old name and of
     its session's."""
