@@ -1069,6 +1069,15 @@ sys.exit(cli.main(["gc", sys.argv[1], "--older-than", "0s"]))
 """
 
 
+def _gc_killed_at_unlink(root: Path, k: int) -> subprocess.CompletedProcess[str]:
+    """`fsstore gc ROOT --older-than 0s`, killed (SIGKILL, injected by strace) at its
+    ``k``-th `unlinkat`, if it makes that many."""
+    return subprocess.run(
+        ["strace", "-f", "-qq", "-o", "/dev/null", "-e", "trace=unlinkat", "-e",
+         f"inject=unlinkat:signal=KILL:when={k}", sys.executable, "-m", "fsstore", "gc", str(root),
+         "--older-than", "0s"], check=False, capture_output=True, text=True, timeout=60)
+
+
 @pytest.mark.skipif(shutil.which("strace") is None, reason="needs strace")
 def test_a_merge_killed_at_any_unlink_is_finished_by_the_next_gc_in_order(tmp_path: Path) -> None:
     """`fsstore gc` killed (strace injects SIGKILL) at each of its `unlinkat` calls in
@@ -1081,10 +1090,7 @@ def test_a_merge_killed_at_any_unlink_is_finished_by_the_next_gc_in_order(tmp_pa
     for k in range(1, 60):
         root = tmp_path / f"k{k}"
         orphan_of(root, batches)
-        killed = subprocess.run(
-            ["strace", "-f", "-qq", "-o", "/dev/null", "-e", "trace=unlinkat", "-e",
-             f"inject=unlinkat:signal=KILL:when={k}", sys.executable, "-m", "fsstore", "gc", str(root),
-             "--older-than", "0s"], check=False, capture_output=True, text=True, timeout=60)
+        killed = _gc_killed_at_unlink(root, k)
         if killed.returncode == 0:
             break  # gc makes fewer than k unlinks: every one was a kill point
         assert killed.returncode in (-signal.SIGKILL, 128 + signal.SIGKILL), killed.stderr
@@ -1121,10 +1127,7 @@ def _gc_killed_at_each_unlink_removing_a_deleted_session(base: Path) -> None:
     for k in range(1, 60):
         root = base / f"k{k}"
         orphan_of(root, batches, marked=True)
-        killed = subprocess.run(
-            ["strace", "-f", "-qq", "-o", "/dev/null", "-e", "trace=unlinkat", "-e",
-             f"inject=unlinkat:signal=KILL:when={k}", sys.executable, "-m", "fsstore", "gc", str(root),
-             "--older-than", "0s"], check=False, capture_output=True, text=True, timeout=60)
+        killed = _gc_killed_at_unlink(root, k)
         if killed.returncode == 0:
             break
         assert killed.returncode in (-signal.SIGKILL, 128 + signal.SIGKILL), killed.stderr
