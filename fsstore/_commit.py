@@ -200,6 +200,8 @@ def _append_once(store: SyncStore, t: Appending, payload: bytes, into: Callable[
     op = "append"
     with store._open_root(create=False, path_only=True) as rfd:
         dfd = store._open(rfd, t.comps, op, path_only=True) if rfd is not None else None
+        if into is not None and rfd is None:
+            raise Gone(t.path)
         if into is not None and dfd is not None:
             _only_into(dfd, t, into)  # (a transcript new in the session: its first commit asks)
         elif into is None and dfd is None and rfd is not None and _delete.restore(store, rfd, t.comps):
