@@ -478,21 +478,25 @@ def _merge_transcript(
                     return "gone"
                 if _views.looked_up_ino(rfd, itself[1]) == itself[0]:
                     return "back"
-                # A listing made afresh, not lookups: a client's caches (GlusterFS about
-                # 1 s, sshfs 20 s) can still lack a mark another host's merger made.
-                if not _views.refresh_listing(tfd):
+                # Through listings made afresh, not lookups: a client's caches (GlusterFS
+                # about 1 s, sshfs 20 s) can still show what another host's merger took
+                # off its name, or not yet a mark it made (found by review: a batch twice).
+                if not (_views.refresh_listing(trash) and _views.refresh_listing(tfd)
+                        and orphan in _fsio.listdir(trash)):  # its name is its own (random)
                     return "done"  # merged (or taken by its delete) by another merger
+                claim = _claimed(store, trash, orphan, names, mark)
+                if claim is not None:
+                    return {"gone": "done", "claimed": "claimed", "alone": None}[claim]  # alone: skipped
                 if merged_name(last) in _fsio.listdir(tfd):
                     continue  # appended by a merge of it that died before removing it
 
                 def into(session_fd: int, session: int = session) -> bool:
-                    """Only into the session seen here, and only while the orphan is in
-                    .trash and claimed by no delete, asked once the commit has the
-                    directory it goes into: should this lock be overtaken (a stall, a
-                    clock ahead), another merger, a delete and a session made since
-                    (ext4 may give it the same inode number) may come first; a delete
-                    after this marks the session it moves, which the commit's check
-                    sees."""
+                    """Only into the session seen here, and only while nothing is claimed,
+                    looked at again once the commit has the directory it goes into:
+                    should this lock be overtaken (a stall, a clock ahead), a delete and
+                    a session made since (ext4 may give it the same inode number) may
+                    come first; a delete after this look marks the session it moves,
+                    which the commit's check sees."""
                     return (os.fstat(session_fd).st_ino == session
                             and _claimed(store, trash, orphan, names, mark) is None)
 
