@@ -474,8 +474,8 @@ def _recreate(store: SyncStore, t: Appending, payload: bytes) -> bool:
                 if _views.gone_on_server(store._fs, rfd, fd, name, nfd):
                     os.close(nfd)
                     break  # comps[i] is gone on the server: make comps[i:] anew
-                os.close(fd)
-                fd = nfd
+                fd, nfd = nfd, fd
+                os.close(nfd)
             else:
                 return False
             store._locks_dir("append")

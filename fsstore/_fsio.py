@@ -223,8 +223,8 @@ class Fs:
                     if exc.errno in _UNSAFE:
                         raise unsafe(path, operation) from exc
                     raise
-                os.close(fd)
-                fd = nfd
+                fd, nfd = nfd, fd
+                os.close(nfd)  # after the swap: an interrupt here never closes it twice
             out, fd = fd, -1
             return out
         finally:
@@ -254,8 +254,8 @@ class Fs:
         try:
             for name in dirs:
                 nfd = os.open(name, DIR_FLAGS, dir_fd=fd)
-                os.close(fd)
-                fd = nfd
+                fd, nfd = nfd, fd
+                os.close(nfd)
             return os.stat(last, dir_fd=fd, follow_symlinks=False)
         finally:
             os.close(fd)

@@ -396,8 +396,8 @@ def _atomic_write(path: str, data: bytes) -> None:
         while view:
             view = view[os.write(fd, view):]
         os.fsync(fd)
-        os.close(fd)
-        fd = -1
+        fd, closing = -1, fd
+        os.close(closing)
         os.replace(tmp, path)
         tmp = ""
     finally:

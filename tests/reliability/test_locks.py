@@ -646,3 +646,65 @@ def test_gc_stalled_after_judging_a_dead_holders_lock_never_breaks_the_live_hold
             gc.kill()
             gc.wait()
     assert "broke lock" not in out, out
+
+
+def test_an_interrupt_as_any_system_call_or_lock_returns_leaves_nothing_half_done(tmp_path: Path) -> None:
+    """A SIGINT landing just as each system call (``os.*``) or thread-lock call of an
+    append (of a new session, of one that exists) or a delete returns, one run per
+    call: the operation raises KeyboardInterrupt or completes, never an FsStoreError,
+    and the next append gets the lock at once.
+
+    Found by a Ctrl-C storm review (stop 19; 5 `EBADF` appends in 4 runs of 12 s):
+    ``os.close(fd); fd = nfd`` interrupted between the two closed ``fd`` again on the
+    way out -- in a process with threads, possibly a descriptor another thread had
+    just opened (interrupt 15 of a first append, on the code before)."""
+    code = '''
+import os, signal, sys
+from fsstore import FsSessionStore, FsStoreError
+store = FsSessionStore(sys.argv[1], create=True, lock_timeout_seconds=1).sync
+signal.signal(signal.SIGINT, signal.default_int_handler)
+
+def interrupted_at(k, op):
+    n = 0
+    def profile(frame, event, arg):
+        nonlocal n
+        if event == "c_return" and (getattr(arg, "__module__", None) == "posix"
+                                    or type(getattr(arg, "__self__", None)).__name__ == "lock"):
+            n += 1
+            if n == k:
+                sys.setprofile(None)
+                signal.raise_signal(signal.SIGINT)  # as if it came just as that call returned
+    sys.setprofile(profile)
+    try:
+        op()
+        return False
+    except KeyboardInterrupt:
+        return True
+    finally:
+        sys.setprofile(None)
+
+ops = {
+    "first append": lambda k: store.append({"project_key": "p", "session_id": f"new{k}"}, [{"uuid": "a"}]),
+    "append": lambda k: store.append({"project_key": "p", "session_id": "s"}, [{"uuid": f"b{k}"}]),
+    "delete": lambda k: store.delete({"project_key": "p", "session_id": f"new{k}"}),
+}
+store.append({"project_key": "p", "session_id": "s"}, [{"uuid": "first"}])
+for name, op in ops.items():
+    k = 0
+    while True:
+        k += 1
+        try:
+            interrupted = interrupted_at(k, lambda: op(k))
+        except FsStoreError as exc:
+            sys.exit(f"{name}, interrupted at call {k}: {exc}")
+        store.append({"project_key": "p", "session_id": "s"}, [{"uuid": f"after {name} {k}"}])
+        if not interrupted:
+            break
+    print(name, k - 1, flush=True)
+'''
+    env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    proc = subprocess.run([sys.executable, "-c", code, str(tmp_path / "store")], env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+    swept = dict(line.rsplit(" ", 1) for line in proc.stdout.splitlines())
+    assert swept.keys() == {"first append", "append", "delete"} and min(map(int, swept.values())) > 20, swept
