@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 
 from . import _layout
 from ._errors import FsStoreError, log
+from ._interrupts import HeldOff
 from ._keys import TranscriptKey
 
 if TYPE_CHECKING:
@@ -56,21 +57,25 @@ class Compactions:
             worker.join()
 
     def _queue(self, store: SyncStore, tk: TranscriptKey) -> None:
-        with self._guard:
-            threaded = threading.main_thread().is_alive()
-            if threaded:
-                self._queued[tk] = None
-            if threaded and self._thread is None:
-                # Never a daemon, whoever appended: a thread started from a daemon thread
-                # (a user's, or trio's worker threads) would otherwise be one, and be cut
-                # off at exit holding the lock.
-                self._thread = threading.Thread(target=self._run, args=(store,), name="fsstore-compact",
-                                                daemon=False)
-                try:
-                    self._thread.start()
-                except RuntimeError:  # the interpreter refuses new threads (shutting down)
-                    self._thread, threaded = None, False
-                    self._queued.clear()
+        interrupts = HeldOff()  # a Ctrl-C inside would note a thread never started
+        try:
+            with self._guard:
+                threaded = threading.main_thread().is_alive()
+                if threaded:
+                    self._queued[tk] = None
+                if threaded and self._thread is None:
+                    # Never a daemon, whoever appended: a thread started from a daemon thread
+                    # (a user's, or trio's worker threads) would otherwise be one, and be cut
+                    # off at exit holding the lock.
+                    self._thread = threading.Thread(target=self._run, args=(store,), name="fsstore-compact",
+                                                    daemon=False)
+                    try:
+                        self._thread.start()
+                    except RuntimeError:  # the interpreter refuses new threads (shutting down)
+                        self._thread, threaded = None, False
+                        self._queued.clear()
+        finally:
+            interrupts.restore()
         if not threaded:
             _now(store, tk)
 

@@ -49,6 +49,7 @@ import filelock
 
 from . import _fsio
 from ._errors import FsStoreError, log
+from ._interrupts import HeldOff
 
 _IDLE_LOCKS = 256
 # The locks held by SyncStore.locked in this context, by lock path (see Locks.held_here).
@@ -385,7 +386,7 @@ class Held:
     A class rather than a generator context manager: it is on every append's path.
     """
 
-    __slots__ = ("_entry", "_locks", "_operation", "_pid", "budget", "path", "since", "timeout")
+    __slots__ = ("_entry", "_interrupts", "_locks", "_operation", "_pid", "budget", "path", "since", "timeout")
 
     def __init__(self, locks: Locks, path: str, operation: str, timeout: float | None = None) -> None:
         self._locks = locks
@@ -397,31 +398,38 @@ class Held:
         self.budget = locks.stale / 2
 
     def __enter__(self) -> Held:
+        # Ctrl-C is held off from here until the lock is given back (see _interrupts):
+        # it runs between the waiter's tries, or once __exit__ is done.
+        self._interrupts = HeldOff()
+        try:
+            self._take(self._interrupts)
+        except BaseException:
+            self._interrupts.restore()
+            raise
+        return self
+
+    def _take(self, interrupts: HeldOff) -> None:
+        """The in-process lock, then the marker; on any exception, neither."""
         locks, path, operation = self._locks, self.path, self._operation
         deadline = time.monotonic() + self.timeout
         entry = self._entry = locks._use(path)
         try:
-            if not entry.lock.acquire(timeout=max(self.timeout, 0)):
-                raise locks._timeout(path, operation, None)
+            while not entry.lock.acquire(timeout=max(min(deadline - time.monotonic(), _RECLAIM_POLL), 0)):
+                interrupts.deliver()
+                if time.monotonic() >= deadline:
+                    raise locks._timeout(path, operation, None)
             try:
                 soft = entry.soft
                 if soft is None:
                     soft = entry.soft = _MarkerLock(path, thread_local=False, poll_interval=0.002)
                     soft.record = locks._record
-                self.since = locks._acquire(soft, path, operation, deadline)
+                self.since = locks._acquire(soft, path, operation, deadline, interrupts)
             except BaseException:
-                # An interrupt (Ctrl-C) can land after the marker was taken and before
-                # this returns; nobody else in this process can hold it (the thread
-                # lock), so a marker held here is ours to give back.
-                if entry.soft is not None and entry.soft.is_locked:
-                    with contextlib.suppress(OSError):
-                        entry.soft.release()
                 entry.lock.release()
                 raise
         except BaseException:
             locks._done(entry)
             raise
-        return self
 
     def __exit__(self, *exc_info: object) -> None:
         entry = self._entry
@@ -437,8 +445,9 @@ class Held:
                     "code": "LOCK_RELEASE_FAILED", "operation": self._operation, "path": self.path})
             finally:
                 entry.lock.release()
+                self._locks._done(entry)
         finally:
-            self._locks._done(entry)
+            self._interrupts.restore()  # a Ctrl-C that came while it was held runs now
 
     def check(self, operation: str) -> None:
         held = time.monotonic() - self.since
@@ -516,10 +525,6 @@ class Locks:
                     self._trim()
             else:
                 self._local.move_to_end(lock_path)
-            if entry.users == 0 and entry.lock.locked():
-                # Taken by a thread interrupted (Ctrl-C) right after taking it and before
-                # it could note so: ``users`` counts every holder and waiter, and is 0.
-                entry.lock.release()
             entry.users += 1
         return entry
 
@@ -534,7 +539,7 @@ class Locks:
             entry.users -= 1
 
     def _acquire(
-        self, soft: _MarkerLock, lock_path: str, operation: str, deadline: float
+        self, soft: _MarkerLock, lock_path: str, operation: str, deadline: float, interrupts: HeldOff,
     ) -> float:
         """Acquire, checking every :data:`_RECLAIM_POLL` seconds (first at once) for a stale
         marker filelock cannot break.
@@ -553,6 +558,7 @@ class Locks:
                 soft.acquire(timeout=max(min(remaining, wait), 0))
                 return started
             except filelock.Timeout as exc:
+                interrupts.deliver()
                 if time.monotonic() >= deadline:
                     raise self._timeout(lock_path, operation, exc) from exc
             except (NotADirectoryError, OSError) as exc:

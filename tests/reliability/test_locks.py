@@ -549,47 +549,74 @@ def test_a_killed_holder_not_yet_reaped_is_dead(tmp_path: Path) -> None:
 
 
 
-def test_an_agent_that_survives_ctrl_c_can_still_append(tmp_path: Path) -> None:
+@pytest.mark.parametrize("threads, pause", [(0, (0.02, 0.11)), (2, (0.002, 0.012))],
+                         ids=["alone", "beside two appending threads"])
+def test_an_agent_that_survives_ctrl_c_can_still_append(tmp_path: Path, threads: int,
+                                                        pause: tuple[float, float]) -> None:
     """An agent CLI treats Ctrl-C as "cancel this turn": it catches KeyboardInterrupt
-    around append and goes on. 3.5 s of SIGINTs every 20-110 ms; then, signals ignored,
-    its next append gets in at once, and every batch it acknowledged is there once.
+    around append and goes on. 3.5 s of SIGINTs (``pause`` apart) while it appends,
+    beside ``threads`` threads appending to the same transcript; then, signals ignored,
+    its next append, and one from a new thread, get in at once, and every batch
+    acknowledged is there once.
 
     Found by review (5 of 5 runs, compact_every=3): an interrupt that landed just after
     the in-process lock was taken left it held by nobody, and every later append of that
-    process to that transcript failed with LOCK_TIMEOUT."""
+    process to that transcript failed with LOCK_TIMEOUT. The first fix left the case
+    where another thread (the compaction's, or the app's) waited for that lock (1 in 10
+    runs alone, 6 of 8 with threads) and an interrupt on entry to the lock's
+    ``__exit__`` (before its first line): interrupts are held off while a lock is held."""
     import random
     import signal
 
     root, acks = tmp_path / "store", tmp_path / "acks"
     code = (
-        "import os, signal, sys, time\n"
-        "signal.signal(signal.SIGINT, signal.SIG_IGN)  # until inside the loop's try\n"
+        "import os, signal, sys, threading, time\n"
+        "signal.signal(signal.SIGINT, signal.SIG_IGN)  # until the loop\n"
         "from fsstore import FsSessionStore, FsStoreError\n"
         "key = {'project_key': 'p', 'session_id': 's'}\n"
         "store = FsSessionStore(sys.argv[1], create=True, compact_every=3, lock_timeout_seconds=2).sync\n"
         "acks = open(sys.argv[2], 'w')\n"
         "end = time.monotonic() + float(sys.argv[3])\n"
+        "stop = False\n"
+        "def worker(w):\n"
+        "    k = 0\n"
+        "    with open(f'{sys.argv[2]}.{w}', 'w') as mine:\n"
+        "        while not stop:\n"
+        "            k += 1\n"
+        "            store.append(key, [{'uuid': f'w{w}-{k}'}]); mine.write(f'w{w}-{k}\\n'); mine.flush()\n"
+        "workers = [threading.Thread(target=worker, args=(w,)) for w in range(int(sys.argv[4]))]\n"
+        "for t in workers: t.start()\n"
+        "armed = False  # the app's own loop is not what is tested: only the append\n"
+        "def interrupted(signum, frame):\n"
+        "    if armed:\n"
+        "        raise KeyboardInterrupt\n"
+        "signal.signal(signal.SIGINT, interrupted)\n"
         "print('ready', flush=True)\n"
         "k = 0\n"
-        "while True:\n"
+        "while time.monotonic() < end:\n"
+        "    k += 1\n"
         "    try:\n"
-        "        signal.signal(signal.SIGINT, signal.default_int_handler)\n"
-        "        if time.monotonic() >= end:\n"
-        "            signal.signal(signal.SIGINT, signal.SIG_IGN)\n"
-        "            break\n"
-        "        k += 1\n"
+        "        armed = True\n"
         "        store.append(key, [{'uuid': f'u{k}', 'k': k}])\n"
+        "        armed = False\n"
         "        acks.write(f'u{k}\\n'); acks.flush()\n"
         "    except KeyboardInterrupt:\n"
-        "        pass\n"
-        "t = time.monotonic()\n"
-        "try:\n"
-        "    store.append(key, [{'uuid': 'final'}]); print('final ok', round(time.monotonic() - t, 2))\n"
-        "except FsStoreError as exc:\n"
-        "    print('final failed', exc.code, exc)\n"
+        "        armed = False\n"
+        "signal.signal(signal.SIGINT, signal.SIG_IGN)\n"
+        "stop = True\n"
+        "for t in workers: t.join(10)\n"
+        "print('workers', 'stuck' if any(t.is_alive() for t in workers) else 'done', flush=True)\n"
+        "def final(name):\n"
+        "    t = time.monotonic()\n"
+        "    try:\n"
+        "        store.append(key, [{'uuid': name}]); print(name, 'ok', round(time.monotonic() - t, 2), flush=True)\n"
+        "    except FsStoreError as exc:\n"
+        "        print(name, 'failed', exc.code, exc, flush=True)\n"
+        "final('final')\n"
+        "t = threading.Thread(target=final, args=('final-thread',)); t.start(); t.join(10)\n"
     )
     env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    proc = subprocess.Popen([sys.executable, "-c", code, str(root), str(acks), "4"], env=env,
+    proc = subprocess.Popen([sys.executable, "-c", code, str(root), str(acks), "4", str(threads)], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
@@ -598,16 +625,19 @@ def test_an_agent_that_survives_ctrl_c_can_still_append(tmp_path: Path) -> None:
         while proc.poll() is None and time.monotonic() < deadline:
             with contextlib.suppress(ProcessLookupError):
                 proc.send_signal(signal.SIGINT)
-            time.sleep(rng.uniform(0.02, 0.11))
+            time.sleep(rng.uniform(*pause))
         out, err = proc.communicate(timeout=60)
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-    assert "final ok" in out, out + err[-3000:]
+    assert proc.returncode == 0 and "workers done" in out, out + err[-3000:]
+    assert "final ok" in out and "final-thread ok" in out, out + err[-3000:]
     uuids = [e.get("uuid") for e in SyncStore(root).load({"project_key": "p", "session_id": "s"}) or []]
     acked = acks.read_text().split()
-    assert len(acked) > 20 and uuids[-1] == "final"
+    for w in range(threads):
+        acked += Path(f"{acks}.{w}").read_text().split()
+    assert len(acked) > 20 and uuids[-1] == "final-thread"
     assert sorted(set(acked) - set(uuids)) == [] and len(uuids) == len(set(uuids))
 
 

@@ -1,0 +1,70 @@
+"""Ctrl-C held off while this process takes, holds or gives back a lock.
+
+Python runs signal handlers in the main thread, between any two bytecodes, also on
+entry to a ``with`` statement's ``__exit__`` before its first line: a
+``KeyboardInterrupt`` could land after a lock was taken and before its taker noted
+it, or as it was to be given back, leaving an in-process lock held by nobody (or
+filelock's bookkeeping half changed); every later append of that process to that
+transcript then waited for it in vain. So from the moment a lock is asked for until
+it is given back, the main thread's SIGINT handler is swapped for one that only
+notes the signal, and the real one runs where nothing is half taken: between a
+waiter's tries (:meth:`HeldOff.deliver`: Ctrl-C still ends a long wait within one
+try) and once the lock is given back (:meth:`HeldOff.restore`). Other threads never
+run handlers: there it does nothing.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+import types
+from typing import Any
+
+
+class HeldOff:
+    """SIGINT held off from construction until :meth:`restore` (call it on every path;
+    nested ones restore in reverse order, a held-off Ctrl-C passing outwards)."""
+
+    __slots__ = ("_pending", "_previous")
+
+    def __init__(self) -> None:
+        self._pending = False
+        self._previous: Any = None
+        if threading.current_thread() is threading.main_thread():
+            previous = signal.getsignal(signal.SIGINT)
+            if previous is not None:  # None: a handler not set from Python, left alone
+                self._hold_off()
+                self._previous = previous
+
+    def _hold_off(self) -> None:
+        # Never raises, so that a lock is given back whatever came: swapping the handler
+        # first runs it for a Ctrl-C that came just before, and where it raised, it runs
+        # again later (its exception is dropped here).
+        while True:
+            try:
+                signal.signal(signal.SIGINT, self._note)
+                return
+            except BaseException:  # noqa: BLE001 - the handler's own: raised again later
+                self._pending = True
+
+    def _note(self, signum: int, frame: types.FrameType | None) -> None:
+        self._pending = True
+
+    def deliver(self) -> None:
+        """Run the handler of a Ctrl-C that came meanwhile now (by default it raises
+        ``KeyboardInterrupt``); if it returns, hold off again."""
+        if self._pending:
+            previous = self._previous
+            self.restore()
+            self._hold_off()
+            self._previous = previous
+
+    def restore(self) -> None:
+        """Put the handler back, and run it for a Ctrl-C that came meanwhile (it may
+        raise). Calling it again does nothing."""
+        previous, self._previous = self._previous, None
+        if previous is not None:
+            signal.signal(signal.SIGINT, previous)  # runs ours for one that came just now
+            if self._pending:
+                self._pending = False
+                signal.raise_signal(signal.SIGINT)
