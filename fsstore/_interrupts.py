@@ -15,6 +15,7 @@ run handlers: there it does nothing.
 
 from __future__ import annotations
 
+import os
 import signal
 import threading
 import types
@@ -52,12 +53,14 @@ class HeldOff:
 
     def deliver(self) -> None:
         """Run the handler of a Ctrl-C that came meanwhile now (by default it raises
-        ``KeyboardInterrupt``); if it returns, hold off again."""
+        ``KeyboardInterrupt``); held off again after it, whether it raised or not."""
         if self._pending:
             previous = self._previous
-            self.restore()
-            self._hold_off()
-            self._previous = previous
+            try:
+                self.restore()
+            finally:
+                self._hold_off()
+                self._previous = previous
 
     def restore(self) -> None:
         """Put the handler back, and run it for a Ctrl-C that came meanwhile (it may
@@ -68,3 +71,17 @@ class HeldOff:
             if self._pending:
                 self._pending = False
                 signal.raise_signal(signal.SIGINT)
+
+
+def _in_forked_child() -> None:
+    """A child forked by another thread while the main thread held SIGINT off gets the
+    handler that was held off (that thread, and its restore, are not in the child)."""
+    handler = signal.getsignal(signal.SIGINT)
+    while isinstance(getattr(handler, "__self__", None), HeldOff):
+        handler = handler.__self__._previous  # type: ignore[union-attr]
+    if handler is not None and handler is not signal.getsignal(signal.SIGINT):
+        signal.signal(signal.SIGINT, handler)
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_in_forked_child)

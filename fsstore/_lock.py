@@ -450,6 +450,9 @@ class Held:
             self._interrupts.restore()  # a Ctrl-C that came while it was held runs now
 
     def check(self, operation: str) -> None:
+        """Before each step that publishes: a Ctrl-C that came while the lock was
+        held runs now (nothing published yet), and LOCK_EXPIRED past the lease."""
+        self._interrupts.deliver()
         held = time.monotonic() - self.since
         if held > self.budget:
             raise FsStoreError(

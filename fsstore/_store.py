@@ -628,6 +628,11 @@ class SyncStore:
         Inside, this store's append, compact and load of that transcript, in the
         same thread or task, run under it rather than wait for it (nested
         ``locked`` too); other threads, tasks, processes and stores wait.
+
+        In the main thread, Ctrl-C (SIGINT) is held off while the lock is held, as
+        it is inside every append: its ``KeyboardInterrupt`` comes at the next
+        append or compact inside the block, before it commits, or as the block ends
+        and the lock is given back (see ``fsstore/_interrupts.py``).
         """
         hold, held = self._take_lock(key)
         # The caller's own errors pass through untranslated.

@@ -738,3 +738,32 @@ for name, op in ops.items():
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
     swept = dict(line.rsplit(" ", 1) for line in proc.stdout.splitlines())
     assert swept.keys() == {"first append", "append", "delete"} and min(map(int, swept.values())) > 20, swept
+
+
+def test_a_child_forked_while_the_main_thread_holds_a_lock_is_interrupted_by_ctrl_c(tmp_path: Path) -> None:
+    """Ctrl-C is held off while the main thread holds a lock; a child another thread
+    forks meanwhile has the handler that was held off, not the one that only notes it
+    (its holder, and the restore, are not in the child)."""
+    code = '''
+import os, signal, sys, threading, time
+from fsstore import FsSessionStore
+store = FsSessionStore(sys.argv[1], create=True).sync
+def fork():
+    pid = os.fork()
+    if pid == 0:
+        try:
+            signal.raise_signal(signal.SIGINT)
+            time.sleep(1)
+        except KeyboardInterrupt:
+            os._exit(7)
+        os._exit(0)
+    print("child", os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]), flush=True)
+with store.locked({"project_key": "p", "session_id": "s"}):
+    t = threading.Thread(target=fork)
+    t.start()
+    t.join()
+'''
+    env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    proc = subprocess.run([sys.executable, "-W", "ignore::DeprecationWarning", "-c", code, str(tmp_path / "store")],
+                          env=env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0 and proc.stdout.split() == ["child", "7"], proc.stdout + proc.stderr[-2000:]
