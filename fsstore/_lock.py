@@ -158,9 +158,12 @@ def reclaim_if_stale(
         os.rename(lock_path, aside)
     except OSError:  # someone else reclaimed or released it first
         return False
-    after = os.lstat(aside)
-    # Ours by content: where inode numbers go by name (sshfs), the moved one has another.
-    if (_content(aside) != mine) if ours else (after.st_ino, after.st_mtime_ns) != (before.st_ino, before.st_mtime_ns):
+    if ours:  # by content: where inode numbers go by name (sshfs), the moved one has another
+        judged = _content(aside) == mine
+    else:
+        after = os.lstat(aside)
+        judged = (after.st_ino, after.st_mtime_ns) == (before.st_ino, before.st_mtime_ns)
+    if not judged:
         # A new holder took the lock since we looked: put its marker back. If yet
         # another marker is there already (link refuses to replace it: EEXIST, or
         # EPERM over SFTP, which has no EEXIST), leave the moved one where it is
