@@ -91,7 +91,6 @@ class Appending:
     comps: list[Component]
     path: str  # <root>/<rel>, for messages
     lock_path: str  # <root>/.locks/<lock name>
-    sdk_key: dict[str, str]  # the key as the SDK's summary fold takes it
     session_marker: str | None  # see _layout.session_marker
     # One above the highest number this process saw at its last commit, and the name
     # of the file that held it: while that file is still there, no compaction merged

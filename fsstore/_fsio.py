@@ -30,8 +30,6 @@ DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | _CLOEXEC
 PATH_FLAGS = getattr(os, "O_PATH", os.O_RDONLY) | os.O_DIRECTORY | os.O_NOFOLLOW | _CLOEXEC
 READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | _CLOEXEC
 CREATE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | _CLOEXEC
-# A state file, to read and rewrite in place (O_NONBLOCK: a planted FIFO does not hang).
-RW_FLAGS = os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK | _CLOEXEC
 KEY_FILE = ".key"
 TEMP_PREFIX = ".tmp-"
 

@@ -260,7 +260,7 @@ class SyncStore:
         tk = _keys.parse_key(key, operation)
         comps = _layout.transcript_dirs(tk)
         t = _commit.Appending(key=tk, comps=comps, path=self._path(comps),
-                       lock_path=f"{self._locks_path}/{_layout.lock_name(comps)}", sdk_key=tk.as_dict(),
+                       lock_path=f"{self._locks_path}/{_layout.lock_name(comps)}",
                        session_marker=_layout.session_marker(tk))
         with self._appending_guard:
             t = self._appending.setdefault((tk.project_key, tk.session_id, tk.subpath), t)
