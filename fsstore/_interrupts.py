@@ -52,15 +52,29 @@ class HeldOff:
         self._pending = True
 
     def deliver(self) -> None:
-        """Run the handler of a Ctrl-C that came meanwhile now (by default it raises
-        ``KeyboardInterrupt``); held off again after it, whether it raised or not."""
-        if self._pending:
-            previous = self._previous
+        """Run the real handler now for a Ctrl-C that came while this one, or one it
+        nests in, held it off (by default it raises ``KeyboardInterrupt``); held off
+        again after it, whether it raised or not. Nested in another hold (inside
+        ``locked()``, or a delete taking several locks), a wait or a last check runs
+        it too: the caller's way out gives that hold back."""
+        if self._due():
+            previous, outer = self._previous, self._outer()
             try:
-                self.restore()
+                self.restore()  # one of ours runs an outer one's note: due there
+                if outer is not None:
+                    outer.deliver()
             finally:
                 self._hold_off()
                 self._previous = previous
+
+    def _outer(self) -> HeldOff | None:
+        """The one this nests in (whose note was the handler this one held off)."""
+        outer = getattr(self._previous, "__self__", None)
+        return outer if isinstance(outer, HeldOff) else None
+
+    def _due(self) -> bool:
+        outer = self._outer()
+        return self._pending or (outer is not None and outer._due())
 
     def restore(self) -> None:
         """Put the handler back, and run it for a Ctrl-C that came meanwhile (it may

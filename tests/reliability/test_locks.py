@@ -767,3 +767,52 @@ with store.locked({"project_key": "p", "session_id": "s"}):
     proc = subprocess.run([sys.executable, "-W", "ignore::DeprecationWarning", "-c", code, str(tmp_path / "store")],
                           env=env, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0 and proc.stdout.split() == ["child", "7"], proc.stdout + proc.stderr[-2000:]
+
+
+def test_ctrl_c_inside_locked_reaches_a_wait_or_an_append_for_another_transcript(tmp_path: Path) -> None:
+    """Inside ``store.sync.locked(k1)`` (Ctrl-C held off), an append to k2 that waits for
+    another process's lock raises KeyboardInterrupt at once, not at LOCK_TIMEOUT; one
+    to a free k3 raises it before it commits; k1's lock is given back after the block.
+
+    Found by review (stop 19, `/tmp/revI_work/waiter.py`): the inner lock held it off
+    for the outer one, which only noted it: the wait ran 19 s to LOCK_TIMEOUT, and the
+    append to k3 committed."""
+    root = str(tmp_path / "store")
+    k2 = {"project_key": "p", "session_id": "s2"}
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys, time\n"
+         f"sys.path.insert(0, {str(REPO)!r})\nfrom fsstore._store import SyncStore\n"
+         f"with SyncStore({root!r}, create=True).locked({k2!r}):\n    print('held', flush=True); time.sleep(60)\n"],
+        stdout=subprocess.PIPE, text=True)
+    code = '''
+import os, signal, sys, threading, time
+from fsstore import FsSessionStore
+store = FsSessionStore(sys.argv[1], lock_timeout_seconds=20).sync
+signal.signal(signal.SIGINT, signal.default_int_handler)
+k1, k2, k3 = ({"project_key": "p", "session_id": s} for s in ("s1", "s2", "s3"))
+with store.locked(k1):
+    threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGINT)).start()
+    t = time.monotonic()
+    try:
+        store.append(k2, [{"uuid": "waited"}])
+    except KeyboardInterrupt:
+        print("wait", round(time.monotonic() - t - 0.5, 1), flush=True)
+    os.kill(os.getpid(), signal.SIGINT)
+    time.sleep(0.05)
+    try:
+        store.append(k3, [{"uuid": "free"}])
+    except KeyboardInterrupt:
+        print("free", store.load(k3), flush=True)
+t = time.monotonic()
+store.append(k1, [{"uuid": "after"}])
+print("after", round(time.monotonic() - t, 1), signal.getsignal(signal.SIGINT) is signal.default_int_handler)
+'''
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
+        env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+        proc = subprocess.run([sys.executable, "-c", code, root], env=env, capture_output=True, text=True,
+                              timeout=60)
+    finally:
+        holder.kill()
+        holder.wait()
+    assert proc.stdout.split("\n")[:3] == ["wait 0.0", "free None", "after 0.0 True"], proc.stdout + proc.stderr[-2000:]
