@@ -16,6 +16,8 @@ and no compaction waits for a busy lock (exit waits for the compactions' own wor
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import threading
 from typing import TYPE_CHECKING
 
@@ -29,6 +31,7 @@ if TYPE_CHECKING:
 
 #: How long an automatic compaction waits for a busy lock (seconds).
 WAIT = 2.0
+_THREAD_NAME = "fsstore-compact"
 
 
 class Compactions:
@@ -67,7 +70,7 @@ class Compactions:
                     # Never a daemon, whoever appended: a thread started from a daemon thread
                     # (a user's, or trio's worker threads) would otherwise be one, and be cut
                     # off at exit holding the lock.
-                    self._thread = threading.Thread(target=self._run, args=(store,), name="fsstore-compact",
+                    self._thread = threading.Thread(target=self._run, args=(store,), name=_THREAD_NAME,
                                                     daemon=False)
                     try:
                         self._thread.start()
@@ -93,6 +96,18 @@ class Compactions:
                 with self._guard:
                     self._thread = None
                 raise
+
+
+@atexit.register
+def _finish_at_exit() -> None:
+    """A Ctrl-C at exit cuts short the interpreter's wait for the non-daemon threads
+    (``threading._shutdown``), and a compaction cut off there leaves its lock file, like
+    a killed process. The wait goes on here (``atexit`` runs after that one); a second
+    Ctrl-C ends it."""
+    with contextlib.suppress(KeyboardInterrupt):
+        for thread in threading.enumerate():
+            if thread.name == _THREAD_NAME and thread is not threading.current_thread():
+                thread.join()
 
 
 def _now(store: SyncStore, tk: TranscriptKey) -> None:

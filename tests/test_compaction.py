@@ -105,6 +105,31 @@ def test_an_append_in_an_atexit_handler_compacts_before_the_process_ends(root: P
     assert not [p for p in (root / _layout.LOCKS).iterdir() if p.name.endswith(".lock")]
 
 
+def test_ctrl_c_at_exit_while_a_compaction_runs_leaves_no_lock_behind(root: Path) -> None:
+    """Review (stop 19, 4 of 4): a Ctrl-C as the main thread ended cut short the
+    interpreter's wait for the compaction thread, which was frozen mid-compaction: its
+    lock file stayed (``check`` exit 1). The wait goes on in an ``atexit`` handler."""
+    import signal
+
+    code = (f"import signal; signal.signal(signal.SIGINT, signal.default_int_handler)\n"
+            f"from fsstore._store import SyncStore\n"
+            f"s = SyncStore({str(root)!r}, create=True, compact_every=40)\n"
+            f"for i in range(40): s.append({KEY!r}, [{{'uuid': str(i), 'x': 'y' * 400_000}}])\n"
+            f"print('exiting', flush=True)\n")
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "exiting"
+        time.sleep(0.01)
+        proc.send_signal(signal.SIGINT)
+        proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert files_of(root) == [(1, 40)]
+    assert not [p for p in (root / _layout.LOCKS).iterdir() if p.name.endswith(".lock")]
+
+
 def test_automatic_compaction_of_a_busy_transcript_gives_up_quietly_and_runs_once_queued_again(
     root: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
