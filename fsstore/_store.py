@@ -632,7 +632,8 @@ class SyncStore:
         In the main thread, Ctrl-C (SIGINT) is held off while the lock is held, as
         it is inside every append: its ``KeyboardInterrupt`` comes at the next
         append or compact inside the block, before it commits, or as the block ends
-        and the lock is given back (see ``fsstore/_interrupts.py``).
+        and the lock is given back (see ``fsstore/_interrupts.py``); the SIGINT
+        handler in place as the block began is the one in place after it.
         """
         hold, held = self._take_lock(key)
         # The caller's own errors pass through untranslated.
