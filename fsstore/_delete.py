@@ -45,7 +45,7 @@ from __future__ import annotations
 import contextlib
 import os
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from . import _commit, _fsio, _keys, _layout, _views
@@ -323,27 +323,20 @@ def _tickets(
 
 def _ticket_dirs(store: SyncStore, parent: int, name: str, mark: str, base: str, ticket: str,
                  *, undo: bool) -> None:
-    for tfd in _transcript_dirs(store, parent, name, mark, base):
-        try:
+    with _transcript_dirs(store, parent, name, mark, base) as tfds:
+        for tfd in tfds:
             if undo:
                 _fsio.unlink_quiet(tfd, ticket)
             else:
                 with contextlib.suppress(OSError):  # removed meanwhile: nothing to claim there
                     os.close(os.open(ticket, _fsio.CREATE_FLAGS, 0o600, dir_fd=tfd))
-        finally:
-            os.close(tfd)
 
 
 def _holds(store: SyncStore, parent: int, name: str, mark: str, base: str, ticket: str) -> bool:
     """Whether a transcript directory of ``parent/name`` (a session's, with ``mark``)
     holds ``ticket``."""
-    found = False
-    for tfd in _transcript_dirs(store, parent, name, mark, base):
-        try:
-            found = found or _fsio.exists(tfd, ticket)
-        finally:
-            os.close(tfd)
-    return found
+    with _transcript_dirs(store, parent, name, mark, base) as tfds:
+        return any(_fsio.exists(tfd, ticket) for tfd in tfds)
 
 
 # What a delete moves into .trash is named for what it was: the session's tag (the
@@ -556,11 +549,12 @@ def _transcripts(
     subkeys = store._open(trash, [(orphan, None), (_layout.SUBKEYS, None)], "delete")
     if subkeys is not None:
         try:
-            for entry in os.scandir(subkeys):
-                sub = _layout.decode_entry(subkeys, entry)
-                if sub is not None:
-                    found.append(({"project_key": project, "session_id": session, "subpath": sub},
-                                  [_layout.SUBKEYS, entry.name]))
+            with os.scandir(subkeys) as entries:
+                for entry in entries:
+                    sub = _layout.decode_entry(subkeys, entry)
+                    if sub is not None:
+                        found.append(({"project_key": project, "session_id": session, "subpath": sub},
+                                      [_layout.SUBKEYS, entry.name]))
         finally:
             os.close(subkeys)
     return found
@@ -607,28 +601,31 @@ def _mark(store: SyncStore, parent: int, name: str, path: str, below: str, *, un
 
 
 def _mark_dirs(store: SyncStore, parent: int, name: str, base: str, below: str, *, undo: bool) -> None:
-    for tfd in _transcript_dirs(store, parent, name, below, base):
-        try:
+    with _transcript_dirs(store, parent, name, below, base) as tfds:
+        for tfd in tfds:
             if undo:
                 _fsio.unlink_quiet(tfd, _layout.DELETED)
             else:
                 with contextlib.suppress(FileNotFoundError):  # removed meanwhile
                     store._fs.mark(tfd, _layout.DELETED)
-        finally:
-            os.close(tfd)
 
 
-def _transcript_dirs(store: SyncStore, parent: int, name: str, below: str, base: str) -> list[int]:
-    """The transcript directories of ``parent/name``, open (the caller closes them): the
-    directory itself, or for a session (``below``: its ``main``) main and each
-    subagent transcript's; those that do not exist are left out."""
+@contextlib.contextmanager
+def _transcript_dirs(store: SyncStore, parent: int, name: str, below: str, base: str) -> Iterator[list[int]]:
+    """The transcript directories of ``parent/name``, open for the ``with`` (all closed
+    after it, also on an error): the directory itself, or for a session (``below``: its
+    ``main``) main and each subagent transcript's; those that do not exist are left out."""
     dirs = [[name]] if not below else [[name, below]] + [
         [name, _layout.SUBKEYS, sp]
         for sp in store._fs.subdirs_beneath(parent, [name, _layout.SUBKEYS], base, "delete")]
-    opened = []
-    for names in dirs:
-        tfd = store._fs.open_dir(parent, [(n, None) for n in names], create=False,
-                                 base_path=base, operation="delete")
-        if tfd is not None:
-            opened.append(tfd)
-    return opened
+    opened: list[int] = []
+    try:
+        for names in dirs:
+            tfd = store._fs.open_dir(parent, [(n, None) for n in names], create=False,
+                                     base_path=base, operation="delete")
+            if tfd is not None:
+                opened.append(tfd)
+        yield opened
+    finally:
+        for tfd in opened:
+            os.close(tfd)

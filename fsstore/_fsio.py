@@ -583,11 +583,12 @@ def remove_tree(parent_fd: int, name: str) -> None:
             return
         raise
     try:
-        for entry in os.scandir(fd):
-            if entry.is_dir(follow_symlinks=False):
-                remove_tree(fd, entry.name)
-            else:
-                unlink_quiet(fd, entry.name)
+        with os.scandir(fd) as entries:  # its own descriptor: closed on an error too
+            for entry in entries:
+                if entry.is_dir(follow_symlinks=False):
+                    remove_tree(fd, entry.name)
+                else:
+                    unlink_quiet(fd, entry.name)
     finally:
         os.close(fd)
     try:
@@ -627,17 +628,18 @@ def empty_tree(parent_fd: int, name: str, keep: str) -> bool:
         return False
     kept = False
     try:
-        for entry in os.scandir(fd):
-            if entry.name == keep and not entry.is_dir(follow_symlinks=False):
-                kept = True
-            elif entry.is_dir(follow_symlinks=False):
-                if empty_tree(fd, entry.name, keep):
+        with os.scandir(fd) as entries:  # its own descriptor: closed on an error too
+            for entry in entries:
+                if entry.name == keep and not entry.is_dir(follow_symlinks=False):
                     kept = True
+                elif entry.is_dir(follow_symlinks=False):
+                    if empty_tree(fd, entry.name, keep):
+                        kept = True
+                    else:
+                        with contextlib.suppress(FileNotFoundError):
+                            os.rmdir(entry.name, dir_fd=fd)
                 else:
-                    with contextlib.suppress(FileNotFoundError):
-                        os.rmdir(entry.name, dir_fd=fd)
-            else:
-                unlink_quiet(fd, entry.name)
+                    unlink_quiet(fd, entry.name)
     finally:
         os.close(fd)
     return kept

@@ -680,7 +680,8 @@ def _holds_batches(parent_fd: int, name: str) -> bool:
     except OSError:
         return False
     try:
-        return any(_holds_batches(fd, e.name) if e.is_dir(follow_symlinks=False)
-                   else _layout.parse_item(e.name) is not None for e in os.scandir(fd))
+        with os.scandir(fd) as entries:
+            return any(_holds_batches(fd, e.name) if e.is_dir(follow_symlinks=False)
+                       else _layout.parse_item(e.name) is not None for e in entries)
     finally:
         os.close(fd)

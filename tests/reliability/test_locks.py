@@ -734,7 +734,7 @@ for name, op in ops.items():
 '''
     env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     proc = subprocess.run([sys.executable, "-c", code, str(tmp_path / "store")], env=env,
-                          capture_output=True, text=True, timeout=120)
+                          capture_output=True, text=True, timeout=120, check=False)
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
     swept = dict(line.rsplit(" ", 1) for line in proc.stdout.splitlines())
     assert swept.keys() == {"first append", "append", "delete"} and min(map(int, swept.values())) > 20, swept
@@ -765,7 +765,7 @@ with store.locked({"project_key": "p", "session_id": "s"}):
 '''
     env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     proc = subprocess.run([sys.executable, "-W", "ignore::DeprecationWarning", "-c", code, str(tmp_path / "store")],
-                          env=env, capture_output=True, text=True, timeout=60)
+                          env=env, capture_output=True, text=True, timeout=60, check=False)
     assert proc.returncode == 0 and proc.stdout.split() == ["child", "7"], proc.stdout + proc.stderr[-2000:]
 
 
@@ -780,9 +780,9 @@ def test_ctrl_c_inside_locked_reaches_a_wait_or_an_append_for_another_transcript
     root = str(tmp_path / "store")
     k2 = {"project_key": "p", "session_id": "s2"}
     holder = subprocess.Popen(
-        [sys.executable, "-c", "import sys, time\n"
+        [sys.executable, "-c", ("import sys, time\n"
          f"sys.path.insert(0, {str(REPO)!r})\nfrom fsstore._store import SyncStore\n"
-         f"with SyncStore({root!r}, create=True).locked({k2!r}):\n    print('held', flush=True); time.sleep(60)\n"],
+         f"with SyncStore({root!r}, create=True).locked({k2!r}):\n    print('held', flush=True); time.sleep(60)\n")],
         stdout=subprocess.PIPE, text=True)
     code = '''
 import os, signal, sys, threading, time
@@ -811,7 +811,7 @@ print("after", round(time.monotonic() - t, 1), signal.getsignal(signal.SIGINT) i
         assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
         env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
         proc = subprocess.run([sys.executable, "-c", code, root], env=env, capture_output=True, text=True,
-                              timeout=60)
+                              timeout=60, check=False)
     finally:
         holder.kill()
         holder.wait()
