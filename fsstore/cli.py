@@ -132,7 +132,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, _Options]:
         epilog=_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
+    parser.add_argument("--version", action=_VersionAction)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
     def command(name: str, help_text: str) -> argparse.ArgumentParser:
@@ -265,6 +265,21 @@ def _mark_values(argv: Sequence[str], opts: _Options) -> list[str]:
 
 #: The distribution's name ("fsstore" on the package index is another project).
 DISTRIBUTION = "fsstore-sessions"
+
+
+class _VersionAction(argparse.Action):
+    """``--version``: the package metadata is read only when asked for (reading it
+    imports ``email`` and stats every installed distribution: ~370 file lookups at
+    every start of every command before)."""
+
+    def __init__(self, option_strings: list[str], dest: str = argparse.SUPPRESS, **kwargs: Any) -> None:
+        super().__init__(option_strings, dest=dest, default=argparse.SUPPRESS, nargs=0,
+                         help="show the version and exit")
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace,
+                 values: object, option_string: str | None = None) -> None:
+        print(f"{parser.prog} {_version()}")
+        parser.exit()
 
 
 def _version() -> str:

@@ -167,8 +167,11 @@ def run_stalled_prune(root: Path, call: str, delay_us: int, during: Any) -> str:
     """``fsstore prune ROOT`` (sessions older than 30 days) with every ``call`` it makes
     once running delayed by ``delay_us`` (strace attached after its imports), while
     ``during()`` runs; returns prune's output."""
+    # LANGUAGE=C: argparse asks gettext for each of its ~36 messages, and gettext looks
+    # for 4 translation files each time (~144 stats, 2 minutes with newfstatat delayed).
     prune = subprocess.Popen([sys.executable, "-c", PRUNER.format(repo=REPO, root=str(root), wait=WAIT.format(stalled=True))],
-                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                             env={**os.environ, "LANGUAGE": "C"})
     try:
         _attach(prune, call, delay_us, None)
         during()
