@@ -7,10 +7,11 @@ it, or as it was to be given back, leaving an in-process lock held by nobody (or
 filelock's bookkeeping half changed); every later append of that process to that
 transcript then waited for it in vain. So from the moment a lock is asked for until
 it is given back, the main thread's SIGINT handler is swapped for one that only
-notes the signal, and the real one runs where nothing is half taken: between a
-waiter's tries (:meth:`HeldOff.deliver`: Ctrl-C still ends a long wait within one
-try) and once the lock is given back (:meth:`HeldOff.restore`). Other threads never
-run handlers: there it does nothing.
+notes the signal, and the real one runs where nothing is half taken
+(:meth:`HeldOff.deliver`): between a waiter's tries (Ctrl-C still ends a long wait
+within one try) and at the holder's last check before it publishes (nothing
+committed), through every hold it nests in; or once the lock is given back
+(:meth:`HeldOff.restore`). Other threads never run handlers: there it does nothing.
 """
 
 from __future__ import annotations

@@ -402,7 +402,7 @@ class Held:
 
     def __enter__(self) -> Held:
         # Ctrl-C is held off from here until the lock is given back (see _interrupts):
-        # it runs between the waiter's tries, or once __exit__ is done.
+        # it runs between the waiter's tries, at check(), or once __exit__ is done.
         self._interrupts = HeldOff()
         try:
             self._take(self._interrupts)

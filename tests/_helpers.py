@@ -120,7 +120,7 @@ def as_nobody(*args: object) -> tuple[int, str]:
 
     import fsstore.cli
 
-    fsstore.cli.build_parser()  # --version reads the package metadata (email.parser): as root
+    fsstore.cli.build_parser()  # what building the parser imports, while root can read it
 
     r, w = os.pipe()
     pid = os.fork()
