@@ -214,24 +214,24 @@ def _append_once(store: SyncStore, t: Appending, payload: bytes, into: Callable[
         raise FileNotFoundError(errno.ENOENT, "created and deleted meanwhile", t.path)
     try:
         tmp = _fsio.temp_name()
-        try:
-            # The directory as it was: the temp file's creation can move its mtime back
-            # (a coarse clock behind the last commit's tick: see _tick_mtime).
-            before = os.fstat(dfd)
-            store._fs.write_temp(dfd, tmp, payload)
-        except (FileNotFoundError, FileExistsError) as exc:
-            # Gone on the server while its path still opens here (another host deleted
-            # it; sshfs keeps names longer than attributes). A new random name cannot
-            # exist: EEXIST is how a GlusterFS client answers for a directory another
-            # client just moved away (a delete), like ENOENT.
-            tmp = ""
-            if into is not None:
-                raise Gone(t.path) from exc
-            if _recreate(store, t, payload):
-                t.next_seq, t.last_name = 2, _layout.part_name(1)
-                return
-            raise FileNotFoundError(errno.ENOENT, "transcript directory gone", t.path) from exc
-        try:
+        try:  # the temp file's cleanup covers its making: an interrupt there leaves none
+            try:
+                # The directory as it was: the temp file's creation can move its mtime back
+                # (a coarse clock behind the last commit's tick: see _tick_mtime).
+                before = os.fstat(dfd)
+                store._fs.write_temp(dfd, tmp, payload)
+            except (FileNotFoundError, FileExistsError) as exc:
+                # Gone on the server while its path still opens here (another host deleted
+                # it; sshfs keeps names longer than attributes). A new random name cannot
+                # exist: EEXIST is how a GlusterFS client answers for a directory another
+                # client just moved away (a delete), like ENOENT.
+                tmp = ""
+                if into is not None:
+                    raise Gone(t.path) from exc
+                if _recreate(store, t, payload):
+                    t.next_seq, t.last_name = 2, _layout.part_name(1)
+                    return
+                raise FileNotFoundError(errno.ENOENT, "transcript directory gone", t.path) from exc
             store._locks_dir(op)
             with store._locks.hold(t.lock_path, op) as held:
                 now = os.fstat(dfd)  # after any commit that came before ours

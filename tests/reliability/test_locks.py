@@ -682,7 +682,7 @@ def test_an_interrupt_as_any_system_call_or_lock_returns_leaves_nothing_half_don
     """A SIGINT landing just as each system call (``os.*``) or thread-lock call of an
     append (of a new session, of one that exists) or a delete returns, one run per
     call: the operation raises KeyboardInterrupt or completes, never an FsStoreError,
-    and the next append gets the lock at once.
+    the next append gets the lock at once, and no temp file is left in the sessions.
 
     Found by a Ctrl-C storm review (stop 19; 5 `EBADF` appends in 4 runs of 12 s):
     ``os.close(fd); fd = nfd`` interrupted between the two closed ``fd`` again on the
@@ -691,7 +691,7 @@ def test_an_interrupt_as_any_system_call_or_lock_returns_leaves_nothing_half_don
     code = '''
 import os, signal, sys
 from fsstore import FsSessionStore, FsStoreError
-store = FsSessionStore(sys.argv[1], create=True, lock_timeout_seconds=1).sync
+store = FsSessionStore(sys.argv[1], create=True, lock_timeout_seconds=1, compact_every=0).sync
 signal.signal(signal.SIGINT, signal.default_int_handler)
 
 def interrupted_at(k, op):
@@ -728,6 +728,10 @@ for name, op in ops.items():
         except FsStoreError as exc:
             sys.exit(f"{name}, interrupted at call {k}: {exc}")
         store.append({"project_key": "p", "session_id": "s"}, [{"uuid": f"after {name} {k}"}])
+        left = [os.path.join(d, n) for d, dirs, files in os.walk(sys.argv[1] + "/projects")
+                for n in dirs + files if n.startswith(".tmp-")]
+        if left:
+            sys.exit(f"{name}, interrupted at call {k}: left {left}")
         if not interrupted:
             break
     print(name, k - 1, flush=True)
