@@ -204,23 +204,34 @@ def gc(
         actions += [a for lk in found
                     if (a := _break(lk, older_than, w.stale_lock_seconds, dry_run)) is not None]
         trash = w.trash()
+        # Orphans first: a record naming where one came from is among the garbage, and
+        # kept while its orphan is (moved back, the record goes with it).
+        records = {g.name: g for g in w.garbage if g.name.endswith(_delete.MOVING_TAG)}
+        orphans = [g for g in trash if g.kind == "orphan"]
+        actions += [a for g in orphans if g.age > older_than
+                    and (a := _merge_orphan(w, g, [_layout.transcript_dirs(t.tk) for t in seen],
+                                            records, dry_run)) is not None]
+        kept = {_delete.moving_record(g.name) for g in orphans}
         actions += [_remove_garbage(w, g, older_than, dry_run)
                     for g in (*w.garbage, *trash, *lock_garbage)
-                    if g.age > older_than and g.kind != "orphan"]
-        actions += [a for g in trash if g.kind == "orphan" and g.age > older_than
-                    and (a := _merge_orphan(w, g, [_layout.transcript_dirs(t.tk) for t in seen], dry_run)) is not None]
+                    if g.age > older_than and g.kind != "orphan" and g.name not in kept]
         actions += not_looked_at(w)
     return actions
 
 
-def _merge_orphan(w: Walker, g: Garbage, transcripts: list[list[Component]], dry_run: bool) -> Action | None:
+def _merge_orphan(
+    w: Walker, g: Garbage, transcripts: list[list[Component]], records: dict[str, Garbage], dry_run: bool,
+) -> Action | None:
     """Finish the merge of what a delete moved by mistake into the session (or
     transcript) at its name (its merger died, or failed: :func:`_delete.merge_back`);
-    None where nothing is at its name (a load or append of it moves it back)."""
-    name = os.path.basename(g.path)
+    where nothing is at its name, move it back there, if its deleter's record of the
+    name is left (:func:`_delete.moving_record`; a load or append of it moves it back
+    too); else None."""
+    name = g.name
     target = _delete.orphan_target(name, transcripts)
     if target is None:
-        return None
+        record = records.get(_delete.moving_record(name))
+        return None if record is None else _restore_orphan(w, g, record, dry_run)
     comps, mark = target
     into = w.path([c for c, _ in comps])
     if dry_run:
@@ -233,6 +244,22 @@ def _merge_orphan(w: Walker, g: Garbage, transcripts: list[list[Component]], dry
               "done": "merged or removed by another process meanwhile",
               "failed": f"not merged into {into} (see the log)"}[how]
     return Action("merge", g.path, detail, how == "merged", age=g.age, failed=how == "failed")
+
+
+def _restore_orphan(w: Walker, g: Garbage, record: Garbage, dry_run: bool) -> Action:
+    where = w.path(record.parent)
+    if dry_run:
+        return Action("restore", g.path, f"would be moved back into {where}", False, age=g.age)
+    with w.store.open_root() as rfd:
+        pfd = w.open(record.parent)
+        if rfd is None or pfd is None:
+            return Action("restore", g.path, "not moved back: its parent is gone", False, age=g.age)
+        try:
+            done = _delete.restore_named(w.store, rfd, pfd, [(n, None) for n in record.parent], [record.name])
+        finally:
+            os.close(pfd)
+    return Action("restore", g.path, f"moved back into {where}" if done else
+                  "not moved back: moved, claimed or made anew meanwhile", done, age=g.age)
 
 
 # -- prune -----------------------------------------------------------------------

@@ -48,7 +48,7 @@ import re
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
-from . import _commit, _fsio, _keys, _layout, _views
+from . import _commit, _fsio, _keys, _layout, _read, _views
 from ._errors import FsStoreError, log
 from ._layout import Component
 from ._transcript import Deleted, Vanished, read_snapshot
@@ -59,6 +59,13 @@ if TYPE_CHECKING:
 ASIDE_TAG = "-deleted"  # what a delete moved into .trash, until it is emptied or moved back
 CLAIM_TAG = "-claim"  # a delete's ticket in what it is to delete (see _tickets)
 MERGED_TAG = "-merged"  # what a delete moved by mistake, merged back, until it is removed
+MOVING_TAG = "-moving"  # beside what a delete moves, its name, until the delete knows what it moved
+
+
+def moving_record(aside: str) -> str:
+    """The name of the record a delete leaves beside what it moves to ``.trash/aside``
+    (in the same parent: its name is the record's content)."""
+    return aside[: -len(ASIDE_TAG)] + MOVING_TAG
 
 
 def remove(
@@ -167,35 +174,51 @@ def _move_to_trash(
                 _mark(store, parent, name, path, mark, undo=True)
                 return None
         aside = _fsio.temp_name(f"-{tag}{ASIDE_TAG}")
+        moving = moving_record(aside)
         try:
+            # What moves is named beside it until this delete knows what it moved: if it
+            # dies in between, a listing of the parent finds what it must move back.
+            store._fs.write_temp(parent, moving, name.encode("ascii"))
             os.rename(name, aside, src_dir_fd=parent, dst_dir_fd=trash)
         except FileNotFoundError:
+            _fsio.unlink_quiet(parent, moving)
             return None  # never written, or deleted already: not an error
         except OSError:
+            _fsio.unlink_quiet(parent, moving)
             if not finishing:
                 _mark(store, parent, name, path, mark, undo=True)
             raise
-        # Marked (by us, or made anew and deleted again), it is a committed delete;
-        # else put back. A mark is believed only through a lookup that agrees with the
-        # listing: a client's stale entry moves with its rename to the new name (GlusterFS).
-        agrees = not ident or _views.listed_ino(trash, aside) == _views.looked_up_ino(trash, aside)
-        if not (agrees and marked(trash, aside, mark)):
-            return _put_back(trash, aside, parent, name, path)
-        store._fs.sync_dir(parent)
         try:
-            # Everything but the marks (step 5).
-            if _fsio.empty_tree(trash, aside, _layout.DELETED):
-                os.rename(aside, _fsio.temp_name(_layout.TOMB_TAG), src_dir_fd=trash, dst_dir_fd=trash)
-            else:
-                _fsio.remove_tree(trash, aside)
-        except OSError as exc:
-            # Gone from every reader's view already; what is left in .trash (e.g. a
-            # racing writer's file) is removed by `fsstore gc`.
-            log.warning("leftovers in .trash: %s", exc, extra={
-                "code": "TRASH_LEFT", "operation": "delete", "path": path})
-        return None
+            return _after_move(store, trash, parent, name, aside, ident, path, mark)
+        finally:
+            _fsio.unlink_quiet(parent, moving)
     finally:
         os.close(trash)
+
+
+def _after_move(
+    store: SyncStore, trash: int, parent: int, name: str, aside: str, ident: int, path: str, mark: str,
+) -> str | None:
+    """Steps 4 and 5, once ``parent/name`` is ``.trash/aside``."""
+    # Marked (by us, or made anew and deleted again), it is a committed delete;
+    # else put back. A mark is believed only through a lookup that agrees with the
+    # listing: a client's stale entry moves with its rename to the new name (GlusterFS).
+    agrees = not ident or _views.listed_ino(trash, aside) == _views.looked_up_ino(trash, aside)
+    if not (agrees and marked(trash, aside, mark)):
+        return _put_back(trash, aside, parent, name, path)
+    store._fs.sync_dir(parent)
+    try:
+        # Everything but the marks (step 5).
+        if _fsio.empty_tree(trash, aside, _layout.DELETED):
+            os.rename(aside, _fsio.temp_name(_layout.TOMB_TAG), src_dir_fd=trash, dst_dir_fd=trash)
+        else:
+            _fsio.remove_tree(trash, aside)
+    except OSError as exc:
+        # Gone from every reader's view already; what is left in .trash (e.g. a
+        # racing writer's file) is removed by `fsstore gc`.
+        log.warning("leftovers in .trash: %s", exc, extra={
+            "code": "TRASH_LEFT", "operation": "delete", "path": path})
+    return None
 
 
 def _put_back(trash: int, aside: str, parent: int, name: str, path: str) -> str | None:
@@ -242,6 +265,7 @@ def restore(store: SyncStore, rfd: int, comps: list[Component]) -> bool:
                     continue
                 try:
                     os.rename(name, target[-1][0], src_dir_fd=trash, dst_dir_fd=parent)
+                    _fsio.unlink_quiet(parent, moving_record(name))
                 except OSError:
                     continue  # moved back by its deleter, claimed, or a new one is there
                 finally:
@@ -252,6 +276,27 @@ def restore(store: SyncStore, rfd: int, comps: list[Component]) -> bool:
                                                        "path": store._path(target)})
     finally:
         os.close(trash)
+    return restored
+
+
+def restore_named(store: SyncStore, rfd: int, parent: int, comps: list[Component], records: list[str]) -> bool:
+    """Move back what the deletes that left ``records`` (:func:`moving_record`) in
+    ``parent`` (at ``comps``: a project's ``sessions`` or a session's ``subkeys``) moved
+    there by mistake, if they have not yet: for a listing of ``parent``, which would
+    not show it (its deleter stalled or died between its two renames). True if one
+    was moved back."""
+    restored = False
+    for record in records:
+        try:
+            name = _read.read_file(parent, record, limit=_keys.MAX_PLAIN).decode("ascii")
+        except (OSError, UnicodeDecodeError):
+            continue  # removed meanwhile (the delete is done), or not a record
+        if not name or "/" in name or name.startswith(".") or "\0" in name:
+            continue
+        # restore() moves back only a directory whose tags are this name's.
+        target = [*comps, (name, None)]
+        restored |= restore(store, rfd, [*target, (_layout.MAIN, None)] if comps[-1][0] == _layout.SESSIONS
+                            else target)
     return restored
 
 

@@ -80,6 +80,27 @@ class _Retries:
 _APPENDING = 64
 
 
+def _scan_children(pfd: int) -> tuple[list[tuple[str, str]], list[str]]:
+    """``(name, decoded key part)`` of each directory in ``pfd``, and the records deletes
+    in flight left there (:func:`_delete.moving_record`)."""
+    children: list[tuple[str, str]] = []
+    moving: list[str] = []
+    # decode_entry's common case inline: this loop runs once per session each time
+    # the SDK lists a project.
+    own, is_dir, add = _keys.is_own_name, _fsio.is_dir_entry, children.append
+    with os.scandir(pfd) as it:
+        for entry in it:
+            name = entry.name
+            if own(name):
+                if is_dir(entry):
+                    add((name, name))
+            elif name.endswith(_delete.MOVING_TAG):
+                moving.append(name)
+            elif (part := _layout.decode_entry(pfd, entry)) is not None:
+                add((name, part))
+    return children, moving
+
+
 class SyncStore:
     """Blocking twin of :class:`fsstore.FsSessionStore` (same methods, same errors)."""
 
@@ -447,22 +468,13 @@ class SyncStore:
         directory in it; no children if it does not exist."""
         with self._open_root(create=False) as rfd:
             pfd = self._open(rfd, comps, op) if rfd is not None else None
-            if pfd is None:
+            if rfd is None or pfd is None:
                 yield -1, []
                 return
             try:
-                children: list[tuple[str, str]] = []
-                # decode_entry's common case inline: this loop runs once per session
-                # each time the SDK lists a project.
-                own, is_dir, add = _keys.is_own_name, _fsio.is_dir_entry, children.append
-                with os.scandir(pfd) as it:
-                    for entry in it:
-                        name = entry.name
-                        if own(name):
-                            if is_dir(entry):
-                                add((name, name))
-                        elif (part := _layout.decode_entry(pfd, entry)) is not None:
-                            add((name, part))
+                children, moving = _scan_children(pfd)
+                if moving and _delete.restore_named(self, rfd, pfd, comps, moving):
+                    children, moving = _scan_children(pfd)  # with what a delete hid by mistake
                 yield pfd, children
             finally:
                 os.close(pfd)

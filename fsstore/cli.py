@@ -411,7 +411,7 @@ _DONE_VERB = {"mark": "marked", "recommit": "committed again", "remove": "remove
              "remove-fuse-hidden": "removed",
               "remove-lock-recovery": "removed", "remove-lock-record": "removed", "remove-tomb": "removed",
               "break-lock": "broke lock", "delete": "deleted",
-              "compact": "compacted", "merge": "merged", "keep": "kept", "skip": "skipped"}
+              "compact": "compacted", "merge": "merged", "restore": "moved back", "keep": "kept", "skip": "skipped"}
 _DRY_VERB = {"mark": "would mark", "recommit": "would commit again", "remove": "would remove",
              "close-gap": "would close a gap", "repair": "repair",
              "remove-temp": "would remove", "remove-trash": "would remove",
@@ -419,7 +419,8 @@ _DRY_VERB = {"mark": "would mark", "recommit": "would commit again", "remove": "
              "remove-lock-recovery": "would remove", "remove-lock-record": "would remove",
              "remove-tomb": "would remove",
              "break-lock": "would break lock",
-             "delete": "would delete", "compact": "would compact", "merge": "would merge", "keep": "kept",
+             "delete": "would delete", "compact": "would compact", "merge": "would merge",
+             "restore": "would move back", "keep": "kept",
              "skip": "skipped"}
 
 

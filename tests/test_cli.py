@@ -708,15 +708,15 @@ def test_a_deletes_tombstone_is_info_for_check_and_removed_by_gc_once_old(root: 
 
 def _delete_racing_remakes(root: Path, store: SyncStore, deleter: SyncStore,
                            monkeypatch: pytest.MonkeyPatch, meanwhile: Callable[[], None],
-                           more: list[list[dict[str, Any]]] | None = None) -> None:
-    """A delete whose lock overlapped (docs/format.md, "Deletes"): it marks the session,
-    a writer finishes the delete and makes the session anew with a batch (and the
-    batches ``more``), the delete moves that one, and before it can move it back,
-    ``meanwhile`` runs."""
+                           more: list[list[dict[str, Any]]] | None = None, key: dict[str, Any] = KEY) -> None:
+    """A delete whose lock overlapped (docs/format.md, "Deletes"): it marks the session
+    (or the transcript ``key``), a writer finishes the delete and makes it anew with a
+    batch (and the batches ``more``), the delete moves that one, and before it can move
+    it back, ``meanwhile`` runs."""
     hold = deleter._locks.hold  # the delete's own lock overtaken; its appends lock as always
     monkeypatch.setattr(deleter._locks, "hold",
                         lambda path, op: contextlib.nullcontext() if op == "delete" else hold(path, op))
-    store.append(KEY, [entry(0)])
+    store.append(key, [entry(0)])
     real, armed = _delete._put_back, []
 
     def put_back(*args: Any) -> str | None:
@@ -725,14 +725,14 @@ def _delete_racing_remakes(root: Path, store: SyncStore, deleter: SyncStore,
         return real(*args)
 
     def keep() -> bool:
-        store.append(KEY, [entry(1)])  # between the mark and the move: finished and made anew
+        store.append(key, [entry(1)])  # between the mark and the move: finished and made anew
         for batch in more or []:
-            store.append(KEY, batch)
+            store.append(key, batch)
         armed.append(1)
         return False
 
     monkeypatch.setattr(_delete, "_put_back", put_back)
-    deleter.delete_unless(KEY, keep)
+    deleter.delete_unless(key, keep)
     assert armed == [1, 2]
     monkeypatch.undo()
 
@@ -775,6 +775,26 @@ def test_a_session_a_stalled_delete_moved_by_mistake_is_moved_back_by_the_next_a
     assert SyncStore(root).load(KEY) == [entry(1), entry(2)] and _orphans(root) == []
     check = fsstore("check", root)
     assert check.returncode == 0, check.stdout
+
+
+@pytest.mark.parametrize("listing", ["list_sessions", "list_session_summaries", "list_subkeys"])
+def test_a_transcript_a_stalled_delete_moved_by_mistake_is_in_the_next_listing(
+    root: Path, store: SyncStore, monkeypatch: pytest.MonkeyPatch, listing: str
+) -> None:
+    """... and the SDK's listings, which name no session, move it back too (the delete's
+    record beside what it moves names it): a session (or subagent transcript) hidden
+    from the listings is as lost to a user who picks from them."""
+    other, seen = SyncStore(root), []
+    if listing == "list_subkeys":  # a subagent transcript's delete, overlapped
+        _delete_racing_remakes(root, store, SyncStore(root), monkeypatch,
+                               lambda: seen.append(other.list_subkeys(KEY)), key=SUB)
+        assert seen == [[SUB["subpath"]]] and SyncStore(root).load(SUB) == [entry(1)]
+    else:
+        _delete_racing_remakes(root, store, SyncStore(root), monkeypatch, lambda: seen.append(
+            [s["session_id"] for s in getattr(other, listing)(KEY["project_key"])]))
+        assert seen == [[KEY["session_id"]]] and SyncStore(root).load(KEY) == [entry(1)]
+    assert _orphans(root) == []
+    assert not [p for p in root.rglob(f"*{_delete.MOVING_TAG}")], "the delete's record is left"
 
 
 def _orphans(root: Path) -> list[Path]:

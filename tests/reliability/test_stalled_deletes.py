@@ -175,3 +175,38 @@ def test_a_delete_takes_the_session_it_began_with_though_a_stalled_delete_moves_
     finally:
         d.kill()
         e.kill()
+
+
+@pytest.mark.parametrize("finder", ["list_sessions", "gc"])
+def test_a_session_a_stalled_delete_moved_by_mistake_and_died_is_listed_again(
+    store: SyncStore, finder: str
+) -> None:
+    """D marks S0 and stalls in its rename; b1 finishes D's delete and remakes the session
+    (S1); D's rename moves S1 into .trash by mistake, and D is killed (kill -9) in its
+    move back. Nothing names the session any more (.trash names carry a hash): the next
+    `list_sessions` must list it all the same (it was hidden until a load or append of
+    it by name), or `fsstore gc` move it back once old (it kept it as an orphan)."""
+    root = Path(store.root)
+    d = _StalledDelete(root, 3.0)
+    try:
+        started = d.go()
+        _until(lambda: time.monotonic() - started > 1.5)  # D marked, stalls in its rename
+        store.append(KEY, _batch("b1"))
+        _until(lambda: _moved_by_mistake(root))  # D's rename moved S1; D stalls in its move back
+        d.proc.kill()
+        d.proc.wait(10)
+        assert _moved_by_mistake(root)
+    finally:
+        d.kill()
+    other = SyncStore(root, **STALE)
+    if finder == "gc":
+        time.sleep(1.1)
+        gc = subprocess.run([sys.executable, "-m", "fsstore", "gc", str(root), "--older-than", "1s"],
+                            check=False, capture_output=True, text=True, timeout=60)
+        assert gc.returncode == 0 and "moved back" in gc.stdout, gc.stdout + gc.stderr
+        assert not _moved_by_mistake(root)
+    assert [s["session_id"] for s in other.list_sessions("p")] == ["s"]
+    assert _names(other) == ["b1"]
+    check = subprocess.run([sys.executable, "-m", "fsstore", "check", str(root)],
+                           check=False, capture_output=True, text=True, timeout=60)
+    assert check.returncode == 0 and "-moving" not in check.stdout, check.stdout  # its record went with it
