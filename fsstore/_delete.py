@@ -19,7 +19,10 @@ A delete, holding the lock of what it moves (a session's: its main transcript's)
    directory listed (where listings can tell), was never this delete's: it is put
    back. Until then it is hidden only until someone looks: a load or append that
    finds the transcript missing moves back an unmarked directory of its tag from
-   ``.trash`` itself (:func:`restore`). If yet another session was made at the name
+   ``.trash`` itself (:func:`restore`), and so does a listing of its parent, where
+   the delete left a record of the name beside what it moved (:func:`moving_record`,
+   written before the rename and removed once the delete knows what it moved:
+   :func:`restore_named`; ``fsstore gc`` too, once old, if its deleter died). If yet another session was made at the name
    meanwhile (a client that did not see it in ``.trash``), the one moved cannot go
    back: its batches are appended to the one made since (:func:`merge_back`); where
    that fails, or its merger dies, it stays (an error in the log, and for ``fsstore
