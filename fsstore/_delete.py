@@ -46,6 +46,7 @@ check``: an orphan once old).
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import re
 from collections.abc import Callable, Iterator
@@ -267,7 +268,7 @@ def restore(store: SyncStore, rfd: int, comps: list[Component]) -> bool:
                 if parent is None:
                     continue
                 try:
-                    os.rename(name, target[-1][0], src_dir_fd=trash, dst_dir_fd=parent)
+                    _rename_back(trash, name, parent, target[-1][0])
                     _fsio.unlink_quiet(parent, moving_record(name))
                 except OSError:
                     continue  # moved back by its deleter, claimed, or a new one is there
@@ -280,6 +281,17 @@ def restore(store: SyncStore, rfd: int, comps: list[Component]) -> bool:
     finally:
         os.close(trash)
     return restored
+
+
+def _rename_back(trash: int, name: str, parent: int, to: str) -> None:
+    """Rename ``.trash/name`` to ``parent/to``, through a client that still resolves
+    ``to`` to it (:func:`_views.forgot_stale_dir`: GlusterFS, once it knew it there)."""
+    try:
+        os.rename(name, to, src_dir_fd=trash, dst_dir_fd=parent)
+    except OSError as exc:
+        if exc.errno != errno.ESTALE or not _views.forgot_stale_dir(parent, to):
+            raise
+        os.rename(name, to, src_dir_fd=trash, dst_dir_fd=parent)
 
 
 def restore_named(store: SyncStore, rfd: int, parent: int, comps: list[Component], records: list[str]) -> bool:

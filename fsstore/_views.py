@@ -50,6 +50,23 @@ def forgot_stale_name(dir_fd: int, name: str) -> bool:
     return False
 
 
+def forgot_stale_dir(parent: int, name: str) -> bool:
+    """Whether this client has dropped ``name``, a directory another host moved away,
+    so that a rename to that name can go through: a GlusterFS client that knew the
+    directory there keeps resolving the name to it (see :func:`listed_dir`) and
+    refuses (ESTALE) to rename it back to the name from where it is now. An ``rmdir``
+    of the name, which the server answers ENOENT, makes the client drop it. Only where
+    the server lists nothing there: an empty directory made at the name since would
+    go, as a rename onto it would replace it."""
+    if listed_ino(parent, name) is not None:
+        return False
+    try:
+        os.rmdir(name, dir_fd=parent)
+    except OSError:
+        pass  # ENOENT: dropped
+    return True
+
+
 def listed_ino(parent: int, name: str) -> int | None:
     """The inode number a listing of ``parent`` gives ``name`` (None: not listed)."""
     fd = os.open(".", DIR_FLAGS, dir_fd=parent)

@@ -30,7 +30,7 @@ import anyio
 import pytest
 
 from fsstore import FsSessionStore, FsStoreError
-from tests._helpers import lock_file, orphan_of, tdir
+from tests._helpers import lock_file, moved_by_a_dead_deleter, orphan_of, tdir
 from tests.reliability._check import assert_transcript, batch, ids
 
 from ._netmounts import HOSTS, Pair, Role, ThirdMount, child, child_env, run_roles, third_mount
@@ -615,6 +615,33 @@ def test_gcs_on_two_hosts_finishing_one_merge_append_each_batch_once(
                 assert got is not None and got == want[:len(got)], (round_, root, got, outs)  # a prefix
                 time.sleep(0.5)
             assert got == want, (round_, root, outs)
+
+
+@pytest.mark.parametrize("kind", params())
+def test_a_session_a_dead_deleter_on_one_host_moved_by_mistake_is_listed_again_on_the_other(
+    request: pytest.FixtureRequest, kind: str
+) -> None:
+    """Host 1's delete, its lock overtaken, moved a session made anew into .trash and
+    died before moving it back (what it leaves: the unmarked directory, and the record
+    of its name in ``sessions/``). Host 2, whose client listed the project before, lists
+    it again (moving it back) within its mount's cache window, and loads it whole."""
+    pair = pair_of(request, kind)
+    r1, r2 = pair.fresh("moved")
+    FsSessionStore(r1 / "store", create=True).sync.append(KEY, [{"type": "user", "n": 1}])
+    host2 = FsSessionStore(r2 / "store").sync
+    deadline = time.monotonic() + pair.cache_window + 5
+    while [s["session_id"] for s in host2.list_sessions(KEY["project_key"])] != [KEY["session_id"]]:
+        assert time.monotonic() < deadline, "host 2 never saw the session"
+        time.sleep(0.2)
+    moved = moved_by_a_dead_deleter(r1 / "store", KEY)
+    deadline = time.monotonic() + 2 * pair.cache_window + 5  # its listings of sessions/, then of .trash
+    # (host 2's own listing of .trash: it moved it itself, so no cache of it lags; and a
+    # GlusterFS client that knew a directory at a name keeps resolving it there)
+    while ([s["session_id"] for s in host2.list_sessions(KEY["project_key"])] != [KEY["session_id"]]
+           or moved.name in os.listdir(r2 / "store" / ".trash")):
+        assert time.monotonic() < deadline, "host 2's listing did not move it back"
+        time.sleep(0.2)
+    assert host2.load(KEY) == [{"type": "user", "n": 1}]
 
 
 @pytest.mark.parametrize("kind", params())
