@@ -157,10 +157,10 @@ _WHAT = {"temp": "temp file", "trash": ".trash entry", "lock-recovery": "lock re
 def _garbage_problem(g: Garbage, older_than: float) -> Problem:
     if g.kind == "orphan" and g.age > older_than:
         return Problem("error", "orphan", g.path, "a transcript a delete moved by mistake and did not "
-                       "move back or merge (its deleter died, or the merge failed: see the log): hidden "
-                       "from list_sessions until a load or append of it moves it back (where nothing "
-                       "else is at its name); fsstore gc merges it into the session at its name, if "
-                       "any (docs/operations.md: Deletes racing appends)")
+                       "move back or merge (its deleter died, or the merge failed: see the log): fsstore gc "
+                       "merges it into the session at its name, or moves it back there where nothing is "
+                       "and its deleter's record of the name is left, as a listing of its project, or a "
+                       "load or append of it, does (docs/operations.md: Deletes racing appends)")
     if g.kind == "orphan":
         return Problem("info", "young-orphan", g.path, f"a transcript a delete moved by mistake, "
                        f"{age_text(g.age)} old: being moved back or merged")
