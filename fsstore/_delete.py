@@ -22,13 +22,13 @@ A delete, holding the lock of what it moves (a session's: its main transcript's)
    ``.trash`` itself (:func:`restore`), and so does a listing of its parent, where
    the delete left a record of the name beside what it moved (:func:`moving_record`,
    written before the rename and removed once the delete knows what it moved:
-   :func:`restore_named`; ``fsstore gc`` too, once old, if its deleter died). If yet another session was made at the name
-   meanwhile (a client that did not see it in ``.trash``), the one moved cannot go
-   back: its batches are appended to the one made since (:func:`merge_back`); where
-   that fails, or its merger dies, it stays (an error in the log, and for ``fsstore
-   check`` once old; never removed by gc, which resumes the merge once old). A delete
-   that began while it was at the
-   name or in ``.trash`` *claims* it (:func:`_claim_moved`: marks it; a delete leaves a
+   :func:`restore_named`; ``fsstore gc`` too, once old, if its deleter died). If yet
+   another session was made at the name meanwhile (a client that did not see it in
+   ``.trash``), the one moved cannot go back: its batches are appended to the one
+   made since (:func:`merge_back`); where that fails, or its merger dies, it stays (an
+   error in the log, and for ``fsstore check`` once old; never removed by gc, which
+   resumes the merge once old). A delete that began while it was at the name or in
+   ``.trash`` *claims* it (:func:`_claim_moved`: marks it; a delete leaves a
    ticket in what it is to delete as it begins, :func:`_tickets`): then it is deleted
    after all, and step 5 runs;
 5. empties it there, keeping the marks (a tombstone ``.trash/*-tomb``: a writer whose
@@ -68,7 +68,7 @@ MOVING_TAG = "-moving"  # beside what a delete moves, its name, until the delete
 
 def moving_record(aside: str) -> str:
     """The name of the record a delete leaves beside what it moves to ``.trash/aside``
-    (in the same parent: its name is the record's content)."""
+    (in the same parent directory), holding the name of what it moves."""
     return aside[: -len(ASIDE_TAG)] + MOVING_TAG
 
 
