@@ -193,11 +193,27 @@ def _move_to_trash(
                 _mark(store, parent, name, path, mark, undo=True)
             raise
         try:
+            _renew(store, parent, moving, name)
             return _after_move(store, trash, parent, name, aside, ident, path, mark)
         finally:
             _fsio.unlink_quiet(parent, moving)
     finally:
         os.close(trash)
+
+
+def _renew(store: SyncStore, parent: int, moving: str, name: str) -> None:
+    """Keep the record ``moving`` of what this delete moved, now that the move is done:
+    ``fsstore gc`` removes records by age, and this delete may have stalled longer than
+    that before its rename (found by review: gc removed the record of a deleter stalled
+    past ``--older-than``, which then moved a session by mistake and died: hidden). Once
+    touched here, gc sees it young, and keeps it while what it names is an orphan."""
+    try:
+        try:
+            os.utime(moving, dir_fd=parent)
+        except FileNotFoundError:
+            store._fs.write_temp(parent, moving, name.encode("ascii"))
+    except OSError as exc:  # a hint: the delete goes on
+        log.debug("could not renew a delete's record: %s", exc)
 
 
 def _after_move(
@@ -211,8 +227,13 @@ def _after_move(
     if not (agrees and marked(trash, aside, mark)):
         return _put_back(trash, aside, parent, name, path)
     store._fs.sync_dir(parent)
+    _empty(trash, aside, path)
+    return None
+
+
+def _empty(trash: int, aside: str, path: str) -> None:
+    """Step 5: everything but the marks of the deleted ``.trash/aside`` goes."""
     try:
-        # Everything but the marks (step 5).
         if _fsio.empty_tree(trash, aside, _layout.DELETED):
             os.rename(aside, _fsio.temp_name(_layout.TOMB_TAG), src_dir_fd=trash, dst_dir_fd=trash)
         else:
@@ -222,7 +243,6 @@ def _after_move(
         # racing writer's file) is removed by `fsstore gc`.
         log.warning("leftovers in .trash: %s", exc, extra={
             "code": "TRASH_LEFT", "operation": "delete", "path": path})
-    return None
 
 
 def _put_back(trash: int, aside: str, parent: int, name: str, path: str) -> str | None:
@@ -338,20 +358,37 @@ def _claim_moved(store: SyncStore, rfd: int, tags: list[str], ticket: str, path:
                 continue  # another subagent transcript of it
             if len(tags) == 2 and len(found) == 1:  # the session, moved whole: our transcript in it
                 holder = store._open(trash, [(name, None), (_layout.SUBKEYS, None)], "delete")
-                what, mark = path.rsplit("/", 1)[-1], ""
+                what, mark, taken = path.rsplit("/", 1)[-1], "", tags
             else:
-                holder, what, mark = os.dup(trash), name, _layout.MAIN if len(found) == 1 else ""
+                holder, what, mark, taken = os.dup(trash), name, _layout.MAIN if len(found) == 1 else "", found
             if holder is None:
                 continue
             try:
-                if _holds(store, holder, what, mark, base, ticket) and not marked(holder, what, mark):
-                    _mark(store, holder, what, f"{base}/{name}", mark)
-                    log.warning("marked what another delete had moved by mistake: deleted now",
-                                extra={"code": "DELETE_RACED", "operation": "delete", "path": path})
+                if _holds(store, holder, what, mark, base, ticket):
+                    if not marked(holder, what, mark):
+                        _mark(store, holder, what, f"{base}/{name}", mark)
+                        log.warning("marked what another delete had moved by mistake: deleted now",
+                                    extra={"code": "DELETE_RACED", "operation": "delete", "path": path})
+                    _take(trash, holder, what, taken, path)
             finally:
                 os.close(holder)
     finally:
         os.close(trash)
+
+
+def _take(trash: int, holder: int, what: str, tags: list[str], path: str) -> None:
+    """Move what this delete claimed (marked) off the name it had in ``.trash`` to one of
+    this delete's, and empty it there: whoever looked at it before the mark (its
+    stalled deleter about to put it back, a load or listing about to move it back)
+    then finds nothing to move (found by review: a claimed session was put back at its
+    name after the claiming delete returned, listed though deleted). Moved back first
+    (ENOENT here), it is at its name, holding this delete's ticket: taken there."""
+    aside = _fsio.temp_name(f"-{'-'.join(tags)}{ASIDE_TAG}")
+    try:
+        os.rename(what, aside, src_dir_fd=holder, dst_dir_fd=trash)
+    except FileNotFoundError:
+        return
+    _empty(trash, aside, path)
 
 
 def _tickets(

@@ -44,10 +44,11 @@ class _StalledDelete:
     what it returns is from before the wait); started when :meth:`go` is called
     (imports done, strace attached)."""
 
-    def __init__(self, root: Path, delay: float, syscall: str = "renameat", when: str = "enter") -> None:
+    def __init__(self, root: Path, delay: float, syscall: str = "renameat", when: str = "enter",
+                 op: str = f"s.delete({KEY!r})") -> None:
         code = (f"import sys; from fsstore._store import SyncStore; "
                 f"s = SyncStore({str(root)!r}, **{STALE!r}); print('ready', flush=True); "
-                f"sys.stdin.readline(); s.delete({KEY!r}); print('done', flush=True)")
+                f"sys.stdin.readline(); {op}; print('done', flush=True)")
         self.proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, text=True)
         assert self.proc.stdout is not None and self.proc.stdout.readline().strip() == "ready"
@@ -210,3 +211,67 @@ def test_a_session_a_stalled_delete_moved_by_mistake_and_died_is_listed_again(
     check = subprocess.run([sys.executable, "-m", "fsstore", "check", str(root)],
                            check=False, capture_output=True, text=True, timeout=60)
     assert check.returncode == 0 and "-moving" not in check.stdout, check.stdout  # its record went with it
+
+
+def test_gc_keeps_the_record_of_a_deleter_stalled_past_its_threshold(store: SyncStore) -> None:
+    """Review: D stalls (6 s) between writing its record and its rename; `fsstore gc
+    --older-than 1s` at 2.8 s removes the record (old, and nothing in .trash yet); b1
+    remakes the session, D's rename moves it by mistake, and D is killed in its move
+    back. D renews its record after the rename, so the next listing lists the session
+    (it was hidden: no record named it)."""
+    root = Path(store.root)
+    d = _StalledDelete(root, 6.0)
+    try:
+        started = d.go()
+        _until(lambda: time.monotonic() - started > 1.5)  # D marked, wrote its record, stalls
+        store.append(KEY, _batch("b1"))
+        _until(lambda: time.monotonic() - started > 2.8)
+        gc = subprocess.run([sys.executable, "-m", "fsstore", "gc", str(root), "--older-than", "1s"],
+                            check=False, capture_output=True, text=True, timeout=60)
+        assert gc.returncode == 0, gc.stdout + gc.stderr
+        _until(lambda: _moved_by_mistake(root))
+        time.sleep(1.0)  # D is in its move back's stall
+        d.proc.kill()
+        d.proc.wait(10)
+    finally:
+        d.kill()
+    other = SyncStore(root, **STALE)
+    assert [s["session_id"] for s in other.list_sessions("p")] == ["s"]
+    assert _names(other) == ["b1"]
+
+
+@pytest.mark.parametrize("mover", ["its deleter", "a listing"])
+def test_a_session_a_delete_claimed_in_trash_is_not_moved_back_after_it_returned(
+    store: SyncStore, mover: str
+) -> None:
+    """Review: D1 (stalled) moves the session b1 made anew into .trash by mistake; before
+    it, or a listing that saw its record, moves it back (each stalled in that rename,
+    having looked: unmarked), a delete D2 begins, claims it there and returns. The move
+    back must not land: the session was listed (and `check` saw a marked session at the
+    name) after D2 returned, until a load or append finished the delete."""
+    root = Path(store.root)
+    d1 = _StalledDelete(root, 4.0 if mover == "its deleter" else 8.0)
+    lister = (_StalledDelete(root, 3.0, op="s.list_sessions('p')") if mover == "a listing" else None)
+    try:
+        started = d1.go()
+        _until(lambda: time.monotonic() - started > 1.5)
+        store.append(KEY, _batch("b1"))
+        _until(lambda: _moved_by_mistake(root))
+        if lister is not None:
+            lister.go()
+            time.sleep(0.5)  # it read D1's record, looked at the session (unmarked), stalls
+        time.sleep(0.3)
+        store.delete(KEY)
+        if lister is not None:
+            lister.wait()
+        d1.wait()
+    finally:
+        d1.kill()
+        if lister is not None:
+            lister.kill()
+    time.sleep(0.2)
+    assert store.list_sessions("p") == [] and store.list_session_summaries("p") == []
+    check = subprocess.run([sys.executable, "-m", "fsstore", "check", str(root)],
+                           check=False, capture_output=True, text=True, timeout=60)
+    assert check.returncode == 0, check.stdout
+    assert _names(store) is None
