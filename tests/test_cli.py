@@ -1210,8 +1210,8 @@ def test_a_stalled_merger_never_appends_into_a_session_made_since_at_the_same_in
     session's marks; here the deleted session's own directory is made the new session
     again, which has the same effect). The merger's check of the directory it goes
     into by inode number alone let the batch in (found by review: 4 of 4 runs); the
-    orphan, claimed by that delete, is looked at again there (and found gone, where a
-    gc removed it meanwhile: the re-review's case)."""
+    orphan, claimed by that delete, is looked at again there (and found gone: that
+    delete takes what it claims off its name; and a gc meanwhile, the re-review's case)."""
     orphan = orphan_of(root, [[{"type": "user", "n": 0}]])
     merger, deleter, writer = SyncStore(root), SyncStore(root), SyncStore(root)
     monkeypatch.setattr(merger._locks, "hold", lambda *a, **k: contextlib.nullcontext(_Overtaken()))
@@ -1222,7 +1222,8 @@ def test_a_stalled_merger_never_appends_into_a_session_made_since_at_the_same_in
         if not stalls:  # the look passed; the lease lapses: a delete and a new session
             stalls.append(os.stat(session).st_ino)
             deleter.delete(KEY)
-            tomb = next(p for p in (root / _layout.TRASH).iterdir() if p.name.endswith(_layout.TOMB_TAG))
+            tomb = next(p for p in (root / _layout.TRASH).iterdir()  # (the claimed orphan's is another)
+                        if p.name.endswith(_layout.TOMB_TAG) and p.stat().st_ino == stalls[0])
             (tomb / _layout.MAIN / _layout.DELETED).unlink()
             tomb.rename(session)  # the new session, at the old one's inode number
             if gc:
