@@ -91,6 +91,15 @@ def _moved_by_mistake(root: Path) -> bool:
                for p in (root / ".trash").iterdir())
 
 
+def _move_by_mistake(store: SyncStore, d: _StalledDelete) -> None:
+    """D marks the session and stalls in its rename; b1 finishes D's delete and makes
+    the session anew; D's rename moves that one into .trash by mistake."""
+    started = d.go()
+    _until(lambda: time.monotonic() - started > 1.5)  # D marked, stalls in its rename
+    store.append(KEY, _batch("b1"))
+    _until(lambda: _moved_by_mistake(Path(store.root)))
+
+
 @pytest.fixture
 def store(tmp_path: Path) -> SyncStore:
     s = SyncStore(tmp_path / "store", create=True, **STALE)
@@ -108,10 +117,7 @@ def test_a_session_a_stalled_delete_moved_by_mistake_is_in_the_next_load_and_gon
     root = Path(store.root)
     d = _StalledDelete(root, 3.0)
     try:
-        started = d.go()
-        _until(lambda: time.monotonic() - started > 1.5)  # D marked, stalls in its rename
-        store.append(KEY, _batch("b1"))
-        _until(lambda: _moved_by_mistake(root))  # D's rename moved the session made anew
+        _move_by_mistake(store, d)
         assert _names(store) == ["b1"]
         store.delete(KEY)
         assert _names(store) is None
@@ -190,10 +196,7 @@ def test_a_session_a_stalled_delete_moved_by_mistake_and_died_is_listed_again(
     root = Path(store.root)
     d = _StalledDelete(root, 3.0)
     try:
-        started = d.go()
-        _until(lambda: time.monotonic() - started > 1.5)  # D marked, stalls in its rename
-        store.append(KEY, _batch("b1"))
-        _until(lambda: _moved_by_mistake(root))  # D's rename moved S1; D stalls in its move back
+        _move_by_mistake(store, d)  # D stalls in its move back
         d.proc.kill()
         d.proc.wait(10)
         assert _moved_by_mistake(root)
