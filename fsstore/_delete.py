@@ -364,11 +364,11 @@ def _claim_moved(store: SyncStore, rfd: int, tags: list[str], ticket: str, path:
             if holder is None:
                 continue
             try:
-                if _holds(store, holder, what, mark, base, ticket):
-                    if not marked(holder, what, mark):
-                        _mark(store, holder, what, f"{base}/{name}", mark)
-                        log.warning("marked what another delete had moved by mistake: deleted now",
-                                    extra={"code": "DELETE_RACED", "operation": "delete", "path": path})
+                if _holds(store, holder, what, mark, base, ticket) and not marked(holder, what, mark):
+                    _mark(store, holder, what, f"{base}/{name}", mark)
+                    log.warning("marked what another delete had moved by mistake: deleted now",
+                                extra={"code": "DELETE_RACED", "operation": "delete", "path": path})
+                    # What another delete marked is its to take (or its own move, marked).
                     _take(trash, holder, what, taken, path)
             finally:
                 os.close(holder)
