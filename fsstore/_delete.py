@@ -13,34 +13,26 @@ A delete, holding the lock of what it moves (a session's: its main transcript's)
 3. renames it into ``.trash`` (one atomic rename: every reader on every host sees it
    gone at once), under a name carrying the transcript's *tag* (the first 16 hex
    digits of its lock name);
-4. checks what the rename moved: the rename went by name, so a deleter whose lock
-   was overtaken (stalled past its lease, a clock ahead) can move a session another
-   writer finished the delete of and made anew. What is not marked, or not the
-   directory listed (where listings can tell), was never this delete's: it is put
-   back. Until then it is hidden only until someone looks: a load or append that
-   finds the transcript missing moves back an unmarked directory of its tag from
-   ``.trash`` itself (:func:`restore`), and so does a listing of its parent, where
-   the delete left a record of the name beside what it moved (:func:`moving_record`,
-   written before the rename and removed once the delete knows what it moved:
-   :func:`restore_named`; ``fsstore gc`` too, once old, if its deleter died). If yet
-   another session was made at the name meanwhile (a client that did not see it in
-   ``.trash``), the one moved cannot go back: its batches are appended to the one
-   made since (:func:`merge_back`); where that fails, or its merger dies, it stays (an
-   error in the log, and for ``fsstore check`` once old; never removed by gc, which
-   resumes the merge once old). A delete that began while it was at the name or in
-   ``.trash`` *claims* it (:func:`_claim_moved`: marks it; a delete leaves a
-   ticket in what it is to delete as it begins, :func:`_tickets`): then it is deleted
-   after all, and step 5 runs;
+4. checks what the rename moved: by name, so a deleter whose lock was overtaken (a
+   stall, a clock ahead) can move a session another writer finished the delete of and
+   made anew. What is not marked (or not the directory listed) was never its own: it
+   is put back (:func:`_put_back`). Until then a load or append that finds it missing
+   moves it back (:func:`restore`), and so does a listing of its parent, where the
+   delete left a record of the name (:func:`moving_record`, :func:`restore_named`),
+   and ``fsstore gc`` once old. Where another session was made at the name meanwhile,
+   its batches are appended to that one (:func:`merge_back`). A delete that began
+   while it was at the name or in ``.trash`` claims and takes it (:func:`_claim_moved`,
+   :func:`_tickets`);
 5. empties it there, keeping the marks (a tombstone ``.trash/*-tomb``: a writer whose
    client still reaches the old path sees the delete; ``fsstore gc`` removes it once
    old).
 
 Crash table: before 2, nothing happened; after 2, the next writer or reader under
-the lock finishes it (and ``fsstore prune`` takes its marks back where its last look
-says keep); after 3, a marked directory in ``.trash`` is garbage for ``fsstore gc``,
-an unmarked one (step 4) is moved back by the next load or append, and kept by gc,
-which merges it, once old, into a session made at its name since (``fsstore
-check``: an orphan once old).
+the lock finishes it (``fsstore prune`` takes its marks back where its last look says
+keep); after 3, a marked directory in ``.trash`` is garbage for ``fsstore gc``, an
+unmarked one (step 4) is moved back by the next listing, load or append, or merged
+by gc, once old, into a session made at its name since (``fsstore check``: an orphan
+once old). docs/format.md, "Deletes", has the whole story.
 """
 
 from __future__ import annotations
@@ -67,8 +59,7 @@ MOVING_TAG = "-moving"  # beside what a delete moves, its name, until the delete
 
 
 def moving_record(aside: str) -> str:
-    """The name of the record a delete leaves beside what it moves to ``.trash/aside``
-    (in the same parent directory), holding the name of what it moves."""
+    """The record a delete leaves beside what it moves to ``.trash/aside``: its name."""
     return aside[: -len(ASIDE_TAG)] + MOVING_TAG
 
 
@@ -180,8 +171,7 @@ def _move_to_trash(
         aside = _fsio.temp_name(f"-{tag}{ASIDE_TAG}")
         moving = moving_record(aside)
         try:
-            # What moves is named beside it until this delete knows what it moved: if it
-            # dies in between, a listing of the parent finds what it must move back.
+            # Named beside it until this delete knows what it moved (restore_named).
             store._fs.write_temp(parent, moving, name.encode("ascii"))
             os.rename(name, aside, src_dir_fd=parent, dst_dir_fd=trash)
         except FileNotFoundError:
@@ -202,11 +192,9 @@ def _move_to_trash(
 
 
 def _renew(store: SyncStore, parent: int, moving: str, name: str) -> None:
-    """Keep the record ``moving`` of what this delete moved, now that the move is done:
-    ``fsstore gc`` removes records by age, and this delete may have stalled longer than
-    that before its rename (found by review: gc removed the record of a deleter stalled
-    past ``--older-than``, which then moved a session by mistake and died: hidden). Once
-    touched here, gc sees it young, and keeps it while what it names is an orphan."""
+    """Touch (or write again) the record ``moving`` once the move is done: gc removes
+    records by age, and this delete may have stalled longer than that before its rename
+    (found by review); gc keeps a young one, and one that names an orphan."""
     try:
         try:
             os.utime(moving, dir_fd=parent)
@@ -266,11 +254,9 @@ def _put_back(trash: int, aside: str, parent: int, name: str, path: str) -> str 
 
 
 def restore(store: SyncStore, rfd: int, comps: list[Component]) -> bool:
-    """Move back what a delete moved by mistake and has not moved back yet (its deleter
-    stalled or died between the two renames): an unmarked directory in ``.trash`` of
-    the session of transcript ``comps``, or of the transcript. For whoever finds the
-    transcript missing, before taking it for deleted or making it anew: the session
-    is hidden only until someone looks. True if one was moved back."""
+    """Move back an unmarked directory in ``.trash`` of the session of transcript
+    ``comps``, or of the transcript, that a delete moved by mistake (its deleter stalled
+    or died between its two renames): for whoever finds it missing. True if one was."""
     session = comps[:4]
     sub = comps[-1][0] != _layout.MAIN
     trash = store._open(rfd, [(_layout.TRASH, None)], "load")
@@ -304,8 +290,7 @@ def restore(store: SyncStore, rfd: int, comps: list[Component]) -> bool:
 
 
 def _rename_back(trash: int, name: str, parent: int, to: str) -> None:
-    """Rename ``.trash/name`` to ``parent/to``, through a client that still resolves
-    ``to`` to it (:func:`_views.forgot_stale_dir`: GlusterFS, once it knew it there)."""
+    """Rename ``.trash/name`` to ``parent/to`` (:func:`_views.forgot_stale_dir`)."""
     try:
         os.rename(name, to, src_dir_fd=trash, dst_dir_fd=parent)
     except OSError as exc:
@@ -316,10 +301,9 @@ def _rename_back(trash: int, name: str, parent: int, to: str) -> None:
 
 def restore_named(store: SyncStore, rfd: int, parent: int, comps: list[Component], records: list[str]) -> bool:
     """Move back what the deletes that left ``records`` (:func:`moving_record`) in
-    ``parent`` (at ``comps``: a project's ``sessions`` or a session's ``subkeys``) moved
-    there by mistake, if they have not yet: for a listing of ``parent``, which would
-    not show it (its deleter stalled or died between its two renames). True if one
-    was moved back."""
+    ``parent`` (at ``comps``: ``sessions`` or ``subkeys``) moved by mistake, for a
+    listing of ``parent`` (its deleter stalled or died between its two renames). True
+    if one was moved back."""
     restored = False
     for record in records:
         try:
@@ -336,15 +320,12 @@ def restore_named(store: SyncStore, rfd: int, parent: int, comps: list[Component
 
 
 def _claim_moved(store: SyncStore, rfd: int, tags: list[str], ticket: str, path: str) -> None:
-    """Mark what other deletes moved by mistake into ``.trash`` and holds there still (a
-    directory made anew, moved by a deleter stalled past its lease, on its way back or
-    being merged) where it holds this delete's ``ticket``: it is what this delete was to
-    delete as it began (see :func:`_tickets`). Of this transcript (``tags``), or, for a
-    session delete, of the session or any of its subagent transcripts. Its deleter,
-    seeing the mark, empties it instead of moving it back (or stops merging it). A
+    """Mark and take (:func:`_take`) what other deletes moved by mistake into ``.trash``
+    (on its way back or being merged) where it holds this delete's ``ticket``: it was
+    at the name as this delete began (:func:`_tickets`). Of this transcript (``tags``),
+    or, for a session delete, of the session or any of its subagent transcripts. A
     directory made at the name after this delete began holds no ticket: it may hold
-    batches acknowledged after this delete took effect (its mark, finished by a writer
-    while it stalled), and is not claimed."""
+    batches acknowledged after this delete took effect, and is not claimed."""
     trash = store._open(rfd, [(_layout.TRASH, None)], "delete")
     if trash is None:
         return
@@ -377,12 +358,10 @@ def _claim_moved(store: SyncStore, rfd: int, tags: list[str], ticket: str, path:
 
 
 def _take(trash: int, holder: int, what: str, tags: list[str], path: str) -> None:
-    """Move what this delete claimed (marked) off the name it had in ``.trash`` to one of
-    this delete's, and empty it there: whoever looked at it before the mark (its
-    stalled deleter about to put it back, a load or listing about to move it back)
-    then finds nothing to move (found by review: a claimed session was put back at its
-    name after the claiming delete returned, listed though deleted). Moved back first
-    (ENOENT here), it is at its name, holding this delete's ticket: taken there."""
+    """Move what this delete claimed (marked) off its name in ``.trash`` and empty it: a
+    deleter, load or listing that looked before the mark finds nothing to move back
+    (found by review: it came back at its name after the claiming delete returned).
+    Moved back first (ENOENT), it holds this delete's ticket at the name: taken there."""
     aside = _fsio.temp_name(f"-{'-'.join(tags)}{ASIDE_TAG}")
     try:
         os.rename(what, aside, src_dir_fd=holder, dst_dir_fd=trash)
@@ -396,11 +375,9 @@ def _tickets(
     ticket: str, *, undo: bool = False,
 ) -> None:
     """Leave (``undo``: take back) an empty file named ``ticket`` in each transcript
-    directory this delete is to delete, as it begins: at the name (a session's main
-    and subagent transcripts), then in what deletes had moved from it into ``.trash``.
-    Wherever a stalled deleter's mistaken move takes one of them later, the ticket
-    goes with it and says it is this delete's (:func:`_claim_moved`). A name, not an
-    inode number: a directory removed frees its number for the next one made."""
+    directory this delete is to delete, as it begins: at the name, then in what deletes
+    had moved from it into ``.trash``. A stalled deleter's mistaken move carries it
+    along (:func:`_claim_moved`). A name, not an inode number: those are reused."""
     # At the name first: what a mistaken move takes from there after this look is then
     # in .trash when it is listed, or carries the ticket.
     if parent is not None:
@@ -473,21 +450,16 @@ def merge_back(store: SyncStore, orphan: str, comps: list[Component], mark: str,
     """Append the batches of ``.trash/<orphan>`` (each transcript's, in order, one
     append a batch) to the transcripts at its old name, then remove it.
 
-    Only into the session there (never making it anew: :class:`_commit.Gone`), and
-    only into the directory the look found there, each batch looked at and appended
-    under the locks a delete of the session (or of that transcript) takes. A delete
-    that runs meanwhile has claimed it (its ticket is in it: :func:`_claim_moved`) by
-    the next look: marked, its batches are deleted, and the rest are not appended. If the session is gone (a delete, or being deleted:
-    that delete claims this one too) or this one is back at the name (a load moved it
-    back when the name was empty), it is left where it is. Each batch appended is
-    marked in the orphan (:func:`merged_name`): a merge resumed after its merger died
-    (``fsstore gc``: :func:`orphan_target`) appends the rest; only a batch whose
-    merger died between its append and its mark is appended twice (entries with a
-    ``uuid`` load once). Merged whole, it is renamed off its name under the lock
-    before it is removed: a merger still going through it (another ``fsstore gc``)
-    stops at its next look, and a removal cut short leaves garbage, never an orphan
-    to merge again (found by review: a part left without its merge mark was appended
-    twice). One that cannot be read whole stays, for the operator.
+    Only into the session the look found there (never making it anew:
+    :class:`_commit.Gone`), each batch looked at and appended under the locks a delete
+    of the session (or of that transcript) takes: a delete that runs meanwhile has
+    claimed it by the next look, and the rest are not appended. If the session is gone
+    (or being deleted) or this one is back at the name, it is left where it is. Each
+    batch appended is marked in the orphan (:func:`merged_name`), so a merge resumed by
+    ``fsstore gc`` appends the rest (only a batch whose merger died between its append
+    and its mark twice). Merged whole, it is renamed off its name under the lock before
+    it is removed: a merger still going through it stops at its next look, and a
+    removal cut short leaves garbage, never an orphan to merge again.
 
     Returns how it ended: ``"merged"``; ``"claimed"``, ``"gone"``, ``"back"``,
     ``"done"`` (another process merged or removed it first), as logged; or
