@@ -94,8 +94,8 @@ def _scan_children(pfd: int) -> tuple[list[tuple[str, str]], list[str]]:
             if own(name):
                 if is_dir(entry):
                     add((name, name))
-            elif name.endswith(_delete.MOVING_TAG):
-                moving.append(name)
+            elif name.startswith(_fsio.TEMP_PREFIX) and name.endswith(_delete.MOVING_TAG):
+                moving.append(name)  # (a key's name never starts with ".")
             elif (part := _layout.decode_entry(pfd, entry)) is not None:
                 add((name, part))
     return children, moving

@@ -1139,3 +1139,16 @@ def test_a_session_with_only_subagent_transcripts_is_deleted_whole(root: Path) -
     assert store.list_sessions(KEY["project_key"]) == []
     assert not tdir(root, KEY).parent.exists()
     assert trash_left(root) == []
+
+
+def test_keys_that_end_like_a_deletes_record_are_listed(tmp_path: Path) -> None:
+    """A session id or subpath whose name ends in ``-moving`` (the tag of a delete's
+    record, docs/format.md) is a session or subagent transcript like any other: a
+    listing that took every name ending so for a record left them out."""
+    store = SyncStore(tmp_path / "s", create=True)
+    key = {"project_key": "p", "session_id": "Alpha-moving"}
+    store.append(key, [{"n": 1}])
+    store.append({**key, "subpath": "subagents/X-moving"}, [{"n": 2}])
+    store.append({"project_key": "p", "session_id": "plain-moving"}, [{"n": 3}])
+    assert sorted(s["session_id"] for s in store.list_sessions("p")) == ["Alpha-moving", "plain-moving"]
+    assert store.list_subkeys(key) == ["subagents/X-moving"]
