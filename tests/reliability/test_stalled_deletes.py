@@ -205,6 +205,9 @@ def test_a_session_a_stalled_delete_moved_by_mistake_and_died_is_listed_again(
     other = SyncStore(root, **STALE)
     if finder == "gc":
         time.sleep(1.1)
+        dry = subprocess.run([sys.executable, "-m", "fsstore", "gc", str(root), "--older-than", "1s", "--dry-run"],
+                             check=False, capture_output=True, text=True, timeout=60)
+        assert dry.returncode == 0 and "would move back" in dry.stdout and _moved_by_mistake(root), dry.stdout
         gc = subprocess.run([sys.executable, "-m", "fsstore", "gc", str(root), "--older-than", "1s"],
                             check=False, capture_output=True, text=True, timeout=60)
         assert gc.returncode == 0 and "moved back" in gc.stdout, gc.stdout + gc.stderr
