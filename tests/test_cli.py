@@ -34,6 +34,7 @@ from ._helpers import (
     fsstore,
     fsstore_json,
     lock_file,
+    moved_by_a_dead_deleter,
     orphan_of,
     snapshot,
     tdir,
@@ -795,6 +796,29 @@ def test_a_transcript_a_stalled_delete_moved_by_mistake_is_in_the_next_listing(
         assert seen == [[KEY["session_id"]]] and SyncStore(root).load(KEY) == [entry(1)]
     assert _orphans(root) == []
     assert not [p for p in root.rglob(f"*{_delete.MOVING_TAG}")], "the delete's record is left"
+
+
+def test_gc_keeps_the_record_of_an_orphan_it_could_not_move_back(
+    root: Path, store: SyncStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What a dead deleter moved by mistake, with its record of the name: a gc whose move
+    back fails (here: EROFS) keeps the record, old as it is, so that the next gc (or a
+    listing) can still move it back; removed, nothing would name the session."""
+    store.append(KEY, [entry(0)])
+    moved = moved_by_a_dead_deleter(root, KEY)
+    record = tdir(root, KEY).parent.parent / _delete.moving_record(moved.name)
+    time.sleep(1.1)
+
+    def refused(*args: Any) -> None:
+        raise OSError(30, "Read-only file system")
+
+    with monkeypatch.context() as m:
+        m.setattr(_delete, "_rename_back", refused)
+        actions = _cleanup.gc(str(root), older_than=1.0)
+    assert [a.action for a in actions if a.path.endswith(moved.name)] == ["restore"]
+    assert moved.exists() and record.exists(), [a.as_dict() for a in actions]
+    assert [s["session_id"] for s in SyncStore(root).list_sessions(KEY["project_key"])] == [KEY["session_id"]]
+    assert not moved.exists() and not record.exists()
 
 
 def _orphans(root: Path) -> list[Path]:
