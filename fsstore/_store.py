@@ -59,9 +59,7 @@ _LOAD_ATTEMPTS, _OPTIMISTIC_LOADS = READ_ATTEMPTS, UNLOCKED_READS
 
 
 class _Again(enum.Enum):
-    """A load attempt lost a race (see :meth:`SyncStore._load_once`)."""
-
-    AGAIN = "again"
+    AGAIN = "again"  # a load attempt lost a race (see :meth:`SyncStore._load_once`)
 
 
 _AGAIN = _Again.AGAIN
@@ -516,10 +514,8 @@ class SyncStore:
         out: list[dict[str, Any]] = []
         with translating(op, self._path(comps)), self._children(comps, op) as (pfd, children):
             for name, session_id in children:
-                mfd = self._fs.open_dir(
-                    pfd, [(name, None), (_layout.MAIN, None)],
-                    create=False, base_path=self._path(comps), operation=op,
-                )
+                mfd = self._fs.open_dir(pfd, [(name, None), (_layout.MAIN, None)], create=False,
+                                        base_path=self._path(comps), operation=op)
                 if mfd is None:
                     continue
                 try:
@@ -532,31 +528,36 @@ class SyncStore:
                     out.append({**summary, "session_id": session_id, "mtime": mtime_ns // 1_000_000})
         return out
 
-    def _fresh_summary(
-        self, mfd: int, path: str, key: dict[str, str]
-    ) -> tuple[dict[str, Any] | None, int]:
+    def _fresh_summary(self, mfd: int, path: str, key: dict[str, str]) -> tuple[dict[str, Any] | None, int]:
         """The summary of every part committed before its mtime (the stat comes first),
-        from the sidecar a compaction left plus the parts after it; None if it cannot
-        be had now (the SDK then rebuilds it through load(), which reports problems)."""
-        mtime_ns = os.fstat(mfd).st_mtime_ns
-        state = read_state(mfd) or State()
-        try:
-            items, deleted = scan(mfd)
-            chain, gap = plan(items)
-            if deleted or gap is not None or not chain:
-                return None, 0
-            if state.summary is not None and state.folded == chain[-1][1]:
-                return state.summary, mtime_ns
-            if self._fold is None:
-                return None, 0
-            summary, _folded = _compact.fold_chain(
-                (self._fold, key), state, chain,
-                lambda name: parse(_read.read_file(mfd, name), f"{path}/{name}", "summary"))
-        except (FsStoreError, FileNotFoundError) as exc:
-            log.warning("summary left out: %s", exc, extra={"code": "SUMMARY_BEHIND",
-                        "operation": "list_session_summaries", "path": path})
-            return None, 0
-        return summary, mtime_ns
+        from the sidecar a compaction left plus the parts after it, read again where a
+        compaction raced it; None if it cannot be had now (the SDK then rebuilds it
+        through load(), which reports problems)."""
+        problem = f"no whole listing in {UNLOCKED_READS} reads (compactions racing, or a gap)"
+        for _attempt in range(UNLOCKED_READS):
+            mtime_ns = os.fstat(mfd).st_mtime_ns
+            state = read_state(mfd) or State()
+            try:
+                items, deleted = scan(mfd)
+                chain, gap = plan(items)
+                if deleted or not chain:
+                    return None, 0
+                if gap is not None:
+                    continue  # a listing torn by a compaction (or a real gap: load says)
+                if state.summary is not None and state.folded == chain[-1][1]:
+                    return state.summary, mtime_ns
+                if self._fold is None:
+                    return None, 0
+                return _compact.fold_chain((self._fold, key), state, chain, lambda name: parse(
+                    _read.read_file(mfd, name), f"{path}/{name}", "summary"))[0], mtime_ns
+            except FileNotFoundError:
+                continue  # a compaction merged and removed a part after the listing
+            except FsStoreError as exc:
+                problem = str(exc)
+                break
+        log.warning("summary left out: %s", problem, extra={
+            "code": "SUMMARY_BEHIND", "operation": "list_session_summaries", "path": path})
+        return None, 0
 
     # -- delete --------------------------------------------------------------------
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import random
+import time
 from pathlib import Path
 from typing import Any
 
@@ -130,3 +131,45 @@ def test_append_racing_a_delete_of_a_long_session_id_keeps_it_listed(
     assert fired
     assert store.load(key) == [{"n": 1}]  # the delete came first, then this append
     assert [s["session_id"] for s in store.list_sessions(PROJECT)] == [key["session_id"]]
+
+
+def test_a_session_compacted_while_summaries_are_listed_is_in_every_listing(
+    procs: Any, tmp_path: Path, figures: Any
+) -> None:
+    """A compaction merges and removes parts while list_session_summaries reads them:
+    the listing reads again, as a load does, instead of leaving the session out (before,
+    about 1 listing in 400 left it out here)."""
+    root = str(tmp_path / "store")
+    store = SyncStore(root, create=True)
+    store.append(SHARED, [{"w": "seed", "b": 0, "i": 0, "n": 1}])
+    start, stop = procs.Event(), procs.Event()
+    writers = []
+    for w in range(2):
+        parent, child = procs.Pipe(duplex=False)
+        p = procs.Process(target=_children.writer,
+                          args=(root, SHARED, f"w{w}", 10**6, w, {"compact_every": 2}, start, child, stop))
+        p.start()
+        child.close()
+        writers.append((p, parent))
+    start.set()
+    listings = left_out = 0
+    try:
+        deadline = time.monotonic() + 3
+        while time.monotonic() < deadline:
+            listed = [s["session_id"] for s in store.list_session_summaries(PROJECT)]
+            listings += 1
+            left_out += listed != [SHARED["session_id"]]
+        stop.set()
+        for p, conn in writers:
+            assert conn.poll(60)
+            status, done, *_ = conn.recv()
+            assert status == "ok", done
+            figures.add("appends", done)
+    finally:
+        stop.set()
+        for p, _conn in writers:
+            p.join(10)
+            if p.is_alive():
+                p.kill()
+    assert left_out == 0, f"{left_out} of {listings} listings left the session out"
+    assert listings >= 100, f"only {listings} listings"
