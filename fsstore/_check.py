@@ -159,8 +159,8 @@ def _garbage_problem(g: Garbage, older_than: float) -> Problem:
         return Problem("error", "orphan", g.path, "a transcript a delete moved by mistake and did not "
                        "move back or merge (its deleter died, or the merge failed: see the log): fsstore gc "
                        "merges it into the session at its name, or moves it back there where nothing is "
-                       "and its deleter's record of the name is left, as a listing of its project, or a "
-                       "load or append of it, does (docs/operations.md: Deletes racing appends)")
+                       "(as a listing of its project that finds its deleter's record, or a load or append "
+                       "of it, does) (docs/operations.md: Deletes racing appends)")
     if g.kind == "orphan":
         return Problem("info", "young-orphan", g.path, f"a transcript a delete moved by mistake, "
                        f"{age_text(g.age)} old: being moved back or merged")

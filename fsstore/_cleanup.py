@@ -27,7 +27,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from . import _delete, _fsio, _layout
+from . import _delete, _fsio, _layout, _merge
 from ._errors import FsStoreError
 from ._layout import Component
 from ._lock import reclaim_if_stale
@@ -204,13 +204,11 @@ def gc(
         actions += [a for lk in found
                     if (a := _break(lk, older_than, w.stale_lock_seconds, dry_run)) is not None]
         trash = w.trash()
-        # Orphans first: a record naming where one came from is among the garbage, and
-        # kept while its orphan is (moved back, the record goes with it).
-        records = {g.name: g for g in w.garbage if g.name.endswith(_delete.MOVING_TAG)}
+        # Orphans first; a record of where one came from (for listings) is kept while it is.
         orphans = [g for g in trash if g.kind == "orphan"]
         actions += [a for g in orphans if g.age > older_than
                     and (a := _merge_orphan(w, g, [_layout.transcript_dirs(t.tk) for t in seen],
-                                            records, dry_run)) is not None]
+                                            [ref.comps for ref in refs], dry_run)) is not None]
         kept = {_delete.moving_record(g.name) for g in orphans}
         actions += [_remove_garbage(w, g, older_than, dry_run)
                     for g in (*w.garbage, *trash, *lock_garbage)
@@ -220,23 +218,22 @@ def gc(
 
 
 def _merge_orphan(
-    w: Walker, g: Garbage, transcripts: list[list[Component]], records: dict[str, Garbage], dry_run: bool,
+    w: Walker, g: Garbage, transcripts: list[list[Component]], sessions: list[tuple[str, ...]], dry_run: bool,
 ) -> Action | None:
     """Finish the merge of what a delete moved by mistake into the session (or
-    transcript) at its name (its merger died, or failed: :func:`_delete.merge_back`);
-    where nothing is at its name, move it back there, if its deleter's record of the
-    name is left (:func:`_delete.moving_record`; a load or append of it moves it back
-    too); else None."""
+    transcript) at its name (its merger died, or failed: :func:`_merge.merge_back`);
+    where nothing is at its name, move it back there (:func:`_delete.moved_from`; a load
+    or append of it by name moves it back too); else None."""
     name = g.name
     target = _delete.orphan_target(name, transcripts)
     if target is None:
-        record = records.get(_delete.moving_record(name))
-        return None if record is None else _restore_orphan(w, g, record, dry_run)
+        home = _delete.moved_from(name, _projects(w), sessions)
+        return None if home is None else _restore_orphan(w, g, home, dry_run)
     comps, mark = target
     into = w.path([c for c, _ in comps])
     if dry_run:
         return Action("merge", g.path, f"would be merged into {into}", False, age=g.age)
-    how = _delete.merge_back(w.store, name, comps, mark, into)
+    how = _merge.merge_back(w.store, name, comps, mark, into)
     detail = {"merged": f"merged into {into}",
               "claimed": "taken by a delete of its session meanwhile",
               "gone": "left for the delete of its session that runs meanwhile",
@@ -246,18 +243,22 @@ def _merge_orphan(
     return Action("merge", g.path, detail, how == "merged", age=g.age, failed=how == "failed")
 
 
-def _restore_orphan(w: Walker, g: Garbage, record: Garbage, dry_run: bool) -> Action:
-    where = w.path(record.parent)
+def _projects(w: Walker) -> list[str]:
+    fd = w.open((_layout.PROJECTS,))
+    if fd is None:
+        return []
+    try:
+        return _fsio.listdir(fd)
+    finally:
+        os.close(fd)
+
+
+def _restore_orphan(w: Walker, g: Garbage, home: list[Component], dry_run: bool) -> Action:
+    where = w.path([c for c, _ in (home[:-2] if home[-1][0] == _layout.MAIN else home[:-1])])
     if dry_run:
         return Action("restore", g.path, f"would be moved back into {where}", False, age=g.age)
     with w.store.open_root() as rfd:
-        pfd = w.open(record.parent)
-        if rfd is None or pfd is None:
-            return Action("restore", g.path, "not moved back: its parent is gone", False, age=g.age)
-        try:
-            done = _delete.restore_named(w.store, rfd, pfd, [(n, None) for n in record.parent], [record.name])
-        finally:
-            os.close(pfd)
+        done = rfd is not None and _delete.restore(w.store, rfd, home)
     return Action("restore", g.path, f"moved back into {where}" if done else
                   "not moved back: moved, claimed or made anew meanwhile", done, age=g.age)
 

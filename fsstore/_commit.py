@@ -157,7 +157,7 @@ def append(
     directory (a descriptor), asked once the commit holds the directory it goes into;
     raise :class:`Gone` instead of finishing a delete or making the session, or where
     ``into`` says no. For the merge of a session a delete moved by mistake
-    (:func:`_delete.merge_back`): its batches are a deleted session's, and its
+    (:func:`_merge.merge_back`): its batches are a deleted session's, and its
     caller's lock may have been overtaken since it looked."""
     for attempt in range(_APPEND_ATTEMPTS):
         try:

@@ -20,7 +20,7 @@ A delete, holding the lock of what it moves (a session's: its main transcript's)
    moves it back (:func:`restore`), and so does a listing of its parent, where the
    delete left a record of the name (:func:`moving_record`, :func:`restore_named`),
    and ``fsstore gc`` once old. Where another session was made at the name meanwhile,
-   its batches are appended to that one (:func:`merge_back`). A delete that began
+   its batches are appended to that one (:func:`_merge.merge_back`). A delete that began
    while it was at the name or in ``.trash`` claims and takes it (:func:`_claim_moved`,
    :func:`_tickets`);
 5. empties it there, keeping the marks (a tombstone ``.trash/*-tomb``: a writer whose
@@ -42,20 +42,19 @@ import errno
 import os
 import re
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-from . import _commit, _fsio, _keys, _layout, _read, _views
+from . import _fsio, _keys, _layout, _merge, _read, _views
 from ._errors import FsStoreError, log
 from ._layout import Component
-from ._transcript import Deleted, Vanished, read_snapshot
 
 if TYPE_CHECKING:
     from ._store import SyncStore
 
 ASIDE_TAG = "-deleted"  # what a delete moved into .trash, until it is emptied or moved back
 CLAIM_TAG = "-claim"  # a delete's ticket in what it is to delete (see _tickets)
-MERGED_TAG = "-merged"  # what a delete moved by mistake, merged back, until it is removed
 MOVING_TAG = "-moving"  # beside what a delete moves, its name, until the delete knows what it moved
+FROM = "="  # in what a delete moves into .trash: the name it had (no key's name holds "=")
 
 
 def moving_record(aside: str) -> str:
@@ -114,7 +113,7 @@ def remove(
             if parent is not None:
                 os.close(parent)
     if orphan is not None:  # not under the lock: appending takes the locks it needs
-        merge_back(store, orphan, comps, mark, path)
+        _merge.merge_back(store, orphan, comps, mark, path)
 
 
 def finish(store: SyncStore, comps: list[Component], path: str, *, session: bool) -> None:
@@ -168,7 +167,7 @@ def _move_to_trash(
             if kept:
                 _mark(store, parent, name, path, mark, undo=True)
                 return None
-        aside = _fsio.temp_name(f"-{tag}{ASIDE_TAG}")
+        aside = _fsio.temp_name(f"-{tag}{FROM}{name}{ASIDE_TAG}")  # names what it was (moved_from)
         moving = moving_record(aside)
         try:
             # Named beside it until this delete knows what it moved (restore_named).
@@ -414,16 +413,18 @@ def _holds(store: SyncStore, parent: int, name: str, mark: str, base: str, ticke
 
 
 # What a delete moves into .trash is named for what it was: the session's tag (the
-# first 16 hex digits of its main transcript's lock name), and for a subagent
-# transcript its own tag too. A directory of the session that holds no mark was
-# moved by mistake (see the module docstring).
-_MOVED = re.compile(r"\.tmp-[0-9]+-[0-9a-f]+-[0-9]+-([0-9a-f]{16})(?:-([0-9a-f]{16}))?" + ASIDE_TAG)
+# first 16 hex digits of its main transcript's lock name), for a subagent transcript
+# its own tag too, and the name it had (since stop 21; what a claim takes, already
+# marked, has none). A directory of the session that holds no mark was moved by
+# mistake (see the module docstring).
+_MOVED = re.compile(r"\.tmp-[0-9]+-[0-9a-f]+-[0-9]+-([0-9a-f]{16})(?:-([0-9a-f]{16}))?"
+                    rf"(?:{FROM}([^/{FROM}]+))?{ASIDE_TAG}")
 
 
 def orphan_target(name: str, transcripts: list[list[Component]]) -> tuple[list[Component], str] | None:
     """Where the orphan ``.trash/<name>`` (moved by mistake, unmarked) was moved from,
     if it was one of ``transcripts`` (their components) or their sessions: the
-    arguments :func:`merge_back` takes (``comps``, ``mark``); None if none is there."""
+    arguments :func:`_merge.merge_back` takes (``comps``, ``mark``); None if none is there."""
     tags = _tags_of(name)
     for comps in transcripts if tags is not None else []:
         found = _tags(comps)
@@ -432,6 +433,20 @@ def orphan_target(name: str, transcripts: list[list[Component]]) -> tuple[list[C
         if tags == found:
             return comps, ""
     return None
+
+
+def moved_from(name: str, projects: list[str], sessions: list[tuple[str, ...]]) -> list[Component] | None:
+    """The transcript whose session (or which) the orphan ``.trash/<name>`` was, by the
+    name it had and its tags, looked for in ``projects`` (the names in ``projects/``)
+    or ``sessions`` (each one's path components); None if not there."""
+    m = _MOVED.fullmatch(name)
+    if m is None or m.group(3) is None:
+        return None  # not moved by mistake, or moved by a delete before stop 21
+    tags = [t for t in (m.group(1), m.group(2)) if t]
+    homes = ([(_layout.PROJECTS, p, _layout.SESSIONS, m.group(3), _layout.MAIN) for p in projects]
+             if len(tags) == 1 else [(*s, _layout.SUBKEYS, m.group(3)) for s in sessions])
+    comps: list[list[Component]] = [[(c, None) for c in h] for h in homes]
+    return next((c for c in comps if _tags(c) == tags), None)
 
 
 def _tags(comps: list[Component]) -> list[str]:
@@ -444,203 +459,6 @@ def _tags_of(name: str) -> list[str] | None:
     """The tags of a name in ``.trash`` that a delete moved there; None for any other."""
     m = _MOVED.fullmatch(name)
     return None if m is None else [t for t in (m.group(1), m.group(2)) if t]
-
-
-def merge_back(store: SyncStore, orphan: str, comps: list[Component], mark: str, path: str) -> str:
-    """Append the batches of ``.trash/<orphan>`` (each transcript's, in order, one
-    append a batch) to the transcripts at its old name, then remove it.
-
-    Only into the session the look found there (never making it anew:
-    :class:`_commit.Gone`), each batch looked at and appended under the locks a delete
-    of the session (or of that transcript) takes: a delete that runs meanwhile has
-    claimed it by the next look, and the rest are not appended. If the session is gone
-    (or being deleted) or this one is back at the name, it is left where it is. Each
-    batch appended is marked in the orphan (:func:`merged_name`), so a merge resumed by
-    ``fsstore gc`` appends the rest (only a batch whose merger died between its append
-    and its mark twice). Merged whole, it is renamed off its name under the lock before
-    it is removed: a merger still going through it stops at its next look, and a
-    removal cut short leaves garbage, never an orphan to merge again.
-
-    Returns how it ended: ``"merged"``; ``"claimed"``, ``"gone"``, ``"back"``,
-    ``"done"`` (another process merged or removed it first), as logged; or
-    ``"failed"`` (logged as an error; it stays)."""
-    stopped: str | None = None
-    try:
-        with store._open_root(create=False) as rfd:
-            trash = store._open(rfd, [(_layout.TRASH, None)], "delete") if rfd is not None else None
-            if rfd is None or trash is None:
-                return "done"
-            try:
-                ident = os.stat(orphan, dir_fd=trash, follow_symlinks=False).st_ino
-                target = (_layout.rel(comps), _layout.rel(comps[:4]))
-                main = {"project_key": _part(comps[1]), "session_id": _part(comps[3])}
-                for key, names in _transcripts(store, trash, orphan, comps, mark):
-                    stopped = _merge_transcript(store, rfd, trash, orphan, (ident, *target), names, mark,
-                                                main, key, path)
-                    if stopped is not None:
-                        break
-                if stopped in (None, "claimed"):
-                    # Off its name under the lock first: a merger still going through it
-                    # stops at its next look, and what a crash leaves is no orphan.
-                    with store.locked(main):
-                        done = _fsio.temp_name(MERGED_TAG)
-                        try:
-                            os.rename(orphan, done, src_dir_fd=trash, dst_dir_fd=trash)
-                        except FileNotFoundError:
-                            done, stopped = "", "done"  # another merger's, a step ahead
-                    if done:
-                        _fsio.remove_tree(trash, done)
-            finally:
-                os.close(trash)
-    except (OSError, FsStoreError, Vanished) as exc:  # Vanished: someone else's work there
-        _orphaned(orphan, path, exc)
-        return "failed"
-    log.warning("the transcript a delete moved by mistake is %s", {
-        None: "merged into the one made since", "claimed": "deleted by a later delete",
-        "gone": "left in .trash: the session was deleted while it was merged (that delete takes it)",
-        "back": "back at its name (moved back while it was merged)",
-        "done": "merged or deleted by another process meanwhile"}[stopped],
-        extra={"code": "DELETE_RACED", "operation": "delete", "path": path})
-    return stopped or "merged"
-
-
-def _merge_transcript(
-    store: SyncStore, rfd: int, trash: int, orphan: str, itself: tuple[int, str, str], names: list[str],
-    mark: str, main: dict[str, Any], key: dict[str, Any], path: str,
-) -> str | None:
-    """Append the batches of the transcript ``orphan/names...`` to ``key``; why it
-    stopped ("claimed", "gone", "back", "done": see :func:`merge_back`), None when done. A
-    subagent transcript of it that is claimed alone (a delete of that transcript) is
-    skipped. ``itself``: the orphan's inode number, the path of its old name and of
-    its session's."""
-    tfd = store._open(trash, [(n, None) for n in [orphan, *names]], "delete")
-    if tfd is None:
-        return None
-    try:
-        try:
-            batches, gap = read_snapshot(tfd, f"{path}/{'/'.join(names)}", "delete")
-        except Deleted:
-            return "claimed" if marked(trash, orphan, mark) else None
-        if gap is not None:
-            raise FsStoreError("GAP", f"part {gap} is missing", operation="delete", path=path)
-        for last, entries in batches:
-            # The look and the append under the locks a delete of the session (or of this
-            # transcript) takes: one that runs between two batches claims the orphan (its
-            # ticket is in it) before the next look.
-            with contextlib.ExitStack() as held:
-                held.enter_context(store.locked(main))
-                if key != main:
-                    held.enter_context(store.locked(key))
-                # The session at the name first, the claims after: a delete that took
-                # the session seen here (or the orphan) before any session made since
-                # could be at the name has claimed the orphan by then (found by review:
-                # a lock overtaken between the two looks, the other way round).
-                session = _views.looked_up_ino(rfd, itself[2])
-                if session is None:
-                    return "gone"
-                if _views.looked_up_ino(rfd, itself[1]) == itself[0]:
-                    return "back"
-                # Through listings made afresh, not lookups: a client's caches (GlusterFS
-                # about 1 s, sshfs 20 s) can still show what another host's merger took
-                # off its name, or not yet a mark it made (found by review: a batch twice).
-                if not (_views.refresh_listing(trash) and _views.refresh_listing(tfd)
-                        and orphan in _fsio.listdir(trash)):  # its name is its own (random)
-                    return "done"  # merged (or taken by its delete) by another merger
-                claim = _claimed(store, trash, orphan, names, mark)
-                if claim is not None:
-                    return {"gone": "done", "claimed": "claimed", "alone": None}[claim]  # alone: skipped
-                if merged_name(last) in _fsio.listdir(tfd):
-                    continue  # appended by a merge of it that died before removing it
-
-                def into(session_fd: int, session: int = session) -> bool:
-                    """Only into the session seen here, and only while nothing is claimed,
-                    looked at again once the commit has the directory it goes into:
-                    should this lock be overtaken (a stall, a clock ahead), a delete and
-                    a session made since (ext4 may give it the same inode number) may
-                    come first; a delete after this look marks the session it moves,
-                    which the commit's check sees."""
-                    return (os.fstat(session_fd).st_ino == session
-                            and _claimed(store, trash, orphan, names, mark) is None)
-
-                try:
-                    store._append(key, entries, into=into)
-                except _commit.Gone:  # why: looked at again
-                    claim = _claimed(store, trash, orphan, names, mark)
-                    return {"gone": "done", "claimed": "claimed", "alone": None, None: "gone"}[claim]
-                os.close(os.open(merged_name(last), os.O_WRONLY | os.O_CREAT, 0o600, dir_fd=tfd))
-        return None
-    finally:
-        os.close(tfd)
-
-
-def _claimed(store: SyncStore, trash: int, orphan: str, names: list[str], mark: str) -> str | None:
-    """``"gone"`` where the orphan is no longer in .trash (merged, or claimed and
-    removed, by another process), ``"claimed"`` where a delete has marked it (its
-    session's mark, or a subagent orphan's own), ``"alone"`` where it marked only the
-    subagent transcript ``names`` of it, else None: through listings made afresh (a
-    client's cached lookups may not show what another host did yet)."""
-    looks = [([orphan], None), ([orphan, _layout.MAIN] if mark else [orphan], "claimed")]
-    if names not in ([], [_layout.MAIN]):
-        looks.append(([orphan, *names], "alone"))
-    for where, what in looks:
-        fd = store._open(trash, [(n, None) for n in where], "delete")
-        if fd is None and what is None:
-            return "gone"
-        if fd is None:
-            continue  # no main (a session of subagent transcripts)
-        try:
-            fresh = _views.refresh_listing(fd)
-            if what is None and not fresh:
-                return "gone"  # gone on the server: this client still had it
-            if what is not None and fresh and _layout.DELETED in _fsio.listdir(fd):
-                return what
-        finally:
-            os.close(fd)
-    return None
-
-
-def merged_name(last: int) -> str:
-    """The mark a merge leaves in an orphan's transcript once the batch ending at part
-    ``last`` is appended, so that a merge resumed (its merger died: ``fsstore gc``)
-    appends each batch once. A temp name: garbage wherever else it ends up."""
-    return f"{_fsio.TEMP_PREFIX}merged-{last}"
-
-
-def _transcripts(
-    store: SyncStore, trash: int, orphan: str, comps: list[Component], mark: str,
-) -> list[tuple[dict[str, Any], list[str]]]:
-    """``(key, directory names below the orphan)`` of each transcript in it."""
-    project, session = _part(comps[1]), _part(comps[3])
-    if not mark:  # a subagent transcript: .../<S>/subkeys/<SP>
-        return [({"project_key": project, "session_id": session, "subpath": _part(comps[5])}, [])]
-    found: list[tuple[dict[str, Any], list[str]]] = [
-        ({"project_key": project, "session_id": session}, [_layout.MAIN])]
-    subkeys = store._open(trash, [(orphan, None), (_layout.SUBKEYS, None)], "delete")
-    if subkeys is not None:
-        try:
-            with os.scandir(subkeys) as entries:
-                for entry in entries:
-                    sub = _layout.decode_entry(subkeys, entry)
-                    if sub is not None:
-                        found.append(({"project_key": project, "session_id": session, "subpath": sub},
-                                      [_layout.SUBKEYS, entry.name]))
-        finally:
-            os.close(subkeys)
-    return found
-
-
-def _part(comp: Component) -> str:
-    name, original = comp
-    part = original if original is not None else _keys.decode(name)
-    assert part is not None  # comps come from a parsed key
-    return part
-
-
-def _orphaned(name: str, path: str, exc: BaseException) -> None:
-    log.error("a delete moved a transcript made anew after its mark and could not move it "
-              "back or merge it (%s): its batches are in .trash/%s, in no load; see "
-              "docs/operations.md", exc, name, extra={
-                  "code": "DELETE_RACED", "operation": "delete", "path": path})
 
 
 def _mark(store: SyncStore, parent: int, name: str, path: str, below: str, *, undo: bool = False) -> None:

@@ -176,14 +176,18 @@ def orphan_of(root: Path, batches: list[list[dict[str, Any]]], *, key: dict[str,
     return name
 
 
-def moved_by_a_dead_deleter(root: Path, key: dict[str, Any] = KEY) -> Path:
-    """Move the session of ``key`` into .trash as a delete whose lock was overtaken moves
-    a session made anew (unmarked), with the record of its name it leaves beside it,
-    and die there, before moving it back (docs/format.md, "Deletes"). Returns where
-    it is in .trash."""
+def moved_by_a_dead_deleter(root: Path, key: dict[str, Any] = KEY, *, record: bool = True) -> Path:
+    """Move the session of ``key`` (with a ``subpath``: that subagent transcript) into
+    .trash as a delete whose lock was overtaken moves one made anew (unmarked), with the
+    record of its name it leaves beside it (unless not ``record``: gc removed it), and
+    die there, before moving it back (docs/format.md, "Deletes"). Returns where it is in
+    .trash."""
     comps = _layout.transcript_dirs(parse_key(key, "test"))
-    aside = f".tmp-4242-0123456789ab-0-{_delete._tags(comps[:4])[0]}{_delete.ASIDE_TAG}"
-    (root / _layout.rel(comps[:3]) / _delete.moving_record(aside)).write_text(comps[3][0])
+    moved = comps if key.get("subpath") is not None else comps[:4]
+    tags = "-".join(_delete._tags(moved))
+    aside = f".tmp-4242-0123456789ab-0-{tags}{_delete.FROM}{moved[-1][0]}{_delete.ASIDE_TAG}"
+    if record:
+        (root / _layout.rel(moved[:-1]) / _delete.moving_record(aside)).write_text(moved[-1][0])
     (root / _layout.TRASH).mkdir(exist_ok=True)
-    (root / _layout.rel(comps[:4])).rename(root / _layout.TRASH / aside)
+    (root / _layout.rel(moved)).rename(root / _layout.TRASH / aside)
     return root / _layout.TRASH / aside

@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 
-from fsstore import FsStoreError, _cleanup, _delete, _layout
+from fsstore import FsStoreError, _cleanup, _delete, _layout, _merge
 from fsstore._keys import parse_key
 from fsstore._store import SyncStore
 
@@ -821,6 +821,30 @@ def test_gc_keeps_the_record_of_an_orphan_it_could_not_move_back(
     assert not moved.exists() and not record.exists()
 
 
+@pytest.mark.parametrize("what", ["session", "subagent transcript"])
+def test_gc_moves_back_what_a_dead_deleter_moved_by_mistake_by_the_name_it_carries(
+    root: Path, store: SyncStore, what: str
+) -> None:
+    """A deleter killed after its mistaken move, with no record of the name left (gc
+    removed it while the deleter stalled before its rename): `fsstore gc` moves it back
+    by the name its .trash name carries (it kept it as an orphan for good). For a
+    subagent transcript, the only one of its session: nothing else names the session."""
+    key = KEY if what == "session" else {**KEY, "subpath": "agents/a1"}
+    store.append(key, [entry(0)])
+    store.append({**KEY, "project_key": "other"}, [entry(1)])  # another project to look in
+    moved = moved_by_a_dead_deleter(root, key, record=False)
+    listed = SyncStore(root).list_sessions(KEY["project_key"]) if what == "session" else SyncStore(
+        root).list_subkeys(KEY)
+    assert listed == []
+    time.sleep(1.1)
+    actions = _cleanup.gc(str(root), older_than=1.0)
+    assert [(a.action, a.done) for a in actions if a.path.endswith(moved.name)] == [("restore", True)], [
+        a.as_dict() for a in actions]
+    assert not moved.exists() and SyncStore(root).load(key) == [entry(0)]
+    check = fsstore("check", root)
+    assert check.returncode == 0, check.stdout
+
+
 def _orphans(root: Path) -> list[Path]:
     """What deletes moved by mistake and is still in .trash, unmarked."""
     return [p for p in (root / _layout.TRASH).iterdir() if p.name.endswith(_delete.ASIDE_TAG)
@@ -1219,7 +1243,7 @@ def test_a_merger_stalled_past_its_lease_never_appends_into_a_session_made_after
 
     monkeypatch.setattr(merger, "_append", append)
     comps = _layout.transcript_dirs(parse_key(KEY, "test"))[:4]
-    _delete.merge_back(merger, orphan, comps, _layout.MAIN, "-")
+    _merge.merge_back(merger, orphan, comps, _layout.MAIN, "-")
     assert stalls
     assert SyncStore(root).load(KEY) == [entry(3)]
     assert SyncStore(root).load(SUB) is None
@@ -1258,7 +1282,7 @@ def test_a_stalled_merger_never_appends_into_a_session_made_since_at_the_same_in
 
     monkeypatch.setattr(merger, "_append", append)
     comps = _layout.transcript_dirs(parse_key(KEY, "test"))[:4]
-    _delete.merge_back(merger, orphan, comps, _layout.MAIN, "-")
+    _merge.merge_back(merger, orphan, comps, _layout.MAIN, "-")
     assert stalls == [os.stat(session).st_ino]
     assert SyncStore(root).load(KEY) == [entry(3)]
 

@@ -40,9 +40,9 @@ def _names(store: SyncStore) -> list[str] | None:
 
 class _StalledDelete:
     """``delete(KEY)`` in a process whose every ``syscall`` (``renameat`` unless said)
-    waits ``delay`` seconds, before it runs (``when="enter"``) or after (``"exit"``:
-    what it returns is from before the wait); started when :meth:`go` is called
-    (imports done, strace attached)."""
+    waits ``delay`` seconds, before it runs (``when="enter"``), after (``"exit"``:
+    what it returns is from before the wait) or both (``"enter:exit"``); started when
+    :meth:`go` is called (imports done, strace attached)."""
 
     def __init__(self, root: Path, delay: float, syscall: str = "renameat", when: str = "enter",
                  op: str = f"s.delete({KEY!r})") -> None:
@@ -54,7 +54,7 @@ class _StalledDelete:
         assert self.proc.stdout is not None and self.proc.stdout.readline().strip() == "ready"
         self.strace = subprocess.Popen(
             ["strace", "-f", "-qq", "-o", "/dev/null", "-p", str(self.proc.pid), "-e", f"trace={syscall}",
-             "-e", f"inject={syscall}:delay_{when}={int(delay * 1e6)}"])
+             "-e", f"inject={syscall}:" + ":".join(f"delay_{w}={int(delay * 1e6)}" for w in when.split(":"))])
         _until(lambda: _traced(self.proc.pid))
 
     def go(self) -> float:
@@ -242,6 +242,38 @@ def test_gc_keeps_the_record_of_a_deleter_stalled_past_its_threshold(store: Sync
     finally:
         d.kill()
     other = SyncStore(root, **STALE)
+    assert [s["session_id"] for s in other.list_sessions("p")] == ["s"]
+    assert _names(other) == ["b1"]
+
+
+def test_a_session_a_deleter_killed_before_renewing_its_record_moved_by_mistake_is_moved_back_by_gc(
+    store: SyncStore,
+) -> None:
+    """Review of stop 20: as above, but D is killed in the rename's return, before it
+    renews its record: nothing beside the session's name says where it went, and a
+    listing leaves it out. `fsstore gc` moves it back all the same, by the name its
+    `.trash` name carries (it kept it as an orphan for good: 3 of 3)."""
+    root = Path(store.root)
+    d = _StalledDelete(root, 6.0, when="enter:exit")
+    try:
+        started = d.go()
+        _until(lambda: time.monotonic() - started > 1.5)
+        store.append(KEY, _batch("b1"))
+        _until(lambda: time.monotonic() - started > 2.8)
+        gc = subprocess.run([sys.executable, "-m", "fsstore", "gc", str(root), "--older-than", "1s"],
+                            check=False, capture_output=True, text=True, timeout=60)
+        assert gc.returncode == 0, gc.stdout + gc.stderr
+        _until(lambda: _moved_by_mistake(root))  # D's rename is done: it waits in its return
+        d.proc.kill()
+        d.proc.wait(10)
+    finally:
+        d.kill()
+    other = SyncStore(root, **STALE)
+    assert other.list_sessions("p") == []  # hidden, until the next gc
+    time.sleep(1.1)
+    gc = subprocess.run([sys.executable, "-m", "fsstore", "gc", str(root), "--older-than", "1s"],
+                        check=False, capture_output=True, text=True, timeout=60)
+    assert gc.returncode == 0 and "moved back into" in gc.stdout, gc.stdout + gc.stderr
     assert [s["session_id"] for s in other.list_sessions("p")] == ["s"]
     assert _names(other) == ["b1"]
 
