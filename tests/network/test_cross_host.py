@@ -617,14 +617,17 @@ def test_gcs_on_two_hosts_finishing_one_merge_append_each_batch_once(
             assert got == want, (round_, root, outs)
 
 
-@pytest.mark.parametrize("kind", params())
+@pytest.mark.parametrize(("kind", "finder"), [(k, "a listing") for k in ("gluster", "sshfs", "sshfs_nocache")]
+                         + [("gluster", "gc")])
 def test_a_session_a_dead_deleter_on_one_host_moved_by_mistake_is_listed_again_on_the_other(
-    request: pytest.FixtureRequest, kind: str
+    request: pytest.FixtureRequest, kind: str, finder: str
 ) -> None:
     """Host 1's delete, its lock overtaken, moved a session made anew into .trash and
     died before moving it back (what it leaves: the unmarked directory, and the record
-    of its name in ``sessions/``). Host 2, whose client listed the project before, lists
-    it again (moving it back) within its mount's cache window, and loads it whole."""
+    of its name in ``sessions/``, unless gc removed it while the deleter stalled). Host
+    2, whose client listed the project before, lists it again (moving it back) within
+    its mount's cache window, or its `fsstore gc` moves it back by the name its .trash
+    name carries; it loads whole."""
     pair = pair_of(request, kind)
     r1, r2 = pair.fresh("moved")
     FsSessionStore(r1 / "store", create=True).sync.append(KEY, [{"type": "user", "n": 1}])
@@ -633,7 +636,11 @@ def test_a_session_a_dead_deleter_on_one_host_moved_by_mistake_is_listed_again_o
     while [s["session_id"] for s in host2.list_sessions(KEY["project_key"])] != [KEY["session_id"]]:
         assert time.monotonic() < deadline, "host 2 never saw the session"
         time.sleep(0.2)
-    moved = moved_by_a_dead_deleter(r1 / "store", KEY)
+    moved = moved_by_a_dead_deleter(r1 / "store", KEY, record=finder != "gc")
+    if finder == "gc":
+        gc = subprocess.run([sys.executable, "-m", "fsstore", "gc", str(r2 / "store"), "--older-than", "0s"],
+                            check=False, capture_output=True, text=True, timeout=60)
+        assert gc.returncode == 0 and "moved back into" in gc.stdout, gc.stdout + gc.stderr
     deadline = time.monotonic() + 2 * pair.cache_window + 5  # its listings of sessions/, then of .trash
     # (host 2's own listing of .trash: it moved it itself, so no cache of it lags; and a
     # GlusterFS client that knew a directory at a name keeps resolving it there)
