@@ -411,6 +411,10 @@ def _reason_to_keep(w: Walker, ref: SessionRef, first: _Look, older_than: float)
     if {t.comps for t in again.transcripts} != {t.comps for t in first.transcripts}:
         return Action("keep", path, "a transcript was added or removed meanwhile; kept (the "
                       "next prune looks again)", False)
+    moved = _moved_by_mistake(w, ref)
+    if moved is not None:
+        return Action("keep", path, f"part of it is in .trash ({moved}), moved there by a delete by "
+                      "mistake: kept until it is moved back or merged", False)
     young = [g for g in again.temps if g.age <= older_than]
     if young:
         return Action("keep", path, f"an append is in flight ({young[0].path}, "
@@ -420,6 +424,20 @@ def _reason_to_keep(w: Walker, ref: SessionRef, first: _Look, older_than: float)
     if again.files != first.files:
         return Action("keep", path, "written to meanwhile; kept (the next prune looks again)", False)
     return None
+
+
+def _moved_by_mistake(w: Walker, ref: SessionRef) -> str | None:
+    """What a delete moved of the session into ``.trash`` by mistake, not yet moved back
+    or merged: prune's look does not see its batches, and a later delete of the session
+    is the one that claims it (found by review: pruned, it came back into the session
+    made at the name since)."""
+    trash = w.open((_layout.TRASH,))
+    if trash is None:
+        return None
+    try:
+        return _delete.moved_by_mistake(trash, [(c, None) for c in ref.comps])
+    finally:
+        os.close(trash)
 
 
 def _uncommitted(w: Walker, ref: SessionRef, older_than: float) -> Action | None:

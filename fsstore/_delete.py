@@ -435,6 +435,19 @@ def orphan_target(name: str, transcripts: list[list[Component]]) -> tuple[list[C
     return None
 
 
+def moved_by_mistake(trash: int, comps: list[Component]) -> str | None:
+    """The name of a directory in ``.trash`` of the session ``comps[:4]`` (or of one of
+    its transcripts) that no delete marked: moved there by mistake, and not moved back
+    or merged yet (its batches are the session's); None if there is none."""
+    tag = _tags(comps)[0]
+    for name in _fsio.listdir(trash):
+        found = _tags_of(name)
+        if found is not None and found[0] == tag and not marked(
+                trash, name, _layout.MAIN if len(found) == 1 else ""):
+            return name
+    return None
+
+
 def moved_from(name: str, projects: list[str], sessions: list[tuple[str, ...]]) -> list[Component] | None:
     """The transcript whose session (or which) the orphan ``.trash/<name>`` was, by the
     name it had and its tags, looked for in ``projects`` (the names in ``projects/``)

@@ -30,6 +30,8 @@ from ._helpers import (
     chown_tree,
     fsstore,
     lock_file,
+    moved_by_a_dead_deleter,
+    orphan_of,
     snapshot,
     tdir,
     write_jsonl,
@@ -108,6 +110,39 @@ def test_prune_keeps_a_session_with_an_append_in_flight(root: Path, store: SyncS
     time.sleep(1.1)
     assert actions(root, 1.0) == [("delete", True, False)]
     assert store.load(KEY) is None and store.load(SUB) is None
+
+
+@pytest.mark.parametrize("moved", ["a subagent transcript", "the session, made anew since"])
+def test_prune_keeps_a_session_part_of_which_a_delete_moved_into_trash_by_mistake(
+    root: Path, store: SyncStore, moved: str
+) -> None:
+    """Review: a stalled delete moved part of the session into .trash by mistake and
+    died; prune's look does not see what is there, and did not claim it as a delete
+    does: pruned, its batch came back into the session made at the name since (by the
+    next load, or gc's merge; 3 of 3 each). Prune keeps the session until that part is
+    moved back or merged; then a prune deletes all of it, and nothing comes back."""
+    if moved == "a subagent transcript":
+        store.append(KEY, [entry(0)])
+        store.append(SUB, [entry(1)])
+        moved_by_a_dead_deleter(root, SUB)
+    else:
+        orphan_of(root, [[entry(0)]])  # and a session made at its name since, with entry(2)
+        store.append(SUB, [entry(1)])
+    time.sleep(1.1)
+    found, _ = _cleanup.prune(str(root), older_than=1.0)
+    assert [(a.action, a.done) for a in found] == [("keep", False)], [a.as_dict() for a in found]
+    assert "moved there by a delete by mistake" in found[0].detail
+    if moved == "a subagent transcript":
+        assert store.load(SUB) == [entry(1)]  # moved back by the load
+    else:
+        _cleanup.gc(str(root), older_than=0.0)  # merged into the session made since
+        assert store.load(KEY) == [entry(2), entry(0)] and store.load(SUB) == [entry(1)]
+        time.sleep(1.1)
+    time.sleep(1.1)
+    assert actions(root, 1.0) == [("delete", True, False)]
+    store.append(KEY, [entry(3)])
+    assert store.load(SUB) is None and store.load(KEY) == [entry(3)]
+    assert fsstore("check", root).returncode == 0
 
 
 def test_prune_holds_the_lock_of_every_transcript(root: Path, store: SyncStore) -> None:
