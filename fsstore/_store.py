@@ -45,10 +45,9 @@ from ._transcript import (
     Vanished,
     dedupe,
     parse,
-    plan,
     read_snapshot,
     read_state,
-    scan,
+    snapshot,
     warn_gap,
 )
 
@@ -530,7 +529,8 @@ class SyncStore:
 
     def _fresh_summary(self, mfd: int, path: str, key: dict[str, str]) -> tuple[dict[str, Any] | None, int]:
         """The summary of every part committed before its mtime (the stat comes first),
-        from the sidecar a compaction left plus the parts after it, read again where a
+        from the sidecar a compaction left plus the parts after it; the chain listed as a
+        load lists it (listed again: :func:`snapshot`), and all of it read again where a
         compaction raced it; None if it cannot be had now (the SDK then rebuilds it
         through load(), which reports problems)."""
         problem = f"no whole listing in {UNLOCKED_READS} reads (compactions racing, or a gap)"
@@ -538,11 +538,11 @@ class SyncStore:
             mtime_ns = os.fstat(mfd).st_mtime_ns
             state = read_state(mfd) or State()
             try:
-                items, deleted = scan(mfd)
-                chain, gap = plan(items)
-                if deleted or not chain:
+                seen = snapshot(mfd, path, "list_session_summaries", read=False)
+                chain = seen.chain
+                if seen.deleted is not None or not chain:
                     return None, 0
-                if gap is not None:
+                if seen.race is not None or seen.gap is not None:
                     continue  # a listing torn by a compaction (or a real gap: load says)
                 if state.summary is not None and state.folded == chain[-1][1]:
                     return state.summary, mtime_ns

@@ -420,6 +420,39 @@ def test_a_check_listing_torn_by_a_compaction_still_sees_the_segment(
     assert SyncStore(root).load(KEY) == [entry(i) for i in range(7)]
 
 
+def test_a_summary_listing_torn_at_its_tail_by_a_compaction_is_listed_again(
+    root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found by review (a lister whose getdents calls strace slowed, a writer compacting
+    every 2 appends, 1,500 leftover temp files in main/): a listing torn by a compaction
+    can end early, missing the segment made behind its cursor and the parts it merged
+    ahead of it. Its chain then ended at the sidecar's last folded part, and the old
+    summary came back stamped with an mtime from after the later commits (stale until
+    the next commit, for the SDK). The summary lists again, as a load does."""
+    store = SyncStore(root, create=True, compact_every=0)
+    for i in range(6):
+        store.append(KEY, [{"type": "t", "customTitle": f"title {i}", "uuid": f"u{i}"}])
+        if i == 2:
+            store.compact(KEY)  # segment 1-3, the sidecar folded to 3
+    real_scan = _transcript.scan
+    calls: list[int] = []
+
+    def torn_once(dir_fd: int) -> Any:
+        items, deleted = real_scan(dir_fd)
+        calls.append(1)
+        if len(calls) == 1:  # a compaction to 1-6 runs during the first listing, which
+            SyncStore(root, compact_every=0).compact(KEY)  # sees only what it passed first
+            items = [it for it in items if it[1] <= 3]
+        return items, deleted
+
+    monkeypatch.setattr(_transcript, "scan", torn_once)
+    [torn] = store.list_session_summaries(KEY["project_key"])
+    monkeypatch.undo()
+    [settled] = store.list_session_summaries(KEY["project_key"])
+    assert len(calls) > 1 and torn == settled, (torn, settled)
+    assert settled["data"].get("custom_title") == "title 5"
+
+
 def test_a_writer_remembering_a_deleted_session_starts_the_new_one_without_a_hole(root: Path) -> None:
     """Found by review: the next number was trusted while the directory had the same
     inode, and a session deleted and made anew can reuse it: a stale writer then wrote
