@@ -365,7 +365,8 @@ def _prune_one(w: Walker, ref: SessionRef, older_than: float, dry_run: bool) -> 
         return None
     detail = f"last modified {iso_ns(first.mtime_ns)} ({age_text(age)} ago)"
     if dry_run:
-        return Action("delete", path, detail, False, age)
+        moved = _moved_by_mistake(w, ref)
+        return Action("delete", path, detail, False, age) if moved is None else _kept_for(path, moved)
     try:
         with contextlib.ExitStack() as held:
             since = time.monotonic()
@@ -413,8 +414,7 @@ def _reason_to_keep(w: Walker, ref: SessionRef, first: _Look, older_than: float)
                       "next prune looks again)", False)
     moved = _moved_by_mistake(w, ref)
     if moved is not None:
-        return Action("keep", path, f"part of it is in .trash ({moved}), moved there by a delete by "
-                      "mistake: kept until it is moved back or merged", False)
+        return _kept_for(path, moved)
     young = [g for g in again.temps if g.age <= older_than]
     if young:
         return Action("keep", path, f"an append is in flight ({young[0].path}, "
@@ -424,6 +424,11 @@ def _reason_to_keep(w: Walker, ref: SessionRef, first: _Look, older_than: float)
     if again.files != first.files:
         return Action("keep", path, "written to meanwhile; kept (the next prune looks again)", False)
     return None
+
+
+def _kept_for(path: str, moved: str) -> Action:
+    return Action("keep", path, f"part of it is in .trash ({moved}), moved there by a delete by "
+                  "mistake: kept until it is moved back or merged", False)
 
 
 def _moved_by_mistake(w: Walker, ref: SessionRef) -> str | None:

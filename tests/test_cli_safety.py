@@ -129,6 +129,7 @@ def test_prune_keeps_a_session_part_of_which_a_delete_moved_into_trash_by_mistak
         orphan_of(root, [[entry(0)]])  # and a session made at its name since, with entry(2)
         store.append(SUB, [entry(1)])
     time.sleep(1.1)
+    assert actions(root, 1.0, dry_run=True) == [("keep", False, False)]
     found, _ = _cleanup.prune(str(root), older_than=1.0)
     assert [(a.action, a.done) for a in found] == [("keep", False)], [a.as_dict() for a in found]
     assert "moved there by a delete by mistake" in found[0].detail
