@@ -528,16 +528,17 @@ class SyncStore:
         return out
 
     def _fresh_summary(self, mfd: int, path: str, key: dict[str, str]) -> tuple[dict[str, Any] | None, int]:
-        """The summary of every part committed before its mtime (the stat comes first),
-        from the sidecar a compaction left plus the parts after it; the chain listed as a
-        load lists it (listed again: :func:`snapshot`), and all of it read again where a
-        compaction raced it; None if it cannot be had now (the SDK then rebuilds it
-        through load(), which reports problems)."""
+        """The summary of every part committed before its mtime (the stat comes first):
+        the sidecar a compaction left plus the parts after it, of a chain listed and read
+        as a load does it (:func:`snapshot`); None if it cannot be had now (the SDK then
+        rebuilds it through load())."""
         problem = f"no whole listing in {UNLOCKED_READS} reads (compactions racing, or a gap)"
-        for _attempt in range(UNLOCKED_READS):
-            mtime_ns = os.fstat(mfd).st_mtime_ns
-            state = read_state(mfd) or State()
+        for attempt in range(UNLOCKED_READS):
+            if attempt and not _views.refresh_listing(mfd):  # as a load: a client may list
+                return None, 0  # from a cache (sshfs); gone on the server: deleted
             try:
+                mtime_ns = os.fstat(mfd).st_mtime_ns
+                state = read_state(mfd) or State()
                 seen = snapshot(mfd, path, "list_session_summaries", read=False)
                 chain = seen.chain
                 if seen.deleted is not None or not chain:
@@ -550,8 +551,9 @@ class SyncStore:
                     return None, 0
                 return _compact.fold_chain((self._fold, key), state, chain, lambda name: parse(
                     _read.read_file(mfd, name), f"{path}/{name}", "summary"))[0], mtime_ns
-            except FileNotFoundError:
-                continue  # a compaction merged and removed a part after the listing
+            except OSError as exc:  # a compaction merged and removed a part after the listing,
+                if exc.errno not in (errno.ENOENT, errno.ESTALE):  # or another host replaced
+                    raise  # state.json (ESTALE: GlusterFS, NFS)
             except FsStoreError as exc:
                 problem = str(exc)
                 break

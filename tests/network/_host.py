@@ -15,7 +15,8 @@ Roles:
   is; a shorter one after a longer one is counted as ``went_back``) (or be None
   where ``deletes`` says a key may vanish: then it must be None or ``full``
   entries long, never a part). Reports loads, problems, codes, last snapshots.
-* ``lister``: ``list_sessions`` in a loop; counts codes.
+* ``lister``: ``list_sessions`` (``summaries``: ``list_session_summaries``) in a
+  loop; counts codes, and listings that lack a session id of ``expect``.
 * ``deleter``: delete ``keys`` one by one, ``pause`` seconds apart.
 * ``compactor``: append and ``compact`` ``key`` in turn.
 * ``stall``: append one batch (or delete ``key``: ``op``), stopping at a named point of the commit (the
@@ -126,17 +127,19 @@ def reader(spec: dict[str, Any]) -> dict[str, Any]:
 
 def lister(spec: dict[str, Any]) -> dict[str, Any]:
     store = FsSessionStore(spec["root"], create=True, **spec.get("opts", {})).sync
+    listing = store.list_session_summaries if spec.get("summaries") else store.list_sessions
     codes: collections.Counter[str] = collections.Counter()
-    lists = 0
+    lists = missing = 0
     _wait_start(spec)
     deadline = time.monotonic() + spec.get("seconds", 600)
     while not _stopped(spec) and time.monotonic() < deadline:
         try:
-            store.list_sessions(spec["project"])
+            listed = {s["session_id"] for s in listing(spec["project"])}
             lists += 1
+            missing += not set(spec.get("expect", [])) <= listed
         except FsStoreError as exc:
             codes[exc.code] += 1
-    return {"lists": lists, "codes": dict(codes)}
+    return {"lists": lists, "codes": dict(codes), "missing": missing}
 
 
 def deleter(spec: dict[str, Any]) -> dict[str, Any]:
