@@ -91,12 +91,14 @@ def remove(
         try:
             with store._locks.hold(store._lock_path(lock_name, op), op):
                 try:
-                    if claiming:  # what this delete is to delete, as it begins
-                        _tickets(store, rfd, parent, name, mark, path, tags, ticket)
+                    # What this delete is to delete, as it begins; what it moves is its own
+                    # only with its ticket in it, where there was a directory to leave one in.
+                    own = ticket if claiming and _tickets(store, rfd, parent, name, mark, path, tags,
+                                                          ticket) else ""
                     for _round in range(3 if claiming else 1):
                         if parent is not None:
                             orphan = _move_to_trash(store, rfd, parent, name, path, mark, keep,
-                                                    "-".join(tags), finishing=finishing)
+                                                    "-".join(tags), own, finishing=finishing)
                         if not claiming or orphan is not None:
                             break
                         _claim_moved(store, rfd, tags, ticket, path)
@@ -144,12 +146,14 @@ def marked(parent: int, name: str, below: str) -> bool:
 
 def _move_to_trash(
     store: SyncStore, rfd: int, parent: int, name: str, path: str, mark: str,
-    keep: Callable[[], bool] | None, tag: str, *, finishing: bool,
+    keep: Callable[[], bool] | None, tag: str, ticket: str, *, finishing: bool,
 ) -> str | None:
     """Steps 1 to 5 for ``parent/name``; the name of an orphan left in ``.trash``
-    (step 4: to be merged back), else None."""
+    (step 4: to be merged back), else None. ``ticket``: what this delete moves is its
+    own only with this ticket in it (:func:`_tickets`)."""
     trash = store._open(rfd, [(_layout.TRASH, None)], "delete", create=True)
     assert trash is not None
+    held: int | None = None
     try:
         ident = _views.listed_dir(store._fs, rfd, parent, name, wait=not finishing)
         if ident is None:
@@ -158,14 +162,21 @@ def _move_to_trash(
             if not marked(parent, name, mark):
                 return None  # finished already: what is there now was made anew
         else:
-            _mark(store, parent, name, path, mark)
+            # Marked, and its marks taken back, through a handle of the directory: a
+            # stalled delete's rename by name may move it meanwhile (found by review: a
+            # prune's marks stayed in the session it kept, and its next reader deleted it).
+            held = store._fs.open_dir(parent, [(name, None)], create=False,
+                                      base_path=path.rsplit("/", 1)[0], operation="delete")
+            if held is None:
+                return None
+            _mark(store, held, ".", path, mark)
             try:
                 kept = keep is not None and keep()
             except BaseException:
-                _mark(store, parent, name, path, mark, undo=True)
+                _mark(store, held, ".", path, mark, undo=True)
                 raise
             if kept:
-                _mark(store, parent, name, path, mark, undo=True)
+                _mark(store, held, ".", path, mark, undo=True)
                 return None
         aside = _fsio.temp_name(f"-{tag}{FROM}{name}{ASIDE_TAG}")  # names what it was (moved_from)
         moving = moving_record(aside)
@@ -178,16 +189,18 @@ def _move_to_trash(
             return None  # never written, or deleted already: not an error
         except OSError:
             _fsio.unlink_quiet(parent, moving)
-            if not finishing:
-                _mark(store, parent, name, path, mark, undo=True)
+            if held is not None:
+                _mark(store, held, ".", path, mark, undo=True)
             raise
         try:
             _renew(store, parent, moving, name)
-            return _after_move(store, trash, parent, name, aside, ident, path, mark)
+            return _after_move(store, trash, parent, name, aside, ident, path, mark, ticket)
         finally:
             _fsio.unlink_quiet(parent, moving)
     finally:
         os.close(trash)
+        if held is not None:
+            os.close(held)
 
 
 def _renew(store: SyncStore, parent: int, moving: str, name: str) -> None:
@@ -205,13 +218,17 @@ def _renew(store: SyncStore, parent: int, moving: str, name: str) -> None:
 
 def _after_move(
     store: SyncStore, trash: int, parent: int, name: str, aside: str, ident: int, path: str, mark: str,
+    ticket: str,
 ) -> str | None:
     """Steps 4 and 5, once ``parent/name`` is ``.trash/aside``."""
     # Marked (by us, or made anew and deleted again), it is a committed delete;
     # else put back. A mark is believed only through a lookup that agrees with the
-    # listing: a client's stale entry moves with its rename to the new name (GlusterFS).
+    # listing: a client's stale entry moves with its rename to the new name (GlusterFS);
+    # and by a plain delete only with its ticket in it: a mark in what was made at the
+    # name after it began is another's (a prune's, which may take it back).
     agrees = not ident or _views.listed_ino(trash, aside) == _views.looked_up_ino(trash, aside)
-    if not (agrees and marked(trash, aside, mark)):
+    if not (agrees and marked(trash, aside, mark) and (not ticket or _holds(
+            store, trash, aside, mark, f"{store.root}/{_layout.TRASH}", ticket))):
         return _put_back(trash, aside, parent, name, path)
     store._fs.sync_dir(parent)
     _empty(trash, aside, path)
@@ -372,18 +389,19 @@ def _take(trash: int, holder: int, what: str, tags: list[str], path: str) -> Non
 def _tickets(
     store: SyncStore, rfd: int, parent: int | None, name: str, mark: str, path: str, tags: list[str],
     ticket: str, *, undo: bool = False,
-) -> None:
+) -> bool:
     """Leave (``undo``: take back) an empty file named ``ticket`` in each transcript
     directory this delete is to delete, as it begins: at the name, then in what deletes
     had moved from it into ``.trash``. A stalled deleter's mistaken move carries it
-    along (:func:`_claim_moved`). A name, not an inode number: those are reused."""
+    along (:func:`_claim_moved`). A name, not an inode number: those are reused.
+    Whether one was left at the name."""
     # At the name first: what a mistaken move takes from there after this look is then
     # in .trash when it is listed, or carries the ticket.
-    if parent is not None:
-        _ticket_dirs(store, parent, name, mark, path.rsplit("/", 1)[0], ticket, undo=undo)
+    left = parent is not None and _ticket_dirs(store, parent, name, mark, path.rsplit("/", 1)[0],
+                                               ticket, undo=undo)
     trash = store._open(rfd, [(_layout.TRASH, None)], "delete")
     if trash is None:
-        return
+        return left
     try:
         for moved in _fsio.listdir(trash):
             found = _tags_of(moved)
@@ -392,10 +410,12 @@ def _tickets(
                              f"{store.root}/{_layout.TRASH}", ticket, undo=undo)
     finally:
         os.close(trash)
+    return left
 
 
 def _ticket_dirs(store: SyncStore, parent: int, name: str, mark: str, base: str, ticket: str,
-                 *, undo: bool) -> None:
+                 *, undo: bool) -> bool:
+    left = False
     with _transcript_dirs(store, parent, name, mark, base) as tfds:
         for tfd in tfds:
             if undo:
@@ -403,6 +423,8 @@ def _ticket_dirs(store: SyncStore, parent: int, name: str, mark: str, base: str,
             else:
                 with contextlib.suppress(OSError):  # removed meanwhile: nothing to claim there
                     os.close(os.open(ticket, _fsio.CREATE_FLAGS, 0o600, dir_fd=tfd))
+                    left = True
+    return left
 
 
 def _holds(store: SyncStore, parent: int, name: str, mark: str, base: str, ticket: str) -> bool:

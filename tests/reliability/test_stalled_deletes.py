@@ -278,6 +278,35 @@ def test_a_session_a_deleter_killed_before_renewing_its_record_moved_by_mistake_
     assert _names(other) == ["b1"]
 
 
+def test_a_stalled_delete_never_takes_a_session_a_prune_marked_and_kept(store: SyncStore) -> None:
+    """Review: D marks S0 and stalls in its rename; b1 finishes D's delete and makes the
+    session anew (S1); a prune marks S1 and looks slowly (every getdents waits 0.1 s),
+    and keeps it (written to meanwhile); D's rename lands in between and moves S1 with
+    the prune's marks in it. D took them for its own and emptied S1 (b1 lost: 13 of 13
+    runs where the timing landed). What a plain delete moves is its own only with its
+    ticket in it; a prune takes its marks back through a handle of the directory."""
+    root = Path(store.root)
+    d = _StalledDelete(root, 4.7)
+    prune = _StalledDelete(root, 0.1, syscall="getdents64", op=(
+        f"__import__('fsstore._cleanup')._cleanup.prune({str(root)!r}, older_than=1.0, "
+        "stale_lock_seconds=1.0, lock_timeout_seconds=20.0)"))
+    try:
+        started = d.go()
+        _until(lambda: time.monotonic() - started > 1.5)  # D marked, stalls in its rename
+        store.append(KEY, _batch("b1"))
+        _until(lambda: time.monotonic() - started > 2.7)
+        prune.go()
+        prune.wait()
+        d.wait()
+    finally:
+        d.kill()
+        prune.kill()
+    assert _names(store) == ["b1"]
+    check = subprocess.run([sys.executable, "-m", "fsstore", "check", str(root)],
+                           check=False, capture_output=True, text=True, timeout=60)
+    assert check.returncode == 0, check.stdout
+
+
 @pytest.mark.parametrize("mover", ["its deleter", "a listing"])
 def test_a_session_a_delete_claimed_in_trash_is_not_moved_back_after_it_returned(
     store: SyncStore, mover: str
