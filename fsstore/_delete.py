@@ -174,10 +174,10 @@ def _move_to_trash(
             try:
                 kept = keep is not None and keep()
             except BaseException:
-                _mark(store, held, ".", path, mark, undo=True)
+                _unmark(store, held, path, mark)
                 raise
             if kept:
-                _mark(store, held, ".", path, mark, undo=True)
+                _unmark(store, held, path, mark)
                 return None
         aside = _fsio.temp_name(f"-{tag}{FROM}{name}{ASIDE_TAG}")  # names what it was (moved_from)
         moving = moving_record(aside)
@@ -191,7 +191,7 @@ def _move_to_trash(
         except OSError:
             _fsio.unlink_quiet(parent, moving)
             if held is not None:
-                _mark(store, held, ".", path, mark, undo=True)
+                _unmark(store, held, path, mark)
             raise
         try:
             _renew(store, parent, moving, name)
@@ -202,6 +202,28 @@ def _move_to_trash(
         os.close(trash)
         if held is not None:
             os.close(held)
+
+
+def holds_batches(parent_fd: int, name: str) -> bool:
+    """Whether a part or segment is anywhere below ``parent/name``."""
+    try:
+        fd = os.open(name, _fsio.DIR_FLAGS, dir_fd=parent_fd)
+    except OSError:
+        return False
+    try:
+        with os.scandir(fd) as entries:
+            return any(holds_batches(fd, e.name) if e.is_dir(follow_symlinks=False)
+                       else _layout.parse_item(e.name) is not None for e in entries)
+    finally:
+        os.close(fd)
+
+
+def _unmark(store: SyncStore, held: int, path: str, mark: str) -> None:
+    """Take this delete's marks back from the directory open as ``held``, wherever it is
+    now, unless it holds no batch any more: then another process took the marks for a
+    committed delete and emptied it (a tomb, whose marks stay: :func:`_empty`)."""
+    if holds_batches(held, "."):
+        _mark(store, held, ".", path, mark, undo=True)
 
 
 def _renew(store: SyncStore, parent: int, moving: str, name: str) -> None:

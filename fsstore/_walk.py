@@ -670,18 +670,4 @@ def _moved_by_mistake(trash_fd: int, entry: os.DirEntry[str], st: os.stat_result
     if not entry.name.endswith(_delete.ASIDE_TAG) or not stat.S_ISDIR(st.st_mode):
         return False
     return not (_delete.marked(trash_fd, entry.name, _layout.MAIN)
-                or _delete.marked(trash_fd, entry.name, "")) and _holds_batches(trash_fd, entry.name)
-
-
-def _holds_batches(parent_fd: int, name: str) -> bool:
-    """Whether a part or segment is anywhere below ``parent/name``."""
-    try:
-        fd = os.open(name, _fsio.DIR_FLAGS, dir_fd=parent_fd)
-    except OSError:
-        return False
-    try:
-        with os.scandir(fd) as entries:
-            return any(_holds_batches(fd, e.name) if e.is_dir(follow_symlinks=False)
-                       else _layout.parse_item(e.name) is not None for e in entries)
-    finally:
-        os.close(fd)
+                or _delete.marked(trash_fd, entry.name, "")) and _delete.holds_batches(trash_fd, entry.name)
