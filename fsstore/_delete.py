@@ -155,6 +155,7 @@ def _move_to_trash(
     trash = store._open(rfd, [(_layout.TRASH, None)], "delete", create=True)
     assert trash is not None
     held: int | None = None
+    made: frozenset[str] = frozenset()
     try:
         ident = _views.listed_dir(store._fs, rfd, parent, name, wait=not finishing)
         if ident is None:
@@ -170,14 +171,14 @@ def _move_to_trash(
                                       base_path=path.rsplit("/", 1)[0], operation="delete")
             if held is None:
                 return None
-            _mark(store, held, ".", path, mark)
+            made = _mark(store, held, ".", path, mark)
             try:
                 kept = keep is not None and keep()
             except BaseException:
-                _unmark(store, held, path, mark)
+                _unmark(store, held, path, mark, made)
                 raise
             if kept:
-                _unmark(store, held, path, mark)
+                _unmark(store, held, path, mark, made)
                 return None
         aside = _fsio.temp_name(f"-{tag}{FROM}{name}{ASIDE_TAG}")  # names what it was (moved_from)
         moving = moving_record(aside)
@@ -191,11 +192,12 @@ def _move_to_trash(
         except OSError:
             _fsio.unlink_quiet(parent, moving)
             if held is not None:
-                _unmark(store, held, path, mark)
+                _unmark(store, held, path, mark, made)
             raise
         try:
             _renew(store, parent, moving, name)
-            return _after_move(store, trash, parent, name, aside, ident, path, mark, ticket)
+            mine = (ticket, os.fstat(held).st_ino if held is not None else 0)
+            return _after_move(store, trash, parent, name, aside, ident, path, mark, mine)
         finally:
             _fsio.unlink_quiet(parent, moving)
     finally:
@@ -218,12 +220,13 @@ def holds_batches(parent_fd: int, name: str) -> bool:
         os.close(fd)
 
 
-def _unmark(store: SyncStore, held: int, path: str, mark: str) -> None:
-    """Take this delete's marks back from the directory open as ``held``, wherever it is
-    now, unless it holds no batch any more: then another process took the marks for a
-    committed delete and emptied it (a tomb, whose marks stay: :func:`_empty`)."""
+def _unmark(store: SyncStore, held: int, path: str, mark: str, made: frozenset[str]) -> None:
+    """Take back the marks this delete made (``made``), and only those (found by review: a
+    prune took back a stalled delete's), from the directory open as ``held``, wherever
+    it is now; unless it holds no batch any more: then another process took the marks
+    for a committed delete and emptied it (a tomb, whose marks stay: :func:`_empty`)."""
     if holds_batches(held, "."):
-        _mark(store, held, ".", path, mark, undo=True)
+        _mark(store, held, ".", path, mark, undo=made)
 
 
 def _renew(store: SyncStore, parent: int, moving: str, name: str) -> None:
@@ -241,17 +244,23 @@ def _renew(store: SyncStore, parent: int, moving: str, name: str) -> None:
 
 def _after_move(
     store: SyncStore, trash: int, parent: int, name: str, aside: str, ident: int, path: str, mark: str,
-    ticket: str,
+    mine: tuple[str, int],
 ) -> str | None:
-    """Steps 4 and 5, once ``parent/name`` is ``.trash/aside``."""
+    """Steps 4 and 5, once ``parent/name`` is ``.trash/aside``. ``mine``: this delete's
+    ticket (or "") and the inode number of the directory it marked (or 0)."""
     # Marked (by us, or made anew and deleted again), it is a committed delete;
     # else put back. A mark is believed only through a lookup that agrees with the
     # listing: a client's stale entry moves with its rename to the new name (GlusterFS);
-    # and by a plain delete only with its ticket in it: a mark in what was made at the
-    # name after it began is another's (a prune's, which may take it back).
-    agrees = not ident or _views.listed_ino(trash, aside) == _views.looked_up_ino(trash, aside)
-    if not (agrees and marked(trash, aside, mark) and (not ticket or _holds(
-            store, trash, aside, mark, f"{store.root}/{_layout.TRASH}", ticket))):
+    # and by a delete that marked, only in the directory it marked: a mark in one made
+    # at the name since is another's (a prune's, which may take it back). Told by its
+    # inode number, which the delete's open handle keeps from reuse, where listings
+    # number as lookups do; else by its ticket (gc may remove a ticket once old).
+    moved = _views.listed_ino(trash, aside)
+    agrees = not ident or moved == _views.looked_up_ino(trash, aside)
+    ticket, ino = mine
+    own = moved == ino if ident and ino else not ticket or _holds(
+        store, trash, aside, mark, f"{store.root}/{_layout.TRASH}", ticket)
+    if not (agrees and own and marked(trash, aside, mark)):
         return _put_back(trash, aside, parent, name, path)
     store._fs.sync_dir(parent)
     _empty(trash, aside, path)
@@ -440,7 +449,7 @@ def _ticket_dirs(store: SyncStore, parent: int, name: str, mark: str, base: str,
                  *, undo: bool) -> bool:
     left = False
     with _transcript_dirs(store, parent, name, mark, base) as tfds:
-        for tfd in tfds:
+        for _where, tfd in tfds:
             if undo:
                 _fsio.unlink_quiet(tfd, ticket)
             else:
@@ -454,7 +463,7 @@ def _holds(store: SyncStore, parent: int, name: str, mark: str, base: str, ticke
     """Whether a transcript directory of ``parent/name`` (a session's, with ``mark``)
     holds ``ticket``."""
     with _transcript_dirs(store, parent, name, mark, base) as tfds:
-        return any(_fsio.exists(tfd, ticket) for tfd in tfds)
+        return any(_fsio.exists(tfd, ticket) for _where, tfd in tfds)
 
 
 # What a delete moves into .trash is named for what it was: the session's tag (the
@@ -519,58 +528,67 @@ def _tags_of(name: str) -> list[str] | None:
     return None if m is None else [t for t in (m.group(1), m.group(2)) if t]
 
 
-def _mark(store: SyncStore, parent: int, name: str, path: str, below: str, *, undo: bool = False) -> None:
-    """Create (``undo``: remove) ``.deleted`` in the transcript directory
-    ``parent/name`` (``below=""``), or for a session in ``parent/name/main`` first
-    (made for the mark in a session without a main transcript), then in each of its
-    subagent transcripts."""
+def _mark(store: SyncStore, parent: int, name: str, path: str, below: str, *,
+          undo: frozenset[str] | None = None) -> frozenset[str]:
+    """Create ``.deleted`` in the transcript directory ``parent/name`` (``below=""``),
+    or for a session in ``parent/name/main`` first (made for the mark in a session
+    without a main transcript), then in each of its subagent transcripts; return where
+    it made one (paths below ``name``). ``undo``: remove those, and only those."""
     base = path.rsplit("/", 1)[0]
     if below:
         top = store._fs.open_dir(parent, [(name, None)], create=False, base_path=base,
                                  operation="delete")
         if top is None:
-            return
+            return frozenset()
         try:
-            if undo:  # a main made for the mark goes with it (one with parts stays)
-                _mark_dirs(store, parent, name, base, below, undo=True)
+            if undo is not None:  # a main made for the mark goes with it (one with parts stays)
+                _mark_dirs(store, parent, name, base, below, undo)
                 with contextlib.suppress(OSError):
                     os.rmdir(below, dir_fd=top)
-                return
+                return frozenset()
             made = store._fs.open_dir(top, [(below, None)], create=True, base_path=path,
                                       operation="delete")
             assert made is not None
             os.close(made)
         finally:
             os.close(top)
-    _mark_dirs(store, parent, name, base, below, undo=undo)
+    return _mark_dirs(store, parent, name, base, below, undo)
 
 
-def _mark_dirs(store: SyncStore, parent: int, name: str, base: str, below: str, *, undo: bool) -> None:
+def _mark_dirs(store: SyncStore, parent: int, name: str, base: str, below: str,
+               undo: frozenset[str] | None) -> frozenset[str]:
+    made = set()
     with _transcript_dirs(store, parent, name, below, base) as tfds:
-        for tfd in tfds:
-            if undo:
-                _fsio.unlink_quiet(tfd, _layout.DELETED)
+        for where, tfd in tfds:
+            if undo is not None:
+                if where in undo:
+                    _fsio.unlink_quiet(tfd, _layout.DELETED)
             else:
                 with contextlib.suppress(FileNotFoundError):  # removed meanwhile
-                    store._fs.mark(tfd, _layout.DELETED)
+                    if store._fs.mark(tfd, _layout.DELETED):
+                        made.add(where)
+    return frozenset(made)
 
 
 @contextlib.contextmanager
-def _transcript_dirs(store: SyncStore, parent: int, name: str, below: str, base: str) -> Iterator[list[int]]:
-    """The transcript directories of ``parent/name``, open for the ``with`` (all closed
-    after it, also on an error): the directory itself, or for a session (``below``: its
-    ``main``) main and each subagent transcript's; those that do not exist are left out."""
+def _transcript_dirs(
+    store: SyncStore, parent: int, name: str, below: str, base: str,
+) -> Iterator[list[tuple[str, int]]]:
+    """The transcript directories of ``parent/name`` (each with its path below it), open
+    for the ``with`` (all closed after it, also on an error): the directory itself, or
+    for a session (``below``: its ``main``) main and each subagent transcript's; those
+    that do not exist are left out."""
     dirs = [[name]] if not below else [[name, below]] + [
         [name, _layout.SUBKEYS, sp]
         for sp in store._fs.subdirs_beneath(parent, [name, _layout.SUBKEYS], base, "delete")]
-    opened: list[int] = []
+    opened: list[tuple[str, int]] = []
     try:
         for names in dirs:
             tfd = store._fs.open_dir(parent, [(n, None) for n in names], create=False,
                                      base_path=base, operation="delete")
             if tfd is not None:
-                opened.append(tfd)
+                opened.append(("/".join(names[1:]), tfd))
         yield opened
     finally:
-        for tfd in opened:
+        for _where, tfd in opened:
             os.close(tfd)

@@ -307,6 +307,51 @@ def test_a_stalled_delete_never_takes_a_session_a_prune_marked_and_kept(store: S
     assert check.returncode == 0, check.stdout
 
 
+def test_a_stalled_delete_whose_ticket_gc_removed_still_deletes_the_session_it_marked(
+    store: SyncStore,
+) -> None:
+    """Review of the rule above: D stalls in its rename longer than `fsstore gc
+    --older-than`, which removes D's ticket (an old temp file); D's rename then moves the
+    very session it marked, without its ticket: D put it back at its name, marked, and
+    returned with the session still listed (6 of 6). D knows the directory it marked by
+    the inode number its open handle keeps from reuse (where listings number as lookups
+    do: local disks, GlusterFS, NFS)."""
+    root = Path(store.root)
+    time.sleep(1.0)
+    d = _StalledDelete(root, 4.0)
+    try:
+        started = d.go()
+        _until(lambda: time.monotonic() - started > 2.2)  # D marked, stalls in its rename
+        gc = subprocess.run([sys.executable, "-m", "fsstore", "gc", str(root), "--older-than", "1s"],
+                            check=False, capture_output=True, text=True, timeout=60)
+        assert gc.returncode == 0 and ".tmp-" in gc.stdout, gc.stdout + gc.stderr  # its ticket, its record
+        d.wait()
+    finally:
+        d.kill()
+    other = SyncStore(root, **STALE)
+    assert other.list_sessions("p") == [] and _names(other) is None
+
+
+def test_a_prune_that_keeps_a_session_takes_back_only_the_marks_it_made(store: SyncStore) -> None:
+    """Review: a prune that kept a session (its look took too long: every getdents waits
+    0.2 s) took back every mark in it, a dead deleter's too: the deleted session came
+    back (6 of 6, after a stalled delete put its own marked session back). It takes back
+    only the marks it made."""
+    root = Path(store.root)
+    (root / "projects" / "p" / "sessions" / "s" / "main" / ".deleted").touch()  # D died after its mark
+    time.sleep(0.6)
+    prune = _StalledDelete(root, 0.2, syscall="getdents64", op=(
+        f"__import__('fsstore._cleanup')._cleanup.prune({str(root)!r}, older_than=0.5, "
+        "stale_lock_seconds=1.0, lock_timeout_seconds=20.0)"))
+    try:
+        prune.go()
+        prune.wait()
+    finally:
+        prune.kill()
+    other = SyncStore(root, **STALE)
+    assert _names(other) is None and other.list_sessions("p") == []
+
+
 @pytest.mark.parametrize("mover", ["its deleter", "a listing"])
 def test_a_session_a_delete_claimed_in_trash_is_not_moved_back_after_it_returned(
     store: SyncStore, mover: str
