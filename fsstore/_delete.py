@@ -15,9 +15,9 @@ A delete, holding the lock of what it moves (a session's: its main transcript's)
    digits of its lock name);
 4. checks what the rename moved: by name, so a deleter whose lock was overtaken (a
    stall, a clock ahead) can move a session another writer finished the delete of and
-   made anew. What is not marked (or not the directory listed, or, for a plain delete,
-   without its ticket: a prune's marks, which it may take back) was never its own: it
-   is put back (:func:`_put_back`). Until then a load or append that finds it missing
+   made anew. What is not marked, or not the directory it marked (its handle's inode
+   number, else its ticket: a prune's marks, which it may take back), was never its
+   own: it is put back (:func:`_put_back`). Until then a load or append that finds it missing
    moves it back (:func:`restore`), and so does a listing of its parent, where the
    delete left a record of the name (:func:`moving_record`, :func:`restore_named`),
    and ``fsstore gc`` once old. Where another session was made at the name meanwhile,
