@@ -97,11 +97,16 @@ def remove(
                     own = ticket if claiming and _tickets(store, rfd, parent, name, mark, path, tags,
                                                           ticket) else ""
                     for _round in range(3 if claiming else 1):
+                        again = False
                         if parent is not None:
-                            orphan = _move_to_trash(store, rfd, parent, name, path, mark, keep,
-                                                    "-".join(tags), own, finishing=finishing)
+                            orphan, again = _move_to_trash(store, rfd, parent, name, path, mark, keep,
+                                                           "-".join(tags), own, finishing=finishing)
                         if not claiming or orphan is not None:
                             break
+                        if again:
+                            continue  # what it marked came back unmarked (whose marks it relied on
+                            # took them back: a prune's): marked again, by itself
+
                         _claim_moved(store, rfd, tags, ticket, path)
                         if parent is None or not _holds(store, parent, name, mark,
                                                         path.rsplit("/", 1)[0], ticket):
@@ -148,10 +153,10 @@ def marked(parent: int, name: str, below: str) -> bool:
 def _move_to_trash(
     store: SyncStore, rfd: int, parent: int, name: str, path: str, mark: str,
     keep: Callable[[], bool] | None, tag: str, ticket: str, *, finishing: bool,
-) -> str | None:
-    """Steps 1 to 5 for ``parent/name``; the name of an orphan left in ``.trash``
-    (step 4: to be merged back), else None. ``ticket``: what this delete moves is its
-    own only with this ticket in it (:func:`_tickets`)."""
+) -> tuple[str | None, bool]:
+    """Steps 1 to 5 for ``parent/name``: the name of an orphan left in ``.trash`` (step
+    4: to be merged back), else None; and whether the directory it marked came back
+    unmarked (to be marked again). ``ticket``: see :func:`_after_move`."""
     trash = store._open(rfd, [(_layout.TRASH, None)], "delete", create=True)
     assert trash is not None
     held: int | None = None
@@ -159,10 +164,10 @@ def _move_to_trash(
     try:
         ident = _views.listed_dir(store._fs, rfd, parent, name, wait=not finishing)
         if ident is None:
-            return None  # never written, or deleted already
+            return None, False  # never written, or deleted already
         if finishing:
             if not marked(parent, name, mark):
-                return None  # finished already: what is there now was made anew
+                return None, False  # finished already: what is there now was made anew
         else:
             # Marked, and its marks taken back, through a handle of the directory: a
             # stalled delete's rename by name may move it meanwhile (found by review: a
@@ -170,7 +175,7 @@ def _move_to_trash(
             held = store._fs.open_dir(parent, [(name, None)], create=False,
                                       base_path=path.rsplit("/", 1)[0], operation="delete")
             if held is None:
-                return None
+                return None, False
             made = _mark(store, held, ".", path, mark)
             try:
                 kept = keep is not None and keep()
@@ -179,7 +184,7 @@ def _move_to_trash(
                 raise
             if kept:
                 _unmark(store, held, path, mark, made)
-                return None
+                return None, False
         aside = _fsio.temp_name(f"-{tag}{FROM}{name}{ASIDE_TAG}")  # names what it was (moved_from)
         moving = moving_record(aside)
         try:
@@ -188,7 +193,7 @@ def _move_to_trash(
             os.rename(name, aside, src_dir_fd=parent, dst_dir_fd=trash)
         except FileNotFoundError:
             _fsio.unlink_quiet(parent, moving)
-            return None  # never written, or deleted already: not an error
+            return None, False  # never written, or deleted already: not an error
         except OSError:
             _fsio.unlink_quiet(parent, moving)
             if held is not None:
@@ -245,9 +250,10 @@ def _renew(store: SyncStore, parent: int, moving: str, name: str) -> None:
 def _after_move(
     store: SyncStore, trash: int, parent: int, name: str, aside: str, ident: int, path: str, mark: str,
     mine: tuple[str, int],
-) -> str | None:
-    """Steps 4 and 5, once ``parent/name`` is ``.trash/aside``. ``mine``: this delete's
-    ticket (or "") and the inode number of the directory it marked (or 0)."""
+) -> tuple[str | None, bool]:
+    """Steps 4 and 5, once ``parent/name`` is ``.trash/aside`` (what
+    :func:`_move_to_trash` returns). ``mine``: this delete's ticket (or "") and the inode
+    number of the directory it marked (or 0)."""
     # Marked (by us, or made anew and deleted again), it is a committed delete;
     # else put back. A mark is believed only through a lookup that agrees with the
     # listing: a client's stale entry moves with its rename to the new name (GlusterFS);
@@ -261,10 +267,11 @@ def _after_move(
     own = moved == ino if ident and ino else not ticket or _holds(
         store, trash, aside, mark, f"{store.root}/{_layout.TRASH}", ticket)
     if not (agrees and own and marked(trash, aside, mark)):
-        return _put_back(trash, aside, parent, name, path)
+        # Its own, unmarked: the marks it relied on (a prune's) were taken back.
+        return _put_back(trash, aside, parent, name, path), agrees and own and bool(ino)
     store._fs.sync_dir(parent)
     _empty(trash, aside, path)
-    return None
+    return None, False
 
 
 def _empty(trash: int, aside: str, path: str) -> None:

@@ -102,17 +102,9 @@ class SyncStore:
     """Blocking twin of :class:`fsstore.FsSessionStore` (same methods, same errors)."""
 
     def __init__(
-        self,
-        root: str | os.PathLike[str],
-        *,
-        fsync: bool = False,
-        stale_lock_seconds: float = 30.0,
-        lock_timeout_seconds: float = 20.0,
-        dir_mode: int = 0o700,
-        file_mode: int = 0o600,
-        summaries: bool | None = None,
-        compact_every: int = 64,
-        create: bool = False,
+        self, root: str | os.PathLike[str], *, fsync: bool = False, stale_lock_seconds: float = 30.0,
+        lock_timeout_seconds: float = 20.0, dir_mode: int = 0o700, file_mode: int = 0o600,
+        summaries: bool | None = None, compact_every: int = 64, create: bool = False,
     ) -> None:
         if compact_every < 0:
             raise ValueError("compact_every must be >= 0 (0 turns automatic compaction off)")
@@ -530,33 +522,40 @@ class SyncStore:
     def _fresh_summary(self, mfd: int, path: str, key: dict[str, str]) -> tuple[dict[str, Any] | None, int]:
         """The summary of every part committed before its mtime (the stat comes first):
         the sidecar a compaction left plus the parts after it, of a chain listed and read
-        as a load does it (:func:`snapshot`); None if it cannot be had now (the SDK then
-        rebuilds it through load())."""
-        problem = f"no whole listing in {UNLOCKED_READS} reads (compactions racing, or a gap)"
-        for attempt in range(UNLOCKED_READS):
-            if attempt and not _views.refresh_listing(mfd):  # as a load: a client may list
-                return None, 0  # from a cache (sshfs); gone on the server: deleted
-            try:
-                mtime_ns = os.fstat(mfd).st_mtime_ns
-                state = read_state(mfd) or State()
-                seen = snapshot(mfd, path, "list_session_summaries", read=False)
-                chain = seen.chain
-                if seen.deleted is not None or not chain:
-                    return None, 0
-                if seen.race is not None or seen.gap is not None:
-                    continue  # a listing torn by a compaction (or a real gap: load says)
-                if state.summary is not None and state.folded == chain[-1][1]:
-                    return state.summary, mtime_ns
-                if self._fold is None:
-                    return None, 0
-                return _compact.fold_chain((self._fold, key), state, chain, lambda name: parse(
-                    _read.read_file(mfd, name), f"{path}/{name}", "summary"))[0], mtime_ns
-            except OSError as exc:  # a compaction merged and removed a part after the listing,
-                if exc.errno not in (errno.ENOENT, errno.ESTALE):  # or another host replaced
-                    raise  # state.json (ESTALE: GlusterFS, NFS)
-            except FsStoreError as exc:
-                problem = str(exc)
-                break
+        as a load does it (:func:`snapshot`; its retries, and its lock); None if it
+        cannot be had now (the SDK then rebuilds it through load())."""
+        problem = f"no whole listing in {READ_ATTEMPTS} reads (compactions racing)"
+        with contextlib.ExitStack() as guard:
+            for attempt in range(READ_ATTEMPTS):
+                if attempt and not _views.refresh_listing(mfd):  # as a load: a client may list
+                    return None, 0  # from a cache (sshfs); gone on the server: deleted
+                if attempt == UNLOCKED_READS and not self._hold_for_reading(
+                        guard, _layout.transcript_dirs(_keys.parse_key(key, "list_session_summaries"))):
+                    break
+                try:
+                    mtime_ns = os.fstat(mfd).st_mtime_ns
+                    state = read_state(mfd) or State()
+                    seen = snapshot(mfd, path, "list_session_summaries", read=False)
+                    chain = seen.chain
+                    if seen.deleted is not None or not chain:
+                        return None, 0
+                    if seen.gap is not None and attempt >= UNLOCKED_READS:
+                        problem = f"part {seen.gap} is missing (see fsstore check)"
+                        break
+                    if seen.race is not None or seen.gap is not None:
+                        continue  # a listing torn by a compaction
+                    if state.summary is not None and state.folded == chain[-1][1]:
+                        return state.summary, mtime_ns
+                    if self._fold is None:
+                        return None, 0
+                    return _compact.fold_chain((self._fold, key), state, chain, lambda name: parse(
+                        _read.read_file(mfd, name), f"{path}/{name}", "summary"))[0], mtime_ns
+                except OSError as exc:  # a compaction removed a part after the listing, or
+                    if exc.errno not in (errno.ENOENT, errno.ESTALE):  # another host replaced
+                        raise  # state.json (ESTALE: GlusterFS, NFS)
+                except FsStoreError as exc:
+                    problem = str(exc)
+                    break
         log.warning("summary left out: %s", problem, extra={
             "code": "SUMMARY_BEHIND", "operation": "list_session_summaries", "path": path})
         return None, 0

@@ -352,6 +352,35 @@ def test_a_prune_that_keeps_a_session_takes_back_only_the_marks_it_made(store: S
     assert _names(other) is None and other.list_sessions("p") == []
 
 
+def test_a_delete_whose_marks_a_prune_took_back_marks_again(store: SyncStore) -> None:
+    """Review: a prune marks the session and stalls (its look: here a keep() that sleeps
+    2.5 s, then keeps); a delete D takes over the stale lock, finds the marks made (it
+    makes none) and stalls in its rename; gc removes D's ticket; the prune takes its
+    marks back; D's rename moves the session it marked, unmarked, and puts it back. D
+    then returned, the session still there for good (10 of 10). It marks again."""
+    root = Path(store.root)
+    store.append({**KEY, "subpath": "agents/a"}, _batch("a1"))
+    prune = _StalledDelete(root, 0.001, syscall="getdents64", op=(
+        f"s.delete_unless({KEY!r}, lambda: __import__('time').sleep(2.5) or True)"))
+    d = _StalledDelete(root, 3.5)
+    try:
+        started = prune.go()
+        _until(lambda: time.monotonic() - started > 1.4)  # its lock is stale
+        d.go()
+        _until(lambda: time.monotonic() - started > 3.6)  # D's ticket is older than 1 s
+        gc = subprocess.run([sys.executable, "-m", "fsstore", "gc", str(root), "--older-than", "1s"],
+                            check=False, capture_output=True, text=True, timeout=60)
+        assert gc.returncode == 0 and "-claim" in gc.stdout, gc.stdout + gc.stderr
+        prune.wait()
+        d.wait()
+    finally:
+        prune.kill()
+        d.kill()
+    other = SyncStore(root, **STALE)
+    assert other.list_sessions("p") == [] and _names(other) is None
+    assert other.load({**KEY, "subpath": "agents/a"}) is None
+
+
 @pytest.mark.parametrize("mover", ["its deleter", "a listing"])
 def test_a_session_a_delete_claimed_in_trash_is_not_moved_back_after_it_returned(
     store: SyncStore, mover: str
