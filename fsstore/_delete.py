@@ -92,8 +92,8 @@ def remove(
         try:
             with store._locks.hold(store._lock_path(lock_name, op), op):
                 try:
-                    # What this delete is to delete, as it begins; what it moves is its own
-                    # only with its ticket in it, where there was a directory to leave one in.
+                    # What this delete is to delete, as it begins (where listings do not
+                    # number as lookups do, what it moves is its own only with its ticket).
                     own = ticket if claiming and _tickets(store, rfd, parent, name, mark, path, tags,
                                                           ticket) else ""
                     for _round in range(3 if claiming else 1):
@@ -103,10 +103,8 @@ def remove(
                                                            "-".join(tags), own, finishing=finishing)
                         if not claiming or orphan is not None:
                             break
-                        if again:
-                            continue  # what it marked came back unmarked (whose marks it relied on
-                            # took them back: a prune's): marked again, by itself
-
+                        if again:  # what it marked came back unmarked (the marks it relied
+                            continue  # on were a prune's, taken back): it marks it itself
                         _claim_moved(store, rfd, tags, ticket, path)
                         if parent is None or not _holds(store, parent, name, mark,
                                                         path.rsplit("/", 1)[0], ticket):
