@@ -539,11 +539,11 @@ class SyncStore:
                     chain = seen.chain
                     if seen.deleted is not None or not chain:
                         return None, 0
-                    if seen.gap is not None and attempt >= UNLOCKED_READS:
+                    if seen.race is not None:
+                        continue  # a listing torn by a compaction
+                    if seen.gap is not None:  # in the transcript: the listings agree
                         problem = f"part {seen.gap} is missing (see fsstore check)"
                         break
-                    if seen.race is not None or seen.gap is not None:
-                        continue  # a listing torn by a compaction
                     if state.summary is not None and state.folded == chain[-1][1]:
                         return state.summary, mtime_ns
                     if self._fold is None:
