@@ -499,12 +499,16 @@ def moved_by_mistake(trash: int, comps: list[Component]) -> str | None:
     its transcripts) that no delete marked: moved there by mistake, and not moved back
     or merged yet (its batches are the session's); None if there is none."""
     tag = _tags(comps)[0]
-    for name in _fsio.listdir(trash):
-        found = _tags_of(name)
-        if found is not None and found[0] == tag and not marked(
-                trash, name, _layout.MAIN if len(found) == 1 else ""):
-            return name
-    return None
+    return next((name for name in _fsio.listdir(trash)
+                 if (_tags_of(name) or [""])[0] == tag and orphan(trash, name)), None)
+
+
+def orphan(trash: int, name: str) -> bool:
+    """Whether ``.trash/name`` is what a delete moved there by mistake (a ``-deleted``
+    directory with no mark and batches in it: no delete's to remove), not yet moved
+    back, merged or claimed."""
+    return (name.endswith(ASIDE_TAG) and not (marked(trash, name, _layout.MAIN) or marked(trash, name, ""))
+            and holds_batches(trash, name))
 
 
 def moved_from(name: str, projects: list[str], sessions: list[tuple[str, ...]]) -> list[Component] | None:

@@ -667,7 +667,4 @@ def _moved_by_mistake(trash_fd: int, entry: os.DirEntry[str], st: os.stat_result
     """A directory a delete moved into ``.trash`` that holds no mark: made anew after the
     delete's mark, its batches are no delete's to remove. Its deleter moves it back or
     merges it (young, in flight); if that deleter died, it is an orphan for the operator."""
-    if not entry.name.endswith(_delete.ASIDE_TAG) or not stat.S_ISDIR(st.st_mode):
-        return False
-    return not (_delete.marked(trash_fd, entry.name, _layout.MAIN)
-                or _delete.marked(trash_fd, entry.name, "")) and _delete.holds_batches(trash_fd, entry.name)
+    return stat.S_ISDIR(st.st_mode) and _delete.orphan(trash_fd, entry.name)
