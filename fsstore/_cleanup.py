@@ -369,32 +369,26 @@ def _prune_one(w: Walker, ref: SessionRef, older_than: float, dry_run: bool) -> 
         return Action("delete", path, detail, False, age) if moved is None else _kept_for(path, moved)
     try:
         with contextlib.ExitStack() as held:
-            since = time.monotonic()
             # Sorted: two prunes of one session never wait for each other crosswise.
             for tref in sorted(first.transcripts, key=lambda t: t.comps):
                 held.enter_context(w.store.locked(tref.key()))
             kept: list[Action] = []
 
             def keep() -> bool:
-                # The last look, made after the session is marked: an append whose
-                # check passed before the mark shows here; one after it sees the mark
-                # and commits nowhere (it starts over in a new session). So whatever
-                # stalls prune, no acknowledged batch is deleted unseen.
+                # The last look, made once the session is marked as a prune's: an append
+                # whose check passed before the marks shows here; one after them removes
+                # them, and this prune then keeps it (fsstore._delete._prune). So
+                # whatever stalls prune, no acknowledged batch is deleted unseen.
                 w.now = time.time()
                 reason = _reason_to_keep(w, ref, first, older_than)
-                if reason is None and time.monotonic() - since > w.stale_lock_seconds / 2:
-                    # Like a writer's lease (fsstore._lock.Held): past half the lifetime,
-                    # a writer may have taken the lock, found the mark and finished the
-                    # delete, and made the session anew with a batch of its own.
-                    reason = Action("delete", path, f"{detail}: not deleted: taking the locks and "
-                                    "looking took too long; run prune again", False, age, failed=True)
                 if reason is not None:
                     kept.append(reason)
                 return reason is not None
 
-            w.store.delete_unless(ref.key(), keep)
-            if kept:
-                return kept[0]
+            if not w.store.delete_unless(ref.key(), keep):
+                return kept[0] if kept else Action(
+                    "keep", path, "written to after the last look; kept (the next prune looks "
+                    "again)", False)
     except FsStoreError as err:
         return Action("delete", path, f"{detail}: {err}", False, age, failed=True)
     return Action("delete", path, detail, True, age)
@@ -415,7 +409,7 @@ def _reason_to_keep(w: Walker, ref: SessionRef, first: _Look, older_than: float)
     moved = _moved_by_mistake(w, ref)
     if moved is not None:
         return _kept_for(path, moved)
-    young = [g for g in again.temps if g.age <= older_than]
+    young = [g for g in again.temps if g.age <= older_than and not _layout.pruning(g.name)]
     if young:
         return Action("keep", path, f"an append is in flight ({young[0].path}, "
                       f"{age_text(young[0].age)} old); kept", False)

@@ -356,8 +356,14 @@ def check(dir_fd: int, seq: int, session_marker: str | None) -> tuple[list[Item]
     writer then took its misplaced part for committed). A segment made over ``seq``
     exists for the whole of the second listing unless yet another compaction
     replaces it during it."""
-    first, deleted = _transcript.scan(dir_fd)
-    again, deleted_again = _transcript.scan(dir_fd)
+    first, deleted, pruning = _transcript.scan_marks(dir_fd)
+    again, deleted_again, pruning_again = _transcript.scan_marks(dir_fd)
+    if pruning or pruning_again:
+        # A prune's marks, not committed: this batch wins (that prune keeps the session),
+        # unless the prune committed first (its mark renamed to .deleted).
+        _delete.cancel_prunes(dir_fd, sorted({*pruning, *pruning_again}),
+                              None if session_marker is None else os.path.dirname(session_marker))
+        deleted = deleted or _fsio.exists(dir_fd, _layout.DELETED)
     check_session_marker(dir_fd, session_marker)  # first: the session's delete, if it is one
     if deleted or deleted_again:
         raise Deleted(_layout.part_name(seq))
@@ -520,8 +526,11 @@ def _check_made(fd: int, names: list[str], t: Appending) -> None:
     what was made is removed)."""
     if t.session_marker is None:
         return
+    marker = "/".join([*names, t.session_marker])
     try:
-        check_session_marker(fd, "/".join([*names, t.session_marker]))
+        # A prune marks only the subagent transcripts it found: it commits in main/.
+        _delete.cancel_prunes_in(fd, os.path.dirname(marker))
+        check_session_marker(fd, marker)
     except Deleted:
         with contextlib.suppress(OSError):
             _fsio.remove_tree(fd, names[0])

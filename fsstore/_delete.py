@@ -9,16 +9,18 @@ A delete, holding the lock of what it moves (a session's: its main transcript's)
    main transcript), then in each subagent transcript. From here the delete is
    committed: whoever finds a mark under the lock finishes it (its deleter may have
    died). A reader holding the directory open, or reaching it through a stale client
-   cache, sees the mark: whole transcript or None;
+   cache, sees the mark: whole transcript or None. ``fsstore prune`` marks with a temp
+   file first, looks once more, and commits by renaming the one in ``main/`` to
+   ``.deleted``; an append that finds its marks before that removes them, and the
+   prune keeps the session (:func:`_prune`, :func:`cancel_prunes`);
 3. renames it into ``.trash`` (one atomic rename: every reader on every host sees it
    gone at once), under a name carrying the transcript's *tag* (the first 16 hex
    digits of its lock name);
 4. checks what the rename moved: by name, so a deleter whose lock was overtaken (a
    stall, a clock ahead) can move a session another writer finished the delete of and
-   made anew. What is not marked, or not the directory it marked (its handle's inode
-   number, else its ticket: a prune's marks, which it may take back), was never its
-   own: it is put back (:func:`_put_back`). Until then a load or append that finds it missing
-   moves it back (:func:`restore`), and so does a listing of its parent, where the
+   made anew. What is not marked (every ``.deleted`` is a committed delete's) was never
+   its own: it is put back (:func:`_put_back`). Until then a load or append that finds
+   it missing moves it back (:func:`restore`), and so does a listing of its parent, where the
    delete left a record of the name (:func:`moving_record`, :func:`restore_named`),
    and ``fsstore gc`` once old. Where another session was made at the name meanwhile,
    its batches are appended to that one (:func:`_merge.merge_back`). A delete that began
@@ -28,9 +30,9 @@ A delete, holding the lock of what it moves (a session's: its main transcript's)
    client still reaches the old path sees the delete; ``fsstore gc`` removes it once
    old).
 
-Crash table: before 2, nothing happened; after 2, the next writer or reader under
-the lock finishes it (``fsstore prune`` takes its marks back where its last look says
-keep); after 3, a marked directory in ``.trash`` is garbage for ``fsstore gc``, an
+Crash table: before 2, nothing happened (a prune's marks not committed are taken
+back by the next append, or removed by ``fsstore gc`` once old); after 2, the next
+writer or reader under the lock finishes it; after 3, a marked directory in ``.trash`` is garbage for ``fsstore gc``, an
 unmarked one (step 4) is moved back by the next listing, load or append, or merged
 by gc, once old, into a session made at its name since (``fsstore check``: an orphan
 once old). docs/format.md, "Deletes", has the whole story.
@@ -66,11 +68,11 @@ def moving_record(aside: str) -> str:
 def remove(
     store: SyncStore, comps: list[Component], path: str, mark: str, op: str,
     keep: Callable[[], bool] | None, *, finishing: bool = False,
-) -> None:
+) -> bool:
     """Delete the session (``mark="main"``) or transcript (``mark=""``) at ``comps``
     under the lock of its main transcript (or its own): see the module docstring.
-    ``keep`` is asked after the marks and before the move: True takes the marks back
-    (``fsstore prune``'s last look). ``finishing``: the marks are someone else's.
+    ``keep``: a prune's (:func:`_prune`), asked after its marks and before its commit;
+    False if kept. ``finishing``: the marks are someone else's.
 
     The lock serializes the deleters, and whoever finishes a delete, with the writers
     that make the session (or transcript) anew: so what a delete moves is what it
@@ -80,31 +82,31 @@ def remove(
     claiming = not finishing and keep is None  # a plain delete (see _claim_moved)
     with store._open_root(create=False) as rfd:
         if rfd is None:
-            return
+            return True
         parent = store._open(rfd, comps[:-1], op)
         if parent is None and claiming and restore(store, rfd, comps):
             parent = store._open(rfd, comps[:-1], op)  # its session was hidden in .trash
         if parent is None and not (claiming and not mark):
-            return
+            return True
         # A subagent transcript with nothing at its name (its session holds no subagent
         # transcripts) may still be in a session moved by mistake, in .trash: claimed.
         ticket, orphan = _fsio.temp_name(CLAIM_TAG) if claiming else "", None
         try:
             with store._locks.hold(store._lock_path(lock_name, op), op):
                 try:
-                    # What this delete is to delete, as it begins (where listings do not
-                    # number as lookups do, what it moves is its own only with its ticket).
-                    own = ticket if claiming and _tickets(store, rfd, parent, name, mark, path, tags,
-                                                          ticket) else ""
+                    if claiming:  # what this delete is to delete, as it begins
+                        _tickets(store, rfd, parent, name, mark, path, tags, ticket)
+                    if keep is not None:
+                        assert parent is not None
+                        if not _prune(store, parent, name, path, mark, keep):
+                            return False
+                        finishing = True  # committed: finished as anyone's
                     for _round in range(3 if claiming else 1):
-                        again = False
                         if parent is not None:
-                            orphan, again = _move_to_trash(store, rfd, parent, name, path, mark, keep,
-                                                           "-".join(tags), own, finishing=finishing)
+                            orphan = _move_to_trash(store, rfd, parent, name, path, mark,
+                                                    "-".join(tags), finishing=finishing)
                         if not claiming or orphan is not None:
                             break
-                        if again:  # what it marked came back unmarked (the marks it relied
-                            continue  # on were a prune's, taken back): it marks it itself
                         _claim_moved(store, rfd, tags, ticket, path)
                         if parent is None or not _holds(store, parent, name, mark,
                                                         path.rsplit("/", 1)[0], ticket):
@@ -120,6 +122,63 @@ def remove(
                 os.close(parent)
     if orphan is not None:  # not under the lock: appending takes the locks it needs
         _merge.merge_back(store, orphan, comps, mark, path)
+    return True
+
+
+def _prune(store: SyncStore, parent: int, name: str, path: str, mark: str,
+           keep: Callable[[], bool]) -> bool:
+    """A prune's commit: whether its delete of ``parent/name`` is committed. Its marks
+    are a temp file (``_layout.PRUNING_TAG``), in ``main/`` first, then in each subagent
+    transcript; ``keep`` (its last look) is asked; then the one in ``main/`` is renamed
+    to ``.deleted``, unless an append removed it meanwhile (:func:`cancel_prunes`): an
+    append that came after the look wins. Where kept, its marks are taken back. Nobody
+    else ever acts on a mark not committed (one left by a prune that died is garbage
+    for ``fsstore gc``)."""
+    pruning = _fsio.temp_name(_layout.PRUNING_TAG)
+    at = f"{name}/{mark}/" if mark else f"{name}/"
+    committed = False
+    _mark(store, parent, name, path, mark, pruning)
+    try:
+        committed = not keep() and _rename_if_there(parent, at + pruning, at + _layout.DELETED)
+    finally:
+        if not committed:
+            _mark(store, parent, name, path, mark, pruning, undo=True)
+    return committed
+
+
+def _rename_if_there(dir_fd: int, src: str, dst: str) -> bool:
+    """Rename ``dir_fd/src`` to ``dir_fd/dst``; False where ``src`` is gone."""
+    try:
+        os.rename(src, dst, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+    except FileNotFoundError:
+        return False
+    return True
+
+
+def cancel_prunes(dir_fd: int, marks: list[str], main: str | None) -> None:
+    """For an append that found the prunes' marks ``marks`` (not committed) in its
+    transcript directory ``dir_fd``: remove them, first where the prune commits (its
+    session's ``main/``: at ``main`` from ``dir_fd``, for a subagent transcript), so
+    that prune keeps the session (:func:`_prune`). The caller then looks for
+    ``.deleted`` again: a prune that committed first renamed its mark to that."""
+    for pruning in marks:
+        if main is not None:
+            _fsio.unlink_quiet(dir_fd, f"{main}/{pruning}")
+        _fsio.unlink_quiet(dir_fd, pruning)
+
+
+def cancel_prunes_in(dir_fd: int, main: str) -> None:
+    """:func:`cancel_prunes` for the first commit of a subagent transcript (prunes mark
+    only those they found): every prune's mark in its session's ``main/`` (at ``main``
+    from ``dir_fd``; none if it has no main transcript)."""
+    try:
+        mfd = os.open(main, _fsio.DIR_FLAGS, dir_fd=dir_fd)
+    except FileNotFoundError:
+        return
+    try:
+        cancel_prunes(mfd, [n for n in _fsio.listdir(mfd) if _layout.pruning(n)], None)
+    finally:
+        os.close(mfd)
 
 
 def finish(store: SyncStore, comps: list[Component], path: str, *, session: bool) -> None:
@@ -149,40 +208,21 @@ def marked(parent: int, name: str, below: str) -> bool:
 
 
 def _move_to_trash(
-    store: SyncStore, rfd: int, parent: int, name: str, path: str, mark: str,
-    keep: Callable[[], bool] | None, tag: str, ticket: str, *, finishing: bool,
-) -> tuple[str | None, bool]:
+    store: SyncStore, rfd: int, parent: int, name: str, path: str, mark: str, tag: str, *,
+    finishing: bool,
+) -> str | None:
     """Steps 1 to 5 for ``parent/name``: the name of an orphan left in ``.trash`` (step
-    4: to be merged back), else None; and whether the directory it marked came back
-    unmarked (to be marked again). ``ticket``: see :func:`_after_move`."""
+    4: to be merged back), else None."""
     trash = store._open(rfd, [(_layout.TRASH, None)], "delete", create=True)
     assert trash is not None
-    held: int | None = None
-    made: frozenset[str] = frozenset()
     try:
         ident = _views.listed_dir(store._fs, rfd, parent, name, wait=not finishing)
         if ident is None:
-            return None, False  # never written, or deleted already
-        if finishing:
-            if not marked(parent, name, mark):
-                return None, False  # finished already: what is there now was made anew
-        else:
-            # Marked, and its marks taken back, through a handle of the directory: a
-            # stalled delete's rename by name may move it meanwhile (found by review: a
-            # prune's marks stayed in the session it kept, and its next reader deleted it).
-            held = store._fs.open_dir(parent, [(name, None)], create=False,
-                                      base_path=path.rsplit("/", 1)[0], operation="delete")
-            if held is None:
-                return None, False
-            made = _mark(store, held, ".", path, mark)
-            try:
-                kept = keep is not None and keep()
-            except BaseException:
-                _unmark(store, held, path, mark, made)
-                raise
-            if kept:
-                _unmark(store, held, path, mark, made)
-                return None, False
+            return None  # never written, or deleted already
+        if not finishing:
+            _mark(store, parent, name, path, mark, _layout.DELETED)
+        elif not marked(parent, name, mark):
+            return None  # finished already: what is there now was made anew
         aside = _fsio.temp_name(f"-{tag}{FROM}{name}{ASIDE_TAG}")  # names what it was (moved_from)
         moving = moving_record(aside)
         try:
@@ -191,22 +231,17 @@ def _move_to_trash(
             os.rename(name, aside, src_dir_fd=parent, dst_dir_fd=trash)
         except FileNotFoundError:
             _fsio.unlink_quiet(parent, moving)
-            return None, False  # never written, or deleted already: not an error
+            return None  # never written, or deleted already: not an error
         except OSError:
             _fsio.unlink_quiet(parent, moving)
-            if held is not None:
-                _unmark(store, held, path, mark, made)
             raise
         try:
             _renew(store, parent, moving, name)
-            mine = (ticket, os.fstat(held).st_ino if held is not None else 0)
-            return _after_move(store, trash, parent, name, aside, ident, path, mark, mine)
+            return _after_move(store, trash, parent, name, aside, ident, path, mark)
         finally:
             _fsio.unlink_quiet(parent, moving)
     finally:
         os.close(trash)
-        if held is not None:
-            os.close(held)
 
 
 def holds_batches(parent_fd: int, name: str) -> bool:
@@ -221,15 +256,6 @@ def holds_batches(parent_fd: int, name: str) -> bool:
                        else _layout.parse_item(e.name) is not None for e in entries)
     finally:
         os.close(fd)
-
-
-def _unmark(store: SyncStore, held: int, path: str, mark: str, made: frozenset[str]) -> None:
-    """Take back the marks this delete made (``made``), and only those (found by review: a
-    prune took back a stalled delete's), from the directory open as ``held``, wherever
-    it is now; unless it holds no batch any more: then another process took the marks
-    for a committed delete and emptied it (a tomb, whose marks stay: :func:`_empty`)."""
-    if holds_batches(held, "."):
-        _mark(store, held, ".", path, mark, undo=made)
 
 
 def _renew(store: SyncStore, parent: int, moving: str, name: str) -> None:
@@ -247,29 +273,20 @@ def _renew(store: SyncStore, parent: int, moving: str, name: str) -> None:
 
 def _after_move(
     store: SyncStore, trash: int, parent: int, name: str, aside: str, ident: int, path: str, mark: str,
-    mine: tuple[str, int],
-) -> tuple[str | None, bool]:
+) -> str | None:
     """Steps 4 and 5, once ``parent/name`` is ``.trash/aside`` (what
-    :func:`_move_to_trash` returns). ``mine``: this delete's ticket (or "") and the inode
-    number of the directory it marked (or 0)."""
-    # Marked (by us, or made anew and deleted again), it is a committed delete;
-    # else put back. A mark is believed only through a lookup that agrees with the
-    # listing: a client's stale entry moves with its rename to the new name (GlusterFS);
-    # and by a delete that marked, only in the directory it marked: a mark in one made
-    # at the name since is another's (a prune's, which may take it back). Told by its
-    # inode number, which the delete's open handle keeps from reuse, where listings
-    # number as lookups do; else by its ticket (gc may remove a ticket once old).
+    :func:`_move_to_trash` returns)."""
+    # Marked (by us, or made anew and deleted again: every .deleted is a committed
+    # delete), it is a delete's to finish; else put back. A mark is believed only
+    # through a lookup that agrees with the listing: a client's stale entry moves with
+    # its rename to the new name (GlusterFS).
     moved = _views.listed_ino(trash, aside)
     agrees = not ident or moved == _views.looked_up_ino(trash, aside)
-    ticket, ino = mine
-    own = moved == ino if ident and ino else not ticket or _holds(
-        store, trash, aside, mark, f"{store.root}/{_layout.TRASH}", ticket)
-    if not (agrees and own and marked(trash, aside, mark)):
-        # Its own, unmarked: the marks it relied on (a prune's) were taken back.
-        return _put_back(trash, aside, parent, name, path), agrees and own and bool(ino)
+    if not (agrees and marked(trash, aside, mark)):
+        return _put_back(trash, aside, parent, name, path)
     store._fs.sync_dir(parent)
     _empty(trash, aside, path)
-    return None, False
+    return None
 
 
 def _empty(trash: int, aside: str, path: str) -> None:
@@ -399,7 +416,7 @@ def _claim_moved(store: SyncStore, rfd: int, tags: list[str], ticket: str, path:
                 continue
             try:
                 if _holds(store, holder, what, mark, base, ticket) and not marked(holder, what, mark):
-                    _mark(store, holder, what, f"{base}/{name}", mark)
+                    _mark(store, holder, what, f"{base}/{name}", mark, _layout.DELETED)
                     log.warning("marked what another delete had moved by mistake: deleted now",
                                 extra={"code": "DELETE_RACED", "operation": "delete", "path": path})
                     # What another delete marked is its to take (or its own move, marked).
@@ -426,19 +443,18 @@ def _take(trash: int, holder: int, what: str, tags: list[str], path: str) -> Non
 def _tickets(
     store: SyncStore, rfd: int, parent: int | None, name: str, mark: str, path: str, tags: list[str],
     ticket: str, *, undo: bool = False,
-) -> bool:
+) -> None:
     """Leave (``undo``: take back) an empty file named ``ticket`` in each transcript
     directory this delete is to delete, as it begins: at the name, then in what deletes
     had moved from it into ``.trash``. A stalled deleter's mistaken move carries it
-    along (:func:`_claim_moved`). A name, not an inode number: those are reused.
-    Whether one was left at the name."""
+    along (:func:`_claim_moved`). A name, not an inode number: those are reused."""
     # At the name first: what a mistaken move takes from there after this look is then
     # in .trash when it is listed, or carries the ticket.
-    left = parent is not None and _ticket_dirs(store, parent, name, mark, path.rsplit("/", 1)[0],
-                                               ticket, undo=undo)
+    if parent is not None:
+        _ticket_dirs(store, parent, name, mark, path.rsplit("/", 1)[0], ticket, undo=undo)
     trash = store._open(rfd, [(_layout.TRASH, None)], "delete")
     if trash is None:
-        return left
+        return
     try:
         for moved in _fsio.listdir(trash):
             found = _tags_of(moved)
@@ -447,28 +463,24 @@ def _tickets(
                              f"{store.root}/{_layout.TRASH}", ticket, undo=undo)
     finally:
         os.close(trash)
-    return left
 
 
 def _ticket_dirs(store: SyncStore, parent: int, name: str, mark: str, base: str, ticket: str,
-                 *, undo: bool) -> bool:
-    left = False
+                 *, undo: bool) -> None:
     with _transcript_dirs(store, parent, name, mark, base) as tfds:
-        for _where, tfd in tfds:
+        for tfd in tfds:
             if undo:
                 _fsio.unlink_quiet(tfd, ticket)
             else:
                 with contextlib.suppress(OSError):  # removed meanwhile: nothing to claim there
                     os.close(os.open(ticket, _fsio.CREATE_FLAGS, 0o600, dir_fd=tfd))
-                    left = True
-    return left
 
 
 def _holds(store: SyncStore, parent: int, name: str, mark: str, base: str, ticket: str) -> bool:
     """Whether a transcript directory of ``parent/name`` (a session's, with ``mark``)
     holds ``ticket``."""
     with _transcript_dirs(store, parent, name, mark, base) as tfds:
-        return any(_fsio.exists(tfd, ticket) for _where, tfd in tfds)
+        return any(_fsio.exists(tfd, ticket) for tfd in tfds)
 
 
 # What a delete moves into .trash is named for what it was: the session's tag (the
@@ -537,67 +549,64 @@ def _tags_of(name: str) -> list[str] | None:
     return None if m is None else [t for t in (m.group(1), m.group(2)) if t]
 
 
-def _mark(store: SyncStore, parent: int, name: str, path: str, below: str, *,
-          undo: frozenset[str] | None = None) -> frozenset[str]:
-    """Create ``.deleted`` in the transcript directory ``parent/name`` (``below=""``),
-    or for a session in ``parent/name/main`` first (made for the mark in a session
-    without a main transcript), then in each of its subagent transcripts; return where
-    it made one (paths below ``name``). ``undo``: remove those, and only those."""
+def _mark(store: SyncStore, parent: int, name: str, path: str, below: str, mark: str, *,
+          undo: bool = False) -> None:
+    """Create the file ``mark`` (``.deleted``, or a prune's: :func:`_prune`) in the
+    transcript directory ``parent/name`` (``below=""``), or for a session in
+    ``parent/name/main`` first (made for the mark in a session without a main
+    transcript), then in each of its subagent transcripts. ``undo``: remove them (a
+    prune's)."""
     base = path.rsplit("/", 1)[0]
     if below:
         top = store._fs.open_dir(parent, [(name, None)], create=False, base_path=base,
                                  operation="delete")
         if top is None:
-            return frozenset()
+            return
         try:
-            if undo is not None:  # a main made for the mark goes with it (one with parts stays)
-                _mark_dirs(store, parent, name, base, below, undo)
+            if undo:  # a main made for the mark goes with it (one with parts stays)
+                _mark_dirs(store, parent, name, base, below, mark, undo)
                 with contextlib.suppress(OSError):
                     os.rmdir(below, dir_fd=top)
-                return frozenset()
+                return
             made = store._fs.open_dir(top, [(below, None)], create=True, base_path=path,
                                       operation="delete")
             assert made is not None
             os.close(made)
         finally:
             os.close(top)
-    return _mark_dirs(store, parent, name, base, below, undo)
+    _mark_dirs(store, parent, name, base, below, mark, undo)
 
 
-def _mark_dirs(store: SyncStore, parent: int, name: str, base: str, below: str,
-               undo: frozenset[str] | None) -> frozenset[str]:
-    made = set()
+def _mark_dirs(store: SyncStore, parent: int, name: str, base: str, below: str, mark: str,
+               undo: bool) -> None:
     with _transcript_dirs(store, parent, name, below, base) as tfds:
-        for where, tfd in tfds:
-            if undo is not None:
-                if where in undo:
-                    _fsio.unlink_quiet(tfd, _layout.DELETED)
+        for tfd in tfds:
+            if undo:
+                _fsio.unlink_quiet(tfd, mark)
             else:
                 with contextlib.suppress(FileNotFoundError):  # removed meanwhile
-                    if store._fs.mark(tfd, _layout.DELETED):
-                        made.add(where)
-    return frozenset(made)
+                    store._fs.mark(tfd, mark)
 
 
 @contextlib.contextmanager
 def _transcript_dirs(
     store: SyncStore, parent: int, name: str, below: str, base: str,
-) -> Iterator[list[tuple[str, int]]]:
-    """The transcript directories of ``parent/name`` (each with its path below it), open
+) -> Iterator[list[int]]:
+    """The transcript directories of ``parent/name``, open
     for the ``with`` (all closed after it, also on an error): the directory itself, or
     for a session (``below``: its ``main``) main and each subagent transcript's; those
     that do not exist are left out."""
     dirs = [[name]] if not below else [[name, below]] + [
         [name, _layout.SUBKEYS, sp]
         for sp in store._fs.subdirs_beneath(parent, [name, _layout.SUBKEYS], base, "delete")]
-    opened: list[tuple[str, int]] = []
+    opened: list[int] = []
     try:
         for names in dirs:
             tfd = store._fs.open_dir(parent, [(n, None) for n in names], create=False,
                                      base_path=base, operation="delete")
             if tfd is not None:
-                opened.append(("/".join(names[1:]), tfd))
+                opened.append(tfd)
         yield opened
     finally:
-        for _where, tfd in opened:
+        for tfd in opened:
             os.close(tfd)

@@ -322,19 +322,18 @@ class Fs:
             finally:
                 os.close(fd)
 
-    def mark(self, dir_fd: int, name: str) -> bool:
-        """Create the empty file ``name`` (a marker) unless it exists; whether it made it."""
+    def mark(self, dir_fd: int, name: str) -> None:
+        """Create the empty file ``name`` (a marker) unless it exists."""
         try:
             fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | _CLOEXEC,
                          self.file_mode, dir_fd=dir_fd)
         except FileExistsError:
-            return False
+            return
         except PermissionError:  # SFTP (sshfs) answers a lost O_EXCL race so
             if exists(dir_fd, name):
-                return False
+                return
             raise
         os.close(fd)
-        return True
 
     def subdirs_beneath(self, base_fd: int, names: list[str], base_path: str, operation: str) -> list[str]:
         """Names of the directories in ``base/names...`` (none if it does not exist);

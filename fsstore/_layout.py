@@ -11,7 +11,8 @@ transcript directory:
     00000000000000000001.jsonl                        a part: one committed batch
     00000000000000000001-00000000000000000300.jsonl   a segment: parts 1..300 merged
     state.json                                        the summary as of a compaction (a hint)
-    .deleted                                          a delete is under way
+    .deleted                                          a delete is under way (committed)
+    .tmp-*-pruning                                    a prune's mark, until its last look
     .tmp-*                                            temp files (garbage once old)
 """
 
@@ -35,6 +36,10 @@ MARKER = ".fsstore"  # in the root: this directory is a store (format, created w
 STATE = "state.json"
 STATE_SPARE = ".state.spare"  # format 1's previous state.json: ignored, removed by migrate
 DELETED = ".deleted"  # created in a transcript directory before a delete moves it away
+# A prune's mark until its last look says delete: a temp file (``.tmp-*-pruning``) it then
+# renames to ``.deleted`` in ``main/`` (its commit, like a batch's). An append that finds
+# one removes it first: that prune then keeps the session (see _delete.prune_marks).
+PRUNING_TAG = "-pruning"
 # The tag of what a delete leaves in .trash: the deleted directories' marks only, so that
 # a writer still reaching them sees the delete (removed by `fsstore gc` once old).
 TOMB_TAG = "-tomb"
@@ -65,6 +70,11 @@ def transcript_dirs(key: TranscriptKey) -> list[Component]:
     if key.subpath is None:
         return [*base, (MAIN, None)]
     return [*base, (SUBKEYS, None), _named(key.subpath)]
+
+
+def pruning(name: str) -> bool:
+    """Whether ``name`` is a prune's mark not yet committed (see ``PRUNING_TAG``)."""
+    return name.startswith(_fsio.TEMP_PREFIX) and name.endswith(PRUNING_TAG)
 
 
 def session_marker(key: TranscriptKey) -> str | None:

@@ -573,10 +573,11 @@ class SyncStore:
         """
         self.delete_unless(key, None)
 
-    def delete_unless(self, key: Mapping[str, Any], keep: Callable[[], bool] | None) -> None:
-        """:meth:`delete`; where ``keep`` is given, it is asked after the transcripts are
-        marked and before they are moved: True takes the marks back and keeps them
-        (``fsstore prune``'s last look, which no commit can slip past)."""
+    def delete_unless(self, key: Mapping[str, Any], keep: Callable[[], bool] | None) -> bool:
+        """:meth:`delete`; where ``keep`` is given (``fsstore prune``'s last look), the
+        transcripts are marked as a prune's, ``keep`` is asked, and the delete is
+        committed unless it says True or an append came in since the marks (which wins):
+        False if kept, its marks taken back (:func:`fsstore._delete._prune`)."""
         op = "delete"
         tk = _keys.parse_key(key, op)
         if tk.subpath is None:
@@ -586,7 +587,8 @@ class SyncStore:
         path = self._path(comps)
         with translating(op, path):
             try:
-                _delete.remove(self, comps, path, _layout.MAIN if tk.subpath is None else "", op, keep)
+                return _delete.remove(self, comps, path, _layout.MAIN if tk.subpath is None else "",
+                                      op, keep)
             finally:
                 self._forget(tk)
 

@@ -125,15 +125,24 @@ class Vanished(Exception):
 def scan(dir_fd: int) -> tuple[list[Item], bool]:
     """Every part and segment as ``(first, last, name)``, and whether the directory
     is marked deleted."""
+    items, deleted, _pruning = scan_marks(dir_fd)
+    return items, deleted
+
+
+def scan_marks(dir_fd: int) -> tuple[list[Item], bool, list[str]]:
+    """:func:`scan`, and the prunes' marks not yet committed (``_layout.pruning``)."""
     items = []
     deleted = False
+    pruning = []
     for name in _fsio.listdir(dir_fd):
         rng = _layout.parse_item(name)
         if rng is not None:
             items.append((rng[0], rng[1], name))
         elif name == _layout.DELETED:
             deleted = True
-    return items, deleted
+        elif _layout.pruning(name):
+            pruning.append(name)
+    return items, deleted, pruning
 
 
 def scan_items(dir_fd: int) -> list[Item]:

@@ -725,17 +725,30 @@ def _delete_racing_remakes(root: Path, store: SyncStore, deleter: SyncStore,
         meanwhile()
         return real(*args)
 
-    def keep() -> bool:
+    def remade() -> None:
         store.append(key, [entry(1)])  # between the mark and the move: finished and made anew
         for batch in more or []:
             store.append(key, batch)
         armed.append(1)
-        return False
 
     monkeypatch.setattr(_delete, "_put_back", put_back)
-    deleter.delete_unless(key, keep)
+    _after_the_marks(monkeypatch, remade)
+    deleter.delete(key)
     assert armed == [1, 2]
     monkeypatch.undo()
+
+
+def _after_the_marks(monkeypatch: pytest.MonkeyPatch, hook: Callable[[], None]) -> None:
+    """Run ``hook`` once, as the next delete has made its marks (before it moves)."""
+    real, done = _delete._mark, []
+
+    def mark(*args: Any, **kwargs: Any) -> None:
+        real(*args, **kwargs)
+        if not done:
+            done.append(1)
+            hook()
+
+    monkeypatch.setattr(_delete, "_mark", mark)
 
 
 def _delete_racing_two_remakes(root: Path, store: SyncStore, deleter: SyncStore,
@@ -911,10 +924,9 @@ def test_a_subagent_delete_during_a_merge_takes_its_transcript_in_the_session_me
     monkeypatch.setattr(deleter._locks, "hold",
                         lambda path, op, *a: contextlib.nullcontext() if op == "delete" else hold(path, op, *a))
 
-    def keep() -> bool:
+    def remade() -> None:
         store.append(KEY, [entry(1)])  # between the mark and the move: finished and made anew
         store.append(SUB, [entry(3)])
-        return False
 
     real_put_back = _delete._put_back
 
@@ -924,7 +936,8 @@ def test_a_subagent_delete_during_a_merge_takes_its_transcript_in_the_session_me
 
     monkeypatch.setattr(_delete, "_put_back", put_back)
     monkeypatch.setattr(deleter, "_append", append)
-    deleter.delete_unless(KEY, keep)
+    _after_the_marks(monkeypatch, remade)
+    deleter.delete(KEY)
     monkeypatch.undo()
     assert deleted
     assert SyncStore(root).load(SUB) is None

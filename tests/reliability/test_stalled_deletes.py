@@ -381,6 +381,68 @@ def test_a_delete_whose_marks_a_prune_took_back_marks_again(store: SyncStore) ->
     assert other.load({**KEY, "subpath": "agents/a"}) is None
 
 
+def test_a_prune_killed_after_its_marks_deletes_nothing(store: SyncStore) -> None:
+    """Review (stop 21, open until stop 22): b1 is appended after a prune's first look
+    (the session looked old) and before its marks; the prune is killed before its last
+    look, which would have kept the session. The next load took the prune's marks for a
+    committed delete, finished it, and b1 was lost. A prune's mark is a delete only
+    once its last look has passed (renamed to ``.deleted``): a dead prune's is ignored
+    by readers, taken back by the next append, and removed by ``fsstore gc`` once old."""
+    root = Path(store.root)
+    store.append(KEY, _batch("b1"))  # after the prune's (notional) first look
+    marked = root / "marked"
+    prune = _StalledDelete(root, 0.001, syscall="getdents64", op=(
+        f"s.delete_unless({KEY!r}, lambda: open({str(marked)!r}, 'w').close() or "
+        "__import__('time').sleep(60))"))
+    try:
+        prune.go()
+        _until(marked.exists)  # marked; its last look under way
+    finally:
+        prune.kill()
+    other = SyncStore(root, **STALE)
+    assert _names(other) == ["b0", "b1"] and other.list_sessions("p") != []
+    other.append(KEY, _batch("b2"))
+    assert _names(other) == ["b0", "b1", "b2"]
+    main = root / "projects" / "p" / "sessions" / "s" / "main"
+    assert sorted(p.name for p in main.iterdir() if p.name.startswith(".")) == []  # taken back
+    check = subprocess.run([sys.executable, "-m", "fsstore", "check", str(root)],
+                           check=False, capture_output=True, text=True, timeout=60)
+    assert check.returncode == 0, check.stdout
+
+
+@pytest.mark.parametrize("into", ["the main transcript", "a subagent transcript", "a new subagent transcript"])
+def test_an_append_after_a_prunes_last_look_keeps_the_session(store: SyncStore, into: str) -> None:
+    """A prune that stalls between its last look (which said delete) and its commit,
+    long enough for its lock to be overtaken: an append made meanwhile, into any
+    transcript of the session, removes the prune's marks, and the prune keeps the
+    session (before stop 22 the append found a committed mark, took b0's session to
+    .trash with it and started a new one)."""
+    root = Path(store.root)
+    sub = {**KEY, "subpath": "agents/a"}
+    if into == "a subagent transcript":
+        store.append(sub, _batch("a0"))
+    key = KEY if into == "the main transcript" else sub
+    looked, result = root / "looked", root / "result"
+    prune = _StalledDelete(root, 0.001, syscall="getdents64", op=(
+        f"open({str(result)!r}, 'w').write(repr(s.delete_unless({KEY!r}, lambda: "
+        f"open({str(looked)!r}, 'w').close() or __import__('time').sleep(2.5) or False)))"))
+    try:
+        prune.go()
+        _until(looked.exists)  # marked, looked: about to commit, stalled
+        store.append(key, _batch("b1"))
+        prune.wait()
+    finally:
+        prune.kill()
+    assert result.read_text() == "False"  # kept
+    other = SyncStore(root, **STALE)
+    assert _names(other) == (["b0", "b1"] if key is KEY else ["b0"])
+    if key is not KEY:
+        got = other.load(sub)
+        assert got is not None and [e["b"] for e in got][-1] == "b1"
+    leftovers = [p for p in root.rglob("*-pruning")]
+    assert leftovers == []
+
+
 @pytest.mark.parametrize("mover", ["its deleter", "a listing"])
 def test_a_session_a_delete_claimed_in_trash_is_not_moved_back_after_it_returned(
     store: SyncStore, mover: str
