@@ -5,7 +5,7 @@
   ``mount -t glusterfs 127.0.0.1:/VOL``.
 * :func:`sshfs_pair`: a private ``sshd`` on a loopback port with a throwaway key
   (``internal-sftp``), one exported directory mounted twice with sshfs, with its
-  its caches on (shortened to 8 s) or with every cache off.
+  its caches on (shortened to 4 s) or with every cache off.
 * :func:`on_host`: the command line that runs a child process "on host 1" or "on
   host 2": its own UTS namespace with its own host name, so fsstore (and filelock)
   see another host, and a dead lock holder there is reclaimed by age only.
@@ -237,10 +237,10 @@ def profile_ops(vol: str) -> dict[str, int]:
 # -- sshfs -----------------------------------------------------------------------
 
 #: sshfs 3.7 with its caches on, as by default (names, listings and attributes kept
-#: past another host's change) but for 8 s instead of the default 20 s, which keeps the
+#: past another host's change) but for 4 s instead of the default 20 s, which keeps the
 #: suite short: what a client shows late, and what fsstore does about it, is the same.
-SSHFS_CACHED = "dcache_timeout=8,entry_timeout=8,attr_timeout=8"
-SSHFS_CACHE_WINDOW = 9.0
+SSHFS_CACHED = "dcache_timeout=4,entry_timeout=4,attr_timeout=4"
+SSHFS_CACHE_WINDOW = 5.0
 #: sshfs 3.7 with every cache off (its own caches and the kernel's)
 SSHFS_NOCACHE = "cache=no,dir_cache=no,attr_timeout=0,entry_timeout=0,negative_timeout=0"
 

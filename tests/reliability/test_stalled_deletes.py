@@ -283,8 +283,9 @@ def test_a_stalled_delete_never_takes_a_session_a_prune_marked_and_kept(store: S
     session anew (S1); a prune marks S1 and looks slowly (every getdents waits 0.1 s),
     and keeps it (written to meanwhile); D's rename lands in between and moves S1 with
     the prune's marks in it. D took them for its own and emptied S1 (b1 lost: 13 of 13
-    runs where the timing landed). What a plain delete moves is its own only with its
-    ticket in it; a prune takes its marks back through a handle of the directory."""
+    runs where the timing landed). Since stop 22 a prune's marks are no delete's before
+    its commit (a ``-pruning`` temp file, not ``.deleted``): D finds S1 unmarked and puts
+    it back."""
     root = Path(store.root)
     d = _StalledDelete(root, 4.7)
     prune = _StalledDelete(root, 0.1, syscall="getdents64", op=(
@@ -313,9 +314,9 @@ def test_a_stalled_delete_whose_ticket_gc_removed_still_deletes_the_session_it_m
     """Review of the rule above: D stalls in its rename longer than `fsstore gc
     --older-than`, which removes D's ticket (an old temp file); D's rename then moves the
     very session it marked, without its ticket: D put it back at its name, marked, and
-    returned with the session still listed (6 of 6). D knows the directory it marked by
-    the inode number its open handle keeps from reuse (where listings number as lookups
-    do: local disks, GlusterFS, NFS)."""
+    returned with the session still listed (6 of 6, when a delete took only what held
+    its ticket). Every ``.deleted`` is a committed delete's (since stop 22 a prune's
+    marks are not ``.deleted`` before its commit): D empties what it moved, marked."""
     root = Path(store.root)
     time.sleep(1.0)
     d = _StalledDelete(root, 4.0)
@@ -335,8 +336,9 @@ def test_a_stalled_delete_whose_ticket_gc_removed_still_deletes_the_session_it_m
 def test_a_prune_that_keeps_a_session_takes_back_only_the_marks_it_made(store: SyncStore) -> None:
     """Review: a prune that kept a session (its look took too long: every getdents waits
     0.2 s) took back every mark in it, a dead deleter's too: the deleted session came
-    back (6 of 6, after a stalled delete put its own marked session back). It takes back
-    only the marks it made."""
+    back (6 of 6, after a stalled delete put its own marked session back). A prune's
+    marks are temp files of its own (since stop 22), and ``.deleted`` is never taken
+    back."""
     root = Path(store.root)
     (root / "projects" / "p" / "sessions" / "s" / "main" / ".deleted").touch()  # D died after its mark
     time.sleep(0.6)
@@ -357,7 +359,8 @@ def test_a_delete_whose_marks_a_prune_took_back_marks_again(store: SyncStore) ->
     2.5 s, then keeps); a delete D takes over the stale lock, finds the marks made (it
     makes none) and stalls in its rename; gc removes D's ticket; the prune takes its
     marks back; D's rename moves the session it marked, unmarked, and puts it back. D
-    then returned, the session still there for good (10 of 10). It marks again."""
+    then returned, the session still there for good (10 of 10). Since stop 22 a prune's
+    marks are not ``.deleted``: D makes its own, which nobody takes back."""
     root = Path(store.root)
     store.append({**KEY, "subpath": "agents/a"}, _batch("a1"))
     prune = _StalledDelete(root, 0.001, syscall="getdents64", op=(
