@@ -324,13 +324,13 @@ def prune(
     Returns the actions and how many sessions were looked at. A session is never
     deleted if any part of it could not be looked at (an unreadable directory, a
     symlink, a name that does not decode) or if it has no committed file at all.
-    Each deletion is a ``SyncStore.delete`` (mark, then an atomic rename into
-    ``.trash``), done while holding the lock of every transcript of the session; the
-    session is looked at once more after it is marked and before it is moved: a
-    committed file added or gone since the first look (a commit, a compaction: by name,
-    not by age), a transcript added since, or a temp file younger than ``older_than``
-    (a writer that wrote its batch and waits for a lock) keeps it (the mark is taken
-    back). The lock only saves work; the look after the mark is what makes it safe.
+    Each deletion is a ``SyncStore.delete_unless`` done while holding the lock of every
+    transcript of the session: the session is marked as a prune's and looked at once
+    more: a committed file added or gone since the first look (a commit, a compaction:
+    by name, not by age), a transcript added since, or a temp file younger than
+    ``older_than`` (a writer that wrote its batch and waits for a lock) keeps it; else
+    the delete is committed, unless an append removed the marks meanwhile (it wins).
+    The lock only saves work; the marks and the look after them make it safe.
     """
     actions: list[Action] = []
     with walking(root, stale_lock_seconds=stale_lock_seconds,

@@ -32,10 +32,10 @@ A delete, holding the lock of what it moves (a session's: its main transcript's)
 
 Crash table: before 2, nothing happened (a prune's marks not committed are taken
 back by the next append, or removed by ``fsstore gc`` once old); after 2, the next
-writer or reader under the lock finishes it; after 3, a marked directory in ``.trash`` is garbage for ``fsstore gc``, an
-unmarked one (step 4) is moved back by the next listing, load or append, or merged
-by gc, once old, into a session made at its name since (``fsstore check``: an orphan
-once old). docs/format.md, "Deletes", has the whole story.
+writer or reader under the lock finishes it; after 3, a marked directory in
+``.trash`` is garbage for ``fsstore gc``, an unmarked one (step 4) is moved back by
+the next listing, load or append, or merged by gc, once old, into a session made at
+its name since (``fsstore check``: an orphan once old). docs/format.md, "Deletes", has the whole story.
 """
 
 from __future__ import annotations
@@ -137,8 +137,8 @@ def _prune(store: SyncStore, parent: int, name: str, path: str, mark: str,
     pruning = _fsio.temp_name(_layout.PRUNING_TAG)
     at = f"{name}/{mark}/" if mark else f"{name}/"
     committed = False
-    _mark(store, parent, name, path, mark, pruning)
     try:
+        _mark(store, parent, name, path, mark, pruning)
         committed = not keep() and _rename_if_there(parent, at + pruning, at + _layout.DELETED)
     finally:
         if not committed:
