@@ -172,13 +172,12 @@ def cancel_prunes_in(dir_fd: int, main: str) -> None:
     only those they found): every prune's mark in its session's ``main/`` (at ``main``
     from ``dir_fd``; none if it has no main transcript)."""
     try:
-        mfd = os.open(main, _fsio.DIR_FLAGS, dir_fd=dir_fd)
+        names = _fsio.listdir(dir_fd, main)
     except FileNotFoundError:
         return
-    try:
-        cancel_prunes(mfd, [n for n in _fsio.listdir(mfd) if _layout.pruning(n)], None)
-    finally:
-        os.close(mfd)
+    for name in names:
+        if _layout.pruning(name):
+            _fsio.unlink_quiet(dir_fd, f"{main}/{name}")
 
 
 def finish(store: SyncStore, comps: list[Component], path: str, *, session: bool) -> None:

@@ -611,15 +611,16 @@ def remove_marked_tree(parent_fd: int, name: str, mark: str) -> None:
     remove_tree(parent_fd, name)
 
 
-def listdir(dir_fd: int) -> list[str]:
-    """The names in the directory open as ``dir_fd``, through a handle of its own.
+def listdir(dir_fd: int, path: str = ".") -> list[str]:
+    """The names in the directory open as ``dir_fd`` (or at ``path`` from it), through
+    a handle of its own.
 
     ``os.listdir(fd)`` reads through a duplicate of ``fd``, whose offset it then
     rewinds; sshfs without a directory cache cannot seek a directory back, so a
     second listing through one descriptor came back empty there (a transcript read
     as changing forever: EAGAIN).
     """
-    fd = os.open(".", DIR_FLAGS, dir_fd=dir_fd)
+    fd = os.open(path, DIR_FLAGS, dir_fd=dir_fd)
     try:
         return os.listdir(fd)
     finally:
