@@ -564,13 +564,10 @@ class SyncStore:
 
     def delete(self, key: Mapping[str, Any]) -> None:
         """Delete a session (its main and subagent transcripts) or, with ``subpath``,
-        one subagent transcript. Missing is not an error.
-
-        Each transcript directory is marked (``.deleted``) before the session is moved
-        into ``.trash`` in one rename and removed there: a reader on any host sees the
-        whole transcript or None, and an append that was not yet committed starts
-        over in a new directory (:mod:`fsstore._delete`).
-        """
+        one subagent transcript; missing is not an error. Marked ``.deleted``, then moved
+        into ``.trash`` in one rename (:mod:`fsstore._delete`): readers see all or None.
+        Committed once marked: a failure after that is raised, loads see None, and the
+        next append, locked load or delete finishes it."""
         self.delete_unless(key, None)
 
     def delete_unless(self, key: Mapping[str, Any], keep: Callable[[], bool] | None) -> bool:
