@@ -136,7 +136,8 @@ class FsSessionStore:
         """Delete the transcript ``key`` (without ``subpath``: the whole session, its
         subagent transcripts too). All or nothing for every reader: a load racing
         it returns the whole transcript or None. Deleting what does not exist is
-        not an error. Raises :class:`~fsstore.FsStoreError` if it could not."""
+        not an error. Raises :class:`~fsstore.FsStoreError` if it could not (one raised
+        after its marks leaves it in effect: docs/format.md, "Deletes")."""
         await to_thread.run_sync(self.sync.delete, key)
 
     async def list_subkeys(self, key: Mapping[str, Any]) -> list[str]:
