@@ -333,6 +333,7 @@ def test_a_stalled_delete_whose_ticket_gc_removed_still_deletes_the_session_it_m
     assert other.list_sessions("p") == [] and _names(other) is None
 
 
+@pytest.mark.soak  # the mechanism it guarded went in stop 22 (a prune never makes .deleted)
 def test_a_prune_that_keeps_a_session_takes_back_only_the_marks_it_made(store: SyncStore) -> None:
     """Review: a prune that kept a session (its look took too long: every getdents waits
     0.2 s) took back every mark in it, a dead deleter's too: the deleted session came
@@ -354,6 +355,7 @@ def test_a_prune_that_keeps_a_session_takes_back_only_the_marks_it_made(store: S
     assert _names(other) is None and other.list_sessions("p") == []
 
 
+@pytest.mark.soak  # the mechanism it guarded went in stop 22 (a prune never makes .deleted)
 def test_a_delete_whose_marks_a_prune_took_back_marks_again(store: SyncStore) -> None:
     """Review: a prune marks the session and stalls (its look: here a keep() that sleeps
     2.5 s, then keeps); a delete D takes over the stale lock, finds the marks made (it
