@@ -280,6 +280,9 @@ def _next_seq(t: Appending, dfd: int) -> int:
 # How often a commit that landed above a hole links again lower (a client whose cache
 # still names files that are gone can refuse every lower number: sshfs's 20 s cache).
 _HOLE_RETRIES = 2
+# How often a commit's check looks again for the segment over its part that went before
+# it could be read (each time a compaction's doing).
+_COVER_READS = 8
 # How often a link refused for a name the server no longer has is tried again (see
 # _views.forgot_stale_name): a bound, should a client keep refusing it.
 _FORGET_RETRIES = 8
@@ -314,15 +317,28 @@ def link_and_check(
                 continue
             if not linked:
                 src = name  # moved, not linked (a mount without hard links)
-            try:
-                items, cover = check(dir_fd, seq, session_marker)
-                if cover is not None and payload in _read.read_file(dir_fd, cover):
-                    # A compaction that listed our part after we linked it merged it:
-                    # the batch is in the chain, in that segment.
-                    return seq, items
-            except BaseException:
-                misplaced.append(name)  # not committed: the check did not pass
-                raise
+            for _read_attempt in range(_COVER_READS):
+                try:
+                    items, cover = check(dir_fd, seq, session_marker)
+                except BaseException:
+                    misplaced.append(name)  # not committed: the check did not pass
+                    raise
+                merged = cover is not None and _holds(dir_fd, cover, payload)
+                if merged is not None:
+                    break
+                # The segment went before it was read: merged into a bigger one, or removed
+                # by its compaction, which lost to an overlapping one (found by review: our
+                # part, in the chain or merged, was taken for misplaced: a gap, or the batch
+                # twice). Looked at again.
+                _views.refresh_listing(dir_fd)
+            else:
+                raise FsStoreError("EAGAIN", f"the segments over part {seq} kept vanishing "
+                                   "(compactions); the batch may be committed", operation="append",
+                                   path=name, errno=errno.EAGAIN)
+            if merged:
+                # A compaction that listed our part after we linked it merged it: the
+                # batch is in the chain, in that segment.
+                return seq, items
             others = [it for it in items if it[2] != name and it[2] not in relinked]
             hole = seq > 1 and not any(f <= seq - 1 <= last for f, last, _n in others)
             if cover is None and (not hole or holes >= _HOLE_RETRIES):
@@ -344,6 +360,16 @@ def link_and_check(
     finally:
         for name in misplaced:
             _fsio.unlink_quiet(dir_fd, name)
+
+
+def _holds(dir_fd: int, segment: str, payload: bytes) -> bool | None:
+    """Whether ``segment`` holds ``payload``; None where it is gone."""
+    try:
+        return payload in _read.read_file(dir_fd, segment)
+    except OSError as exc:
+        if exc.errno in (errno.ENOENT, errno.ESTALE):  # ESTALE: another host removed it
+            return None
+        raise
 
 
 def check(dir_fd: int, seq: int, session_marker: str | None) -> tuple[list[Item], str | None]:

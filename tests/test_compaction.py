@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import logging
@@ -13,6 +14,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import types
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -756,3 +758,93 @@ def test_a_compaction_that_cannot_even_be_queued_never_fails_the_committed_appen
     store.append(KEY, [entry(1)])  # compaction due: queueing it fails
     assert store.load(KEY) == [entry(0), entry(1)]
     assert [getattr(r, "code", None) for r in caplog.records] == ["COMPACT_FAILED"]
+
+
+def _when_the_check_reads_the_segment(monkeypatch: pytest.MonkeyPatch, before: Callable[[str], None]) -> list[str]:
+    """Run ``before(segment)`` once, as the next commit's check is about to read the
+    segment its listing found over its part; the names it read, in order."""
+    real, read = _commit._holds, []
+
+    def holds(dir_fd: int, segment: str, payload: bytes) -> bool | None:
+        if not read:
+            before(segment)
+        read.append(segment)
+        return real(dir_fd, segment, payload)
+
+    monkeypatch.setattr(_commit, "_holds", holds)
+    return read
+
+
+def test_a_commit_whose_segment_is_merged_again_before_its_check_reads_it_is_there_once(
+    root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Review (stop 22, real processes: the writer's listings slowed by strace, 4 of 4, and
+    across two GlusterFS mounts): a compaction merged the writer's part (its lock
+    overtaken) and, before the writer's check read that segment, another merged it into
+    a bigger one. The read's ENOENT took the part for misplaced: the batch was linked
+    again above, and loaded twice. The check looks again."""
+    store = SyncStore(root, create=True, compact_every=0)
+    other = SyncStore(root, compact_every=0)
+    for i in range(3):
+        store.append(KEY, [entry(i)])
+    real_check = _commit.check
+    merged: list[int] = []
+
+    def check(dir_fd: int, seq: int, marker: str | None) -> Any:
+        if not merged:  # the writer's part is linked: a compaction merges it (lock overtaken)
+            merged.append(other._compact(parse_key(KEY, "compact"), everything=True))
+        return real_check(dir_fd, seq, marker)
+
+    def merge_again(segment: str) -> None:
+        other.append(KEY, [entry(9)])
+        other._compact(parse_key(KEY, "compact"), everything=True)  # 1-4 and 5 into 1-5
+
+    monkeypatch.setattr(_commit, "check", check)
+    overtaken = types.SimpleNamespace(check=lambda operation: None)  # its lock: the writer's, overtaken
+    monkeypatch.setattr(other._locks, "hold", lambda path, op, *a: contextlib.nullcontext(overtaken))
+    read = _when_the_check_reads_the_segment(monkeypatch, merge_again)
+    store.append(KEY, [entry(3), {"type": "no-uuid"}])
+    monkeypatch.undo()
+    assert merged == [4] and read[:1] == [_layout.segment_name(1, 4)], read
+    got = SyncStore(root).load(KEY)
+    assert got == [entry(0), entry(1), entry(2), entry(3), {"type": "no-uuid"}, entry(9)]
+
+
+def test_a_commit_whose_covering_segment_its_compaction_removed_keeps_its_part(
+    root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Review (stop 22, real processes, 2 of 2): a compaction that lost to an overlapping
+    one removed its own segment over the writer's part between the writer's check
+    listing it and reading it: the part (in the chain) was taken for misplaced and
+    removed, a gap for good (`check`: error; compaction: CORRUPT). The check looks
+    again and finds its part in the chain."""
+    store = SyncStore(root, create=True, compact_every=0)
+    for i in range(4):
+        store.append(KEY, [entry(i)])
+    main = tdir(root, KEY)
+    loser = _layout.segment_name(4, 5)
+    real_check = _commit.check
+
+    def check(dir_fd: int, seq: int, marker: str | None) -> Any:
+        if not (main / loser).exists() and seq == 5:  # a compaction published 4..5 (ours in it)
+            (main / loser).write_bytes((main / _layout.part_name(4)).read_bytes()
+                                       + (main / _layout.part_name(5)).read_bytes())
+        return real_check(dir_fd, seq, marker)
+
+    other = SyncStore(root, compact_every=0)
+
+    def lost(segment: str) -> None:
+        (main / segment).unlink()
+        other.append(KEY, [entry(9)])  # its lock overtaken too: at 6
+
+    monkeypatch.setattr(_commit, "check", check)
+    overtaken = types.SimpleNamespace(check=lambda operation: None)
+    monkeypatch.setattr(other._locks, "hold", lambda path, op, *a: contextlib.nullcontext(overtaken))
+    read = _when_the_check_reads_the_segment(monkeypatch, lost)
+    store.append(KEY, [entry(4)])
+    monkeypatch.undo()
+    assert read[:1] == [loser]
+    assert (main / _layout.part_name(5)).exists()
+    assert SyncStore(root).load(KEY) == [*(entry(i) for i in range(5)), entry(9)]
+    assert subprocess.run([sys.executable, "-m", "fsstore", "check", str(root)], timeout=60,
+                          check=False, capture_output=True).returncode == 0
