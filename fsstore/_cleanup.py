@@ -133,7 +133,18 @@ def _remove_garbage(w: Walker, g: Garbage, older_than: float, dry_run: bool) -> 
                 return Action("keep", g.path,
                               f"holds {silly}: a deleted file still open on an NFS client; "
                               "gc retries on its next run", False, g.age)
-            _fsio.remove_marked_tree(pfd, g.name, _layout.DELETED)  # cut short: never an orphan
+            name = g.name
+            if g.kind == "temp":
+                # Taken off its name first: a writer stalled past the threshold (or this
+                # host's clock ahead) may be about to publish it (_fsio.Fs.new_dir); its
+                # rename then fails and it starts over (found by review: emptied in place,
+                # the directory was published empty and the append acknowledged).
+                name = _fsio.temp_name("-dir")
+                try:
+                    os.rename(g.name, name, src_dir_fd=pfd, dst_dir_fd=pfd)
+                except FileNotFoundError:
+                    return Action("keep", g.path, "published by its writer meanwhile", False, g.age)
+            _fsio.remove_marked_tree(pfd, name, _layout.DELETED)  # cut short: never an orphan
         else:
             _fsio.unlink_quiet(pfd, g.name)
     except OSError as exc:

@@ -448,6 +448,34 @@ def test_an_append_after_a_prunes_last_look_keeps_the_session(store: SyncStore, 
     assert leftovers == []
 
 
+def test_gc_never_empties_a_new_session_a_stalled_writer_is_publishing(store: SyncStore) -> None:
+    """Review (stop 22, 3 of 3, and with gc's clock 10 min ahead instead of the stall, 3
+    of 3): a writer's first commit into a new session stalls (every rename 2.5 s) before
+    it publishes the directory it made under a temp name, longer than `fsstore gc
+    --older-than 1s`; gc emptied that temp directory in place, the writer's rename
+    published it empty and its append returned: the batch lost, `check` exit 0. gc now
+    takes a temp directory off its name before emptying it: the writer's rename fails
+    and it starts over."""
+    root = Path(store.root)
+    new = {"project_key": "p", "session_id": "new"}
+    w = _StalledDelete(root, 2.5, syscall="renameat,renameat2", op=f"s.append({new!r}, {_batch('x')!r})")
+    session = root / "projects" / "p" / "sessions" / "new"
+    try:
+        w.go()
+        _until(lambda: session.is_dir() and any(p.name.endswith("-dir") for p in session.iterdir()))
+        time.sleep(1.2)  # older than gc's threshold
+        gc = subprocess.run(["strace", "-f", "-qq", "-o", "/dev/null", "-e", "trace=unlinkat",
+                             "-e", "inject=unlinkat:delay_exit=3000000:when=1",  # between emptying and rmdir
+                             sys.executable, "-m", "fsstore", "gc", str(root), "--older-than", "1s"],
+                            check=False, capture_output=True, text=True, timeout=60)
+        assert gc.returncode == 0, gc.stdout + gc.stderr
+        w.wait()
+    finally:
+        w.kill()
+    got = SyncStore(root, **STALE).load(new)
+    assert got is not None and [e["b"] for e in got] == ["x"]
+
+
 @pytest.mark.parametrize("mover", ["its deleter", "a listing"])
 def test_a_session_a_delete_claimed_in_trash_is_not_moved_back_after_it_returned(
     store: SyncStore, mover: str
