@@ -38,6 +38,7 @@ them, so compaction never changes what ``load()`` returns.
 
 from __future__ import annotations
 
+import errno
 import os
 from collections.abc import Callable
 from typing import Any
@@ -98,6 +99,10 @@ def compact(
     if deleted:
         return 0
     if gap is not None:
+        # A gap in the transcript, or in a listing torn by a compaction or commits while
+        # it was read in several parts (found by review: CORRUPT for honest writers).
+        if sorted(scan(dir_fd)[0]) != sorted(items):
+            raise Vanished(path)  # changing: looked at again
         raise FsStoreError("CORRUPT", f"sequence gap at part {gap}: refusing to compact across it",
                            operation=operation, path=path)
     merge = chain[choose(chain, everything=everything):]
@@ -109,12 +114,15 @@ def compact(
     for first, last, name in merge:
         try:
             blob = _read.read_file(dir_fd, name)
-        except FileNotFoundError as exc:
-            raise Vanished(name) from exc
+            st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+        except OSError as exc:
+            if exc.errno not in (errno.ENOENT, errno.ESTALE):  # ESTALE: another host removed it
+                raise
+            raise Vanished(name) from exc  # merged by another compaction: looked at again
         if first == last:
             parse(blob, f"{path}/{name}", operation)  # never copy a damaged part
         blobs[name] = blob
-        newest = max(newest, os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mtime_ns)
+        newest = max(newest, st.st_mtime_ns)
     first, last = merge[0][0], merge[-1][1]
     segment = _layout.segment_name(first, last)
     # The segment carries the newest merged mtime: retention goes by file age.
