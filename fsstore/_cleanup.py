@@ -283,7 +283,10 @@ class _Look:
 
     transcripts: list[TranscriptRef]
     mtime_ns: int | None  # its newest committed file; None: nothing committed
-    files: frozenset[tuple[str, str]]  # (transcript path, name) of every committed file
+    # Every committed file: transcript path, name, and what tells a file made anew at
+    # that name (a session deleted and made again meanwhile: found by review, pruned
+    # with a batch acknowledged after the first look): inode number and ctime.
+    files: frozenset[tuple[str, str, int, int]]
     unseen: Problem | None  # the first error that hid part of it: its age is unknown
     temps: list[Garbage]  # temp files in its transcript and subkey directories
 
@@ -296,7 +299,7 @@ def _look(w: Walker, ref: SessionRef) -> _Look:
                    if p.severity == "error" and p.kind in _UNSEEN), None)
     unseen = unseen or next((p for i in infos if (p := _unreadable_file(w, i)) is not None), None)
     mtime = max((i.mtime_ns for i in infos if i.mtime_ns is not None), default=None)
-    files = frozenset((i.path, it.name) for i in infos for it in i.items)
+    files = frozenset((i.path, it.name, it.ino, it.ctime_ns) for i in infos for it in i.items)
     temps = [*w.garbage[gmark:], *(g for i in infos for g in i.temps)]
     return _Look(trefs, mtime, files, unseen, temps)
 
@@ -414,7 +417,9 @@ def _reason_to_keep(w: Walker, ref: SessionRef, first: _Look, older_than: float)
         return _unseen(path, again.unseen)
     if not again.transcripts:
         return Action("delete", path, "deleted meanwhile", False)
-    if {t.comps for t in again.transcripts} != {t.comps for t in first.transcripts}:
+    # By what they hold: the main/ a prune makes for its mark in a session of subagent
+    # transcripts only holds none (found by review: such a session was never pruned).
+    if {f[0] for f in again.files} != {f[0] for f in first.files}:
         return Action("keep", path, "a transcript was added or removed meanwhile; kept (the "
                       "next prune looks again)", False)
     moved = _moved_by_mistake(w, ref)
@@ -424,8 +429,9 @@ def _reason_to_keep(w: Walker, ref: SessionRef, first: _Look, older_than: float)
     if young:
         return Action("keep", path, f"an append is in flight ({young[0].path}, "
                       f"{age_text(young[0].age)} old); kept", False)
-    # Any committed file added or gone since the first look (a commit, a compaction):
-    # not by age, since a stall between the looks can make a new batch look old.
+    # Any committed file added, gone or made anew since the first look (a commit, a
+    # compaction, a delete and an append): not by age, since a stall between the looks
+    # can make a new batch look old.
     if again.files != first.files:
         return Action("keep", path, "written to meanwhile; kept (the next prune looks again)", False)
     return None

@@ -129,6 +129,8 @@ class File:
     name: str
     size: int
     mtime_ns: int
+    ctime_ns: int = 0  # with the inode number: tells a file made anew at the name (prune)
+    ino: int = 0
 
 
 @dataclass
@@ -585,7 +587,8 @@ class Walker:
                 if st is None or st.st_nlink == 0:
                     continue  # vanished while we listed (a compaction merged it)
                 if stat.S_ISREG(st.st_mode):
-                    files.append(File(rng[0], rng[1], name, st.st_size, st.st_mtime_ns))
+                    files.append(File(rng[0], rng[1], name, st.st_size, st.st_mtime_ns,
+                                      st.st_ctime_ns, st.st_ino))
                     self.age(st.st_mtime)
                 else:
                     kind = "symlink" if stat.S_ISLNK(st.st_mode) else "unreadable"

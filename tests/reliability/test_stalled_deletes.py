@@ -476,6 +476,54 @@ def test_gc_never_empties_a_new_session_a_stalled_writer_is_publishing(store: Sy
     assert got is not None and [e["b"] for e in got] == ["x"]
 
 
+_PRUNE = ("__import__('fsstore._cleanup')._cleanup.prune(s.root, older_than=1.0, "
+          "stale_lock_seconds=1.0, lock_timeout_seconds=20.0)")
+
+
+@pytest.mark.parametrize("made_anew", ["the session", "a subagent transcript"])
+def test_a_prune_never_deletes_what_was_deleted_and_made_anew_after_its_first_look(
+    store: SyncStore, made_anew: str
+) -> None:
+    """Review (stop 22; a prune stalled before its lock, 10 of 10, also on GlusterFS; and
+    two prunes with no stall, 4 of 40): after a prune's first look the session (or a
+    subagent transcript) was deleted and made anew by an append, its one part at the
+    same name as before; the last look compared names only, and the prune deleted the
+    batch acknowledged after its first look. Files are told by inode number and ctime
+    too."""
+    root = Path(store.root)
+    sub = {**KEY, "subpath": "agents/a"}
+    if made_anew != "the session":
+        store.append(sub, _batch("a0"))
+    time.sleep(1.2)  # old
+    prune = _StalledDelete(root, 3.0, syscall="linkat", op=_PRUNE)  # its first lock: after its first look
+    try:
+        prune.go()
+        time.sleep(1.0)  # looked, waits in linkat
+        key = KEY if made_anew == "the session" else sub
+        store.delete(key)
+        store.append(key, _batch("b1"))
+        prune.wait()
+    finally:
+        prune.kill()
+    got = SyncStore(root, **STALE).load(key)
+    assert got is not None and [e["b"] for e in got] == ["b1"]
+
+
+def test_prune_deletes_a_session_of_subagent_transcripts_only(store: SyncStore) -> None:
+    """Review (stop 22; also before): prune's mark makes main/ where a session has none,
+    and its last look took that for a transcript added meanwhile: such a session was
+    never pruned."""
+    root = Path(store.root)
+    for sid in ("subs-only", "left"):
+        store.append({"project_key": "p", "session_id": sid, "subpath": "agents/a"}, _batch("a0"))
+    (root / "projects" / "p" / "sessions" / "left" / "main").mkdir()  # a dead prune's, emptied
+    time.sleep(1.2)
+    out = subprocess.run([sys.executable, "-m", "fsstore", "prune", str(root), "--older-than", "1s"],
+                         check=False, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert SyncStore(root, **STALE).list_sessions("p") == []
+
+
 @pytest.mark.parametrize("mover", ["its deleter", "a listing"])
 def test_a_session_a_delete_claimed_in_trash_is_not_moved_back_after_it_returned(
     store: SyncStore, mover: str
