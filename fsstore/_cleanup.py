@@ -340,8 +340,9 @@ def prune(
     symlink, a name that does not decode) or if it has no committed file at all.
     Each deletion is a ``SyncStore.delete_unless`` done while holding the lock of every
     transcript of the session: the session is marked as a prune's and looked at once
-    more: a committed file added or gone since the first look (a commit, a compaction:
-    by name, not by age), a transcript added since, or a temp file younger than
+    more: a committed file added, gone or made anew since the first look (a commit, a
+    compaction, a delete and an append: by name, inode number and ctime, not by age), a
+    transcript added since, or a temp file younger than
     ``older_than`` (a writer that wrote its batch and waits for a lock) keeps it; else
     the delete is committed, unless an append removed the marks meanwhile (it wins).
     The lock only saves work; the marks and the look after them make it safe.
