@@ -96,15 +96,17 @@ def remove(
                 try:
                     if claiming:  # what this delete is to delete, as it begins
                         _tickets(store, rfd, parent, name, mark, path, tags, ticket)
+                    wait = not finishing  # for this client's view (see _views.listed_dir)
                     if keep is not None:
                         assert parent is not None
                         if not _prune(store, parent, name, path, mark, keep):
                             return False
-                        finishing = True  # committed: finished as anyone's
+                        finishing = True  # committed: finished as anyone's (what is at the
+                        # name now is another session if not marked)
                     for _round in range(3 if claiming else 1):
                         if parent is not None:
                             orphan = _move_to_trash(store, rfd, parent, name, path, mark,
-                                                    "-".join(tags), finishing=finishing)
+                                                    "-".join(tags), finishing=finishing, wait=wait)
                         if not claiming or orphan is not None:
                             break
                         _claim_moved(store, rfd, tags, ticket, path)
@@ -208,14 +210,14 @@ def marked(parent: int, name: str, below: str) -> bool:
 
 def _move_to_trash(
     store: SyncStore, rfd: int, parent: int, name: str, path: str, mark: str, tag: str, *,
-    finishing: bool,
+    finishing: bool, wait: bool,
 ) -> str | None:
     """Steps 1 to 5 for ``parent/name``: the name of an orphan left in ``.trash`` (step
     4: to be merged back), else None."""
     trash = store._open(rfd, [(_layout.TRASH, None)], "delete", create=True)
     assert trash is not None
     try:
-        ident = _views.listed_dir(store._fs, rfd, parent, name, wait=not finishing)
+        ident = _views.listed_dir(store._fs, rfd, parent, name, wait=wait)
         if ident is None:
             return None  # never written, or deleted already
         if not finishing:
