@@ -38,7 +38,7 @@ STATE_SPARE = ".state.spare"  # format 1's previous state.json: ignored, removed
 DELETED = ".deleted"  # created in a transcript directory before a delete moves it away
 # A prune's mark until its last look says delete: a temp file (``.tmp-*-pruning``) it then
 # renames to ``.deleted`` in ``main/`` (its commit, like a batch's). An append that finds
-# one removes it first: that prune then keeps the session (see _delete.prune_marks).
+# one removes it first: that prune then keeps the session (see _delete._prune).
 PRUNING_TAG = "-pruning"
 # The tag of what a delete leaves in .trash: the deleted directories' marks only, so that
 # a writer still reaching them sees the delete (removed by `fsstore gc` once old).
