@@ -2,8 +2,9 @@
 
 Commit (``append``), step by step, and what a crash at each step leaves:
 
-1. Encode the batch (one JSON object per line). Bad input raises ``INVALID_ENTRY``
-   here, before anything touches disk.
+1. Encode the batch (one JSON object per line; the last line ends with a random
+   nonce written as JSON whitespace). Bad input raises ``INVALID_ENTRY`` here,
+   before anything touches disk.
 2. Write it to ``.tmp-<pid>-<random>`` in the transcript directory (``O_EXCL``);
    with ``fsync=True``, fsync it. Readers ignore temp files. Crash: a temp file,
    removed by ``fsstore gc`` once old.
@@ -18,9 +19,10 @@ Commit (``append``), step by step, and what a crash at each step leaves:
    server answers ``ENOENT`` drops it from a FUSE client's cache; then ``n`` again).
 6. List the directory twice (the *check*: :func:`check`; a segment in either
    listing counts, since one listing can be torn by a compaction). A segment
-   covering ``n`` that does not hold the batch's bytes means that another writer
-   used ``n`` and a compaction merged and removed it while this writer's view was
-   old (two holders overlapped: a stall, a clock, a reclaimed lock). A part inside
+   covering ``n`` that does not hold the batch's bytes (its own: the last line ends
+   with a nonce, step 1) means that another writer used ``n`` and a compaction
+   merged and removed it while this writer's view was old (two holders overlapped:
+   a stall, a clock, a reclaimed lock). A part inside
    a segment's range is not in the chain, so the batch is not committed: remove
    the misplaced name, link it again above the highest number, check again. (A
    covering segment that holds the bytes merged this very part after the link:
@@ -56,6 +58,7 @@ import contextlib
 import dataclasses
 import errno
 import os
+import random
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
@@ -136,8 +139,22 @@ def encode_batch(entries: object, operation: str) -> bytes:
         if beyond is not None:
             raise FsStoreError("INVALID_ENTRY", f"entry {i} {beyond}", operation=operation)
         lines.append(line)
+    lines[-1] += nonce()
     lines.append("")
     return "\n".join(lines).encode("ascii")
+
+
+_NONCE_BITS = 32
+_AS_WHITESPACE = str.maketrans("01", " \t")
+
+
+def nonce() -> str:
+    """What ends a batch's last line: :data:`_NONCE_BITS` random bits written as JSON
+    whitespace (spaces and tabs), which every JSON reader skips. Two batches of equal
+    entries differ by it, so a segment that holds a batch's bytes holds that very
+    batch (step 6), not another writer's equal one. (``random`` is reseeded in a
+    forked child.)"""
+    return format(random.getrandbits(_NONCE_BITS), f"0{_NONCE_BITS}b").translate(_AS_WHITESPACE)
 
 
 # -- steps 2 to 8 ------------------------------------------------------------------

@@ -365,6 +365,42 @@ def test_a_writer_whose_number_was_compacted_away_commits_again_above(root: Path
     assert not [p for p in tdir(root, KEY).iterdir() if p.name.startswith(".tmp-")]
 
 
+@pytest.mark.parametrize("other", ["the same batch", "a batch holding it"])
+def test_a_number_compacted_away_under_a_writer_with_equal_entries_is_committed_again_above(
+    root: Path, other: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found by review: writer a chooses number 3; before it links, b (an overlapping
+    holder) commits 3..6 with, at 3, a's very entries (without a ``uuid``: loads do
+    not de-duplicate them) and compacts them into segment 1-6. a's link of 3 finds
+    the name free, and its check found the segment over 3 holding its bytes and took
+    its part for merged there: two acknowledged appends, loaded once. A batch's bytes
+    are its own (a nonce), so a commits again above."""
+    same = {"type": "progress", "data": "same"}
+    a = SyncStore(root, create=True, compact_every=0)
+    a.append(KEY, [entry(1)])
+    a.append(KEY, [entry(2)])
+    real = _commit._next_seq
+    chosen: list[int] = []
+
+    def overtaken(t: Any, dir_fd: int) -> int:
+        seq = real(t, dir_fd)
+        if not chosen:
+            chosen.append(seq)
+            time.sleep(0.1)  # a's lock is past b's stale_lock_seconds: b takes it over
+            b = SyncStore(root, compact_every=0, stale_lock_seconds=0.05)
+            b.append(KEY, [same] if other == "the same batch" else [entry(3), same])
+            for i in range(4, 7):
+                b.append(KEY, [entry(i)])
+            b.compact(KEY)
+        return seq
+
+    monkeypatch.setattr(_commit, "_next_seq", overtaken)
+    a.append(KEY, [same])
+    monkeypatch.undo()
+    assert chosen == [3] and files_of(root) == [(1, 6), (7, 7)]
+    assert [e for e in SyncStore(root).load(KEY) or [] if e == same] == [same, same]
+
+
 def test_a_part_merged_by_an_overlapping_compaction_before_its_check_is_committed_once(
     root: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

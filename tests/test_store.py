@@ -10,6 +10,7 @@ import json.encoder
 import logging
 import math
 import os
+import re
 import threading
 import time
 from pathlib import Path
@@ -101,8 +102,16 @@ def test_entries_round_trip_deep_equal(tmp_path: Path, batch: list[dict[str, Any
 @settings(max_examples=300)
 @given(value=st.dictionaries(st.text(max_size=8), json_values | st.floats(), max_size=6))
 def test_a_part_file_holds_what_json_dumps_writes(value: dict[str, Any]) -> None:
-    # Part files hold json.dumps(entry, separators=(",", ":")) exactly, one a line.
-    assert _commit.encode_batch([value], "append") == (json.dumps(value, separators=(",", ":")) + "\n").encode()
+    # Part files hold json.dumps(entry, separators=(",", ":")) exactly, one a line; the
+    # last line ends with the batch's nonce: 32 spaces and tabs (docs/format.md).
+    line = json.dumps(value, separators=(",", ":"))
+    batch = _commit.encode_batch([value, value], "append")
+    assert re.fullmatch(rb"([^\n]*)\n\1[ \t]{32}\n", batch) and batch.startswith(line.encode() + b"\n")
+
+
+def test_equal_batches_have_different_bytes() -> None:
+    # The nonce: a segment holding a batch's bytes holds that very batch.
+    assert len({_commit.encode_batch([{"type": "x"}], "append") for _ in range(100)}) == 100
 
 
 def test_a_circular_entry_is_invalid_even_under_a_raised_recursion_limit(tmp_path: Path) -> None:
