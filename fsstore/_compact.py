@@ -15,9 +15,11 @@ Steps, and what readers and crashes see:
    every trailing segment no larger than what is merged after it, like carries in
    a binary counter, so each byte is copied O(log n) times and a transcript has
    O(log n) segments.
-3. Concatenate the chosen files' bytes into a temp file (parts are parsed first:
-   a damaged part is never copied); fsync if ``fsync=True``; move it, no-replace,
-   to ``<first>-<last>.jsonl``. Readers now take the segment (fewer files) and
+3. Read the chosen files (parts are parsed: a damaged part is never copied), then
+   list twice more: a segment over the range that the first listing lacks means a
+   name read may have been freed by another compaction and linked again by a stale
+   writer: start over. Write their bytes to a temp file; fsync if ``fsync=True``;
+   move it, no-replace, to ``<first>-<last>.jsonl``. Readers now take the segment (fewer files) and
    skip what it merged; either way each entry once.
 4. List again (the *check*): if another segment overlaps this one without one
    holding the other (two compactions that overlapped), remove this one and stop:
@@ -124,6 +126,11 @@ def compact(
         blobs[name] = blob
         newest = max(newest, st.st_mtime_ns)
     first, last = merge[0][0], merge[-1][1]
+    if _segment_made_over(dir_fd, items, first, last):
+        # Found by review: a name read here can be one another compaction freed (its
+        # segment over it published first) and a stale writer linked again since:
+        # copied, that batch would take the merged one's place. Looked at again.
+        raise Vanished(path)
     segment = _layout.segment_name(first, last)
     # The segment carries the newest merged mtime: retention goes by file age.
     if not _publish(fs, dir_fd, segment, b"".join(blobs.values()), newest,
@@ -144,6 +151,17 @@ def compact(
     _remove_covered(dir_fd, after, [(first, last, segment)])
     _restore_mtime(dir_fd, mtime)
     return len(merge)
+
+
+def _segment_made_over(dir_fd: int, listed: list[Item], first: int, last: int) -> bool:
+    """Whether a segment that ``listed`` lacks holds a number of ``first..last``: step 3's
+    look after the reads. A name is free again only once a segment over it exists, and
+    one such segment exists from then on (the one replacing it is made first), so a
+    file read after its name was freed leaves one here. Two listings, as a commit's
+    check: one can be torn by a compaction."""
+    known = {name for _f, _l, name in listed}
+    return any(f != l and name not in known and f <= last and first <= l
+               for _look in range(2) for f, l, name in scan(dir_fd)[0])
 
 
 def close_gaps(fs: _fsio.Fs, dir_fd: int, path: str, chain: list[Item]) -> None:

@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 
-from fsstore import FsStoreError, _autocompact, _commit, _compact, _layout, _transcript
+from fsstore import FsStoreError, _autocompact, _commit, _compact, _layout, _read, _transcript
 from fsstore._keys import parse_key
 from fsstore._store import SyncStore
 
@@ -399,6 +399,50 @@ def test_a_number_compacted_away_under_a_writer_with_equal_entries_is_committed_
     monkeypatch.undo()
     assert chosen == [3] and files_of(root) == [(1, 6), (7, 7)]
     assert [e for e in SyncStore(root).load(KEY) or [] if e == same] == [same, same]
+
+
+def test_a_compaction_never_copies_a_batch_linked_at_a_name_freed_after_its_listing(
+    root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found by review (real processes, three stalls): compaction B listed parts 1..5
+    and read them by name; before it read 4, an overlapping compaction A published
+    segment 1-4 and removed the parts, and a stale writer W linked its batch at the
+    freed name 4. B copied W's batch in X4's place, published 1-5 and removed A's 1-4:
+    X4 lost; W, finding its bytes in 1-5, returned (or, checking before B published,
+    committed again above: twice). B now looks again after its reads, sees a segment
+    over its range it did not list, and starts over from a new listing."""
+    store = SyncStore(root, create=True, compact_every=0)
+    for i in range(1, 6):
+        store.append(KEY, [{"type": "x", "n": i}])  # no uuid: a loss or a copy would show
+    d = tdir(root, KEY)
+    w_batch = _commit.encode_batch([{"type": "x", "n": "W"}], "append")
+    (d / ".tmp-w").write_bytes(w_batch)  # W's temp file
+    real = _read.read_file
+    staged: list[str] = []
+
+    def a_and_w_first(dir_fd: int, name: str, **kw: Any) -> bytes:
+        if name == _layout.part_name(4) and not staged:
+            # A's work, as its files show it: 1-4 published, then its parts removed.
+            staged.append(name)
+            data = b"".join((d / _layout.part_name(i)).read_bytes() for i in range(1, 5))
+            (d / _layout.segment_name(1, 4)).write_bytes(data)
+            for i in range(1, 5):
+                (d / _layout.part_name(i)).unlink()
+            os.link(d / ".tmp-w", d / name)  # W's link at the freed name; its check to come
+        return real(dir_fd, name, **kw)
+
+    monkeypatch.setattr(_read, "read_file", a_and_w_first)
+    merged = store.compact(KEY)
+    monkeypatch.undo()
+    assert staged and files_of(root) == [(1, 5)]
+    assert w_batch not in (d / _layout.segment_name(1, 5)).read_bytes()
+    assert merged == 2  # 1-4 and 5, from a new listing
+    fd = os.open(d, os.O_RDONLY | os.O_DIRECTORY)
+    try:  # W's commit goes on: its link at 4 (removed as inside 1-5), its check
+        assert _commit.link_and_check(store._fs, fd, ".tmp-w", 4, w_batch)[0] == 6
+    finally:
+        os.close(fd)
+    assert SyncStore(root).load(KEY) == [{"type": "x", "n": i} for i in [1, 2, 3, 4, 5, "W"]]
 
 
 def test_a_part_merged_by_an_overlapping_compaction_before_its_check_is_committed_once(
