@@ -8,7 +8,7 @@ whatever the lock does; the lock only keeps two compactions from wasting work.
 
 Steps, and what readers and crashes see:
 
-1. List the directory; :func:`fsstore._transcript.plan` gives the chain of files
+1. List the directory; :func:`fsstore._transcript.plan_held` gives the chain of files
    that make up the transcript. A chain with a hole is not compacted (merging
    across it would hide it from ``fsstore check``).
 2. Choose what to merge. On demand: everything. Automatically: the new parts plus
@@ -48,7 +48,7 @@ from typing import Any
 from . import _fsio, _layout, _read, _summaries
 from ._errors import FsStoreError, log
 from ._lock import Held
-from ._transcript import Item, State, Vanished, parse, plan, read_state, scan, write_state
+from ._transcript import Item, State, Vanished, parse, plan_held, read_state, scan, write_state
 
 # The SDK's fold function and the session key it is given.
 Summary = tuple[_summaries.Fold, dict[str, str]]
@@ -97,7 +97,7 @@ def compact(
     """Merge (see the module docstring); return how many files were merged (0: none)."""
     mtime = os.fstat(dir_fd).st_mtime_ns
     items, deleted = scan(dir_fd)
-    chain, gap = plan(items)
+    chain, gap = plan_held(items, dir_fd)
     if deleted:
         return 0
     if gap is not None:

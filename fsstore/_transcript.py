@@ -4,9 +4,10 @@ A transcript is a directory (``main/`` or ``subkeys/<SP>/``) of immutable JSONL
 files: *parts* ``<n>.jsonl`` (one committed ``append()`` batch each, ``n`` a
 20-digit number) and *segments* ``<first>-<last>.jsonl`` (the parts
 ``first..last`` merged by compaction). The transcript is the **shortest chain of
-files whose ranges follow each other from 1 to the highest number** (:func:`plan`);
-any other file (a part inside a segment's range, a segment overlapping the chain)
-is not part of it. Nothing in this module needs the transcript lock to be
+files whose ranges follow each other from 1 to the highest number** (:func:`plan`),
+without a part that a segment over it does not hold (:func:`plan_held`); any other
+file (a leftover inside a segment's range, a segment overlapping the chain) is not
+part of it. Nothing in this module needs the transcript lock to be
 exclusive: the lock orders writers and keeps contention cheap.
 
 Reading (:func:`read_snapshot`): list, plan, read every file of the chain, list
@@ -168,10 +169,10 @@ def plan(items: list[Item]) -> tuple[list[Item], int | None]:
 
     The chain is the one with the fewest files among those whose ranges follow each
     other exactly from 1 to the highest number: a segment is preferred to the parts
-    it merged (leftovers of a compaction in flight or killed), a part inside a
-    segment's range is never taken (see the commit's step 6), and of two segments
+    it merged (leftovers of a compaction in flight or killed), and of two segments
     that overlap (two compactions that overlapped) the one the chain can continue
-    from is taken. Where no such chain exists (a file lost outside fsstore), the
+    from is taken; with two such, a chain can run through a part inside the other's
+    range (:func:`plan_held` takes it only if that segment holds it). Where no such chain exists (a file lost outside fsstore), the
     widest file at each start is taken and the first hole reported.
     """
     if not items:
@@ -205,6 +206,42 @@ def plan(items: list[Item]) -> tuple[list[Item], int | None]:
         chosen.append(item)
         covered = item[1]
     return chosen, gap
+
+
+def plan_held(items: list[Item], dir_fd: int) -> tuple[list[Item], int | None]:
+    """:func:`plan`, never taking a part that a listed segment over its number does not
+    hold: a stale writer's link at a name a compaction freed (not committed: its writer
+    links it again above, or the next compaction removes it), which a reader or a
+    compaction would otherwise read in place of the batch the segment holds (found by
+    review). A segment over a committed part holds its bytes (made from a chain that
+    held the part; nonces make equal batches differ): taking either is the same. Files
+    are read only where the plan takes a part under a segment, which overlapping
+    segments of two compactions can make it do; one that cannot be read counts as
+    holding (the reader's second listing, or the compaction's, sees the change)."""
+    segments = [it for it in items if it[0] != it[1]]
+    seen: dict[str, bytes | None] = {}
+
+    def read(name: str) -> bytes | None:
+        if name not in seen:
+            try:
+                seen[name] = _read.read_file(dir_fd, name)
+            except OSError:
+                seen[name] = None
+        return seen[name]
+
+    def misplaced(n: int, name: str) -> bool:
+        over = [seg for first, last, seg in segments if first <= n <= last]
+        data = read(name) if over else None
+        return data is not None and any(held is not None and data not in held
+                                        for held in map(read, over))
+
+    skip: set[str] = set()
+    while True:
+        chain, gap = plan([it for it in items if it[2] not in skip])
+        wrong = {name for first, last, name in chain if first == last and misplaced(first, name)}
+        if not wrong:
+            return chain, gap
+        skip |= wrong
 
 
 # -- reading ---------------------------------------------------------------------
@@ -314,7 +351,7 @@ def snapshot(
     before it was read (see the module docstring); a gap or damage in a snapshot
     that holds is in the transcript, not in the listing."""
     items, marked = scan(dir_fd) if first is None else first
-    chain, gap = plan(items)
+    chain, gap = plan_held(items, dir_fd) if read else plan(items)
     batches: list[tuple[int, list[dict[str, Any]]]] = []
     damage: list[Damage] = []
     race: Vanished | None = None
@@ -342,7 +379,7 @@ def snapshot(
                 data.count(b"\n") + 1 if data and not data.endswith(b"\n") else None)
             damage.append(Damage(name, err, line))
     again, marked_again = scan(dir_fd)
-    after = plan(again)[0]
+    after = (plan_held(again, dir_fd) if read else plan(again))[0]
     if race is None and (after[: len(chain)] != chain
                          or any(f != l for f, l, _n in after[len(chain):])):
         race = Vanished(path)

@@ -445,6 +445,40 @@ def test_a_compaction_never_copies_a_batch_linked_at_a_name_freed_after_its_list
     assert SyncStore(root).load(KEY) == [{"type": "x", "n": i} for i in [1, 2, 3, 4, 5, "W"]]
 
 
+@pytest.mark.parametrize("reader", ["load", "compact"])
+def test_a_stale_writers_link_under_a_segment_is_never_read_for_the_batch_the_segment_holds(
+    root: Path, reader: str
+) -> None:
+    """Found by review (six processes: three stalls, a compaction killed, two with
+    clocks ahead): two compactions overlapped, leaving segments 1-5 and 5-7 (the loser's,
+    its check to come) beside 1-3, 6 and 7, and a stale writer linked its batch at the
+    name 4 that 1-5's compaction had freed. The chains [1-3, 4, 5-7] and [1-5, 6, 7]
+    have as many files, and the plan took the first: a load returned W's uncommitted
+    batch in place of the acknowledged X4, and a compaction copied it there for good
+    (X4 lost; W, finding its bytes, returned). A part under a segment that does not
+    hold it is never taken."""
+    store = SyncStore(root, create=True, compact_every=0)
+    for i in range(1, 8):
+        store.append(KEY, [{"type": "x", "n": i}])  # no uuid: a loss or a copy would show
+    d = tdir(root, KEY)
+
+    def merged(first: int, last: int) -> None:
+        data = b"".join((d / _layout.part_name(i)).read_bytes() for i in range(first, last + 1))
+        (d / _layout.segment_name(first, last)).write_bytes(data)
+
+    merged(1, 3)
+    merged(1, 5)
+    merged(5, 7)
+    for i in range(1, 6):
+        (d / _layout.part_name(i)).unlink()
+    (d / _layout.part_name(4)).write_bytes(_commit.encode_batch([{"type": "x", "n": "W"}], "append"))
+    want = [{"type": "x", "n": i} for i in range(1, 8)]
+    if reader == "compact":
+        assert store.compact(KEY) > 0
+        assert files_of(root) == [(1, 7)]
+    assert SyncStore(root).load(KEY) == want
+
+
 def test_a_part_merged_by_an_overlapping_compaction_before_its_check_is_committed_once(
     root: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
