@@ -219,6 +219,7 @@ def plan_held(items: list[Item], dir_fd: int) -> tuple[list[Item], int | None]:
     segments of two compactions can make it do; one that cannot be read counts as
     holding (the reader's second listing, or the compaction's, sees the change)."""
     segments = [it for it in items if it[0] != it[1]]
+    below = top(segments)  # parts above every segment (the usual tail) need no look
     seen: dict[str, bytes | None] = {}
 
     def read(name: str) -> bytes | None:
@@ -238,7 +239,8 @@ def plan_held(items: list[Item], dir_fd: int) -> tuple[list[Item], int | None]:
     skip: set[str] = set()
     while True:
         chain, gap = plan([it for it in items if it[2] not in skip])
-        wrong = {name for first, last, name in chain if first == last and misplaced(first, name)}
+        wrong = {name for first, last, name in chain if first == last <= below
+                 and misplaced(first, name)}
         if not wrong:
             return chain, gap
         skip |= wrong
