@@ -97,7 +97,8 @@ def compact(
     """Merge (see the module docstring); return how many files were merged (0: none)."""
     mtime = os.fstat(dir_fd).st_mtime_ns
     items, deleted = scan(dir_fd)
-    chain, gap = plan_held(items, dir_fd)
+    seen: dict[str, bytes] = {}  # what plan_held judged is what is copied
+    chain, gap = plan_held(items, dir_fd, seen)
     if deleted:
         return 0
     if gap is not None:
@@ -115,7 +116,7 @@ def compact(
     newest = 0
     for first, last, name in merge:
         try:
-            blob = _read.read_file(dir_fd, name)
+            blob = seen[name] if name in seen else _read.read_file(dir_fd, name)
             st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
         except OSError as exc:
             if exc.errno not in (errno.ENOENT, errno.ESTALE):  # ESTALE: another host removed it

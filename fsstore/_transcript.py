@@ -208,26 +208,31 @@ def plan(items: list[Item]) -> tuple[list[Item], int | None]:
     return chosen, gap
 
 
-def plan_held(items: list[Item], dir_fd: int) -> tuple[list[Item], int | None]:
+def plan_held(items: list[Item], dir_fd: int, seen: dict[str, bytes]) -> tuple[list[Item], int | None]:
     """:func:`plan`, never taking a part that a listed segment over its number does not
     hold: a stale writer's link at a name a compaction freed (not committed: its writer
     links it again above, or the next compaction removes it), which a reader or a
     compaction would otherwise read in place of the batch the segment holds (found by
     review). A segment over a committed part holds its bytes (made from a chain that
-    held the part; nonces make equal batches differ): taking either is the same. Files
-    are read only where the plan takes a part under a segment, which overlapping
-    segments of two compactions can make it do; one that cannot be read counts as
-    holding (the reader's second listing, or the compaction's, sees the change)."""
+    held the part; nonces make equal batches differ): taking either is the same.
+
+    Files are read only where the plan takes a part under a segment, which
+    overlapping segments of two compactions can make it do. What is read goes into
+    ``seen`` (and is taken from it): the caller uses those very bytes, since the name
+    can be freed and linked again after this look (found by review). A file gone
+    meanwhile raises :class:`Vanished`; one that cannot be read otherwise counts as
+    holding (the caller's own read reports it)."""
     segments = [it for it in items if it[0] != it[1]]
     below = top(segments)  # parts above every segment (the usual tail) need no look
-    seen: dict[str, bytes | None] = {}
 
     def read(name: str) -> bytes | None:
         if name not in seen:
             try:
                 seen[name] = _read.read_file(dir_fd, name)
-            except OSError:
-                seen[name] = None
+            except OSError as exc:
+                if exc.errno in (errno.ENOENT, errno.ESTALE):  # ESTALE: another host removed it
+                    raise Vanished(name) from exc
+                return None
         return seen[name]
 
     def misplaced(n: int, name: str) -> bool:
@@ -353,14 +358,19 @@ def snapshot(
     before it was read (see the module docstring); a gap or damage in a snapshot
     that holds is in the transcript, not in the listing."""
     items, marked = scan(dir_fd) if first is None else first
-    chain, gap = plan_held(items, dir_fd) if read else plan(items)
     batches: list[tuple[int, list[dict[str, Any]]]] = []
     damage: list[Damage] = []
     race: Vanished | None = None
-    for _first, last, name in chain if read else ():
+    seen: dict[str, bytes] = {}  # each file read once: what is judged is what is returned
+    try:
+        chain, gap = plan_held(items, dir_fd, seen) if read else plan(items)
+    except Vanished as exc:
+        (chain, gap), race = plan(items), exc
+    for _first, last, name in chain if read and race is None else ():
         fpath = f"{path}/{name}"
         try:
-            data = _read.read_file(dir_fd, name)
+            data = seen[name] if name in seen else _read.read_file(dir_fd, name)
+            seen[name] = data
         except _read.NotAFile as exc:
             err = FsStoreError("CORRUPT", "not a regular file", operation=operation, path=fpath)
             err.__cause__ = exc
@@ -381,7 +391,10 @@ def snapshot(
                 data.count(b"\n") + 1 if data and not data.endswith(b"\n") else None)
             damage.append(Damage(name, err, line))
     again, marked_again = scan(dir_fd)
-    after = (plan_held(again, dir_fd) if read else plan(again))[0]
+    try:
+        after = (plan_held(again, dir_fd, seen) if read else plan(again))[0]
+    except Vanished as exc:
+        after, race = [], race or exc
     if race is None and (after[: len(chain)] != chain
                          or any(f != l for f, l, _n in after[len(chain):])):
         race = Vanished(path)

@@ -446,17 +446,19 @@ def test_a_compaction_never_copies_a_batch_linked_at_a_name_freed_after_its_list
 
 
 @pytest.mark.parametrize("reader", ["load", "compact"])
+@pytest.mark.parametrize("linked", ["before the look", "after the look"])
 def test_a_stale_writers_link_under_a_segment_is_never_read_for_the_batch_the_segment_holds(
-    root: Path, reader: str
+    root: Path, reader: str, linked: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Found by review (six processes: three stalls, a compaction killed, two with
     clocks ahead): two compactions overlapped, leaving segments 1-5 and 5-7 (the loser's,
-    its check to come) beside 1-3, 6 and 7, and a stale writer linked its batch at the
+    its check to come) beside 1-3, 6 and 7, and a stale writer linked its batch W at the
     name 4 that 1-5's compaction had freed. The chains [1-3, 4, 5-7] and [1-5, 6, 7]
     have as many files, and the plan took the first: a load returned W's uncommitted
     batch in place of the acknowledged X4, and a compaction copied it there for good
     (X4 lost; W, finding its bytes, returned). A part under a segment that does not
-    hold it is never taken."""
+    hold it is never taken; and (the re-review) where X4 was still at 4 when the
+    plan looked, and W was linked there just after, what is read is what was judged."""
     store = SyncStore(root, create=True, compact_every=0)
     for i in range(1, 8):
         store.append(KEY, [{"type": "x", "n": i}])  # no uuid: a loss or a copy would show
@@ -469,12 +471,36 @@ def test_a_stale_writers_link_under_a_segment_is_never_read_for_the_batch_the_se
     merged(1, 3)
     merged(1, 5)
     merged(5, 7)
-    for i in range(1, 6):
+    for i in (1, 2, 3, 5):
         (d / _layout.part_name(i)).unlink()
-    (d / _layout.part_name(4)).write_bytes(_commit.encode_batch([{"type": "x", "n": "W"}], "append"))
+    four, wide = d / _layout.part_name(4), d / _layout.segment_name(1, 5)
+    whole = wide.read_bytes() + (d / _layout.part_name(6)).read_bytes() + (d / _layout.part_name(7)).read_bytes()
+    w_batch = _commit.encode_batch([{"type": "x", "n": "W"}], "append")
+    real = _read.read_file
+    reads: list[str] = []
+
+    def freed_and_linked_after(dir_fd: int, name: str, **kw: Any) -> bytes:
+        reads.append(name)
+        if name == wide.name and reads.count(name) == 2:
+            # Read again (after the reader's second listing): a compaction merged it
+            # into 1-7 meanwhile and removed it.
+            (d / _layout.segment_name(1, 7)).write_bytes(whole)
+            wide.unlink()
+        data = real(dir_fd, name, **kw)
+        if name == four.name and data != w_batch:
+            four.unlink()  # 1-5's compaction removes its leftover 4 ...
+            four.write_bytes(w_batch)  # ... and the stale writer links W there
+        return data
+
+    if linked == "before the look":
+        four.unlink()
+        four.write_bytes(w_batch)
+    else:
+        monkeypatch.setattr(_read, "read_file", freed_and_linked_after)
     want = [{"type": "x", "n": i} for i in range(1, 8)]
     if reader == "compact":
         assert store.compact(KEY) > 0
+        monkeypatch.undo()
         assert files_of(root) == [(1, 7)]
     assert SyncStore(root).load(KEY) == want
 
