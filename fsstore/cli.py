@@ -157,7 +157,8 @@ def build_parser() -> tuple[argparse.ArgumentParser, _Options]:
 
     p = command("check", "Verify every transcript; exit 1 if anything is wrong.")
     opts.add("check", p, "--older-than", metavar="AGE", type=parse_duration, default=3600.0,
-             help="temp files and .trash entries older than this are orphaned (default 1h)")
+             help="temp files and .trash entries older than this are orphaned, and --repair "
+             "commits again only misplaced batches older than this (default 1h)")
     opts.add("check", p, "--stale-lock-seconds", metavar="AGE", type=parse_duration, default=30.0,
              help="the stores' stale_lock_seconds: locks older than this are stale (default 30s)")
     opts.add("check", p, "--repair", action="store_true",
@@ -167,6 +168,9 @@ def build_parser() -> tuple[argparse.ArgumentParser, _Options]:
 
     p = command("migrate", "Bring a store written by format 1 to format 2 (safe while writers run).")
     opts.add("migrate", p, "--dry-run", action="store_true", help="show what would be done")
+    opts.add("migrate", p, "--older-than", metavar="AGE", type=parse_duration, default=3600.0,
+             help="commit again only misplaced batches older than this: a younger one may be "
+             "a live writer's, about to commit it again itself (default 1h)")
     opts.add("migrate", p, "--stale-lock-seconds", metavar="AGE", type=parse_duration, default=30.0,
              help="the stores' stale_lock_seconds (default 30s)")
 
@@ -383,10 +387,11 @@ class _Noting(logging.Handler):
 def cmd_check(args: argparse.Namespace, out: TextIO, err: TextIO, progress: Progress) -> int:
     repairs: list[_cleanup.Action] = []
     if args.repair:
-        repairs = _migrate.repair(args.root, dry_run=args.dry_run,
+        repairs = _migrate.repair(args.root, dry_run=args.dry_run, older_than=args.older_than,
                                   stale_lock_seconds=args.stale_lock_seconds)
         if not args.json:
-            out.writelines(f"{'REPAIR' if a.done else 'WOULD':<8} {rel_path(args.root, a.path)}  "
+            out.writelines(f"{'REPAIR' if a.done else 'SKIP' if a.action == 'skip' else 'WOULD':<8} "
+                          f"{rel_path(args.root, a.path)}  "
                           f"{clean(a.detail)}\n" for a in repairs)
     report = _check.check(args.root, older_than=args.older_than,
                           stale_lock_seconds=args.stale_lock_seconds, progress=progress)
@@ -462,7 +467,7 @@ def cmd_init(args: argparse.Namespace, out: TextIO, err: TextIO, progress: Progr
 
 
 def cmd_migrate(args: argparse.Namespace, out: TextIO, err: TextIO, progress: Progress) -> int:
-    actions = _migrate.migrate(args.root, dry_run=args.dry_run,
+    actions = _migrate.migrate(args.root, dry_run=args.dry_run, older_than=args.older_than,
                                stale_lock_seconds=args.stale_lock_seconds, progress=progress)
     progress.close()
     return _actions(args, out, actions, "migrate")

@@ -5,9 +5,11 @@ could not read, losing nothing."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import tarfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -103,3 +105,46 @@ def test_migrate_and_repair_of_a_healthy_format_2_store_change_nothing(tmp_path:
     out = _cli(*args, str(root))
     assert out.returncode == 0, out.stdout + out.stderr
     assert sorted(p.name for p in root.rglob("*")) == before
+
+
+@pytest.mark.parametrize("args", [["migrate"], ["check", "--repair"]])
+def test_repair_leaves_a_misplaced_batch_its_live_writer_is_committing_again(
+    tmp_path: Path, args: list[str]
+) -> None:
+    """Found by review (real processes): a writer whose lock was overtaken linked its
+    batch at a number a compaction had merged away (inside segment 1-5), and before
+    its check committed it again above, `check --repair` (or `migrate`) took it for
+    format 1's late batch and committed it again too: there twice. A misplaced batch
+    younger than ``--older-than`` is left to its writer; an old one (format 1's) is
+    committed again."""
+    from fsstore import _commit, _layout
+    from fsstore._store import SyncStore
+
+    from ._helpers import tdir
+    from .conftest import KEY
+
+    root = tmp_path / "store"
+    store = SyncStore(root, create=True, compact_every=0)
+    for i in range(1, 6):
+        store.append(KEY, [{"type": "x", "n": i}])
+    store.compact(KEY)
+    d = tdir(root, KEY)
+    w_batch = _commit.encode_batch([{"type": "x", "n": "W"}], "append")
+    (d / ".tmp-w").write_bytes(w_batch)
+    os.link(d / ".tmp-w", d / _layout.part_name(4))  # the stale writer's link; its check to come
+    out = _cli(*args, str(root))
+    assert out.returncode == 0 and "writer may be committing it again" in out.stdout, out.stdout + out.stderr
+    fd = os.open(d, os.O_RDONLY | os.O_DIRECTORY)
+    try:  # the writer's check: inside 1-5, which does not hold it: committed again above
+        assert _commit.link_and_check(store._fs, fd, ".tmp-w", 4, w_batch)[0] == 6
+    finally:
+        os.close(fd)
+    want = [{"type": "x", "n": n} for n in [1, 2, 3, 4, 5, "W"]]
+    assert store.load(KEY) == want
+    # An old one (a format-1 store's late batch) is committed again.
+    old = d / _layout.part_name(3)
+    old.write_bytes(_commit.encode_batch([{"type": "x", "n": "late"}], "append"))
+    os.utime(old, (time.time() - 7200, time.time() - 7200))
+    out = _cli(*args, str(root))
+    assert out.returncode == 0 and "committed again as" in out.stdout, out.stdout + out.stderr
+    assert store.load(KEY) == [*want, {"type": "x", "n": "late"}]
