@@ -213,8 +213,9 @@ def _check_transcript(w: Walker, report: CheckReport, t: TranscriptInfo, older_t
             continue  # a segment of an overlapping compaction: its twin removes it
         age = w.now - it.mtime_ns / 1e9
         w.problem("warning" if age > older_than else "info", "leftover", path,
-                  f"already merged into a segment, {age_text(max(age, 0))} old: "
-                  "left by an interrupted compaction (fsstore compact removes it)")
+                  f"inside a segment's range, {age_text(max(age, 0))} old: a compaction's "
+                  "leftover, or a batch its writer (its lock overtaken) is committing again "
+                  "above; not part of the transcript (fsstore compact removes it)")
 
 
 def check(
