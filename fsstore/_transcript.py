@@ -10,8 +10,8 @@ file (a leftover inside a segment's range, a segment overlapping the chain) is n
 part of it. Nothing in this module needs the transcript lock to be
 exclusive: the lock orders writers and keeps contention cheap.
 
-Reading (:func:`read_snapshot`): list, plan, read every file of the chain, list
-again. A listing is not atomic once it takes more than one ``getdents`` call: it
+Reading (:func:`read_snapshot`): list, plan, read every file of the chain (each
+once), list twice again (a name read may have been freed and linked again since). A listing is not atomic once it takes more than one ``getdents`` call: it
 can miss a segment made behind its cursor while the parts it merged are gone
 ahead of it (a hole, or at the tail a listing that ends early). Files that exist
 for the whole listing are always in it, so a part the first listing lacks was
@@ -348,7 +348,7 @@ def snapshot(
     first: tuple[list[Item], bool] | None = None, session_marker: str | None = None,
 ) -> Snapshot:
     """List, plan, read every file of the chain (unless ``read`` is false), list again
-    (see the module docstring), and return everything seen: ``load`` raises from it
+    (twice where it read; see the module docstring), and return everything seen: ``load`` raises from it
     (:func:`read_snapshot`), ``fsstore check`` reports it. ``first``: the first
     listing (what :func:`scan` returns), where the caller made it itself (with a
     ``stat`` of each entry, say).
@@ -390,14 +390,22 @@ def snapshot(
             line = int(m.group(1)) if m else (
                 data.count(b"\n") + 1 if data and not data.endswith(b"\n") else None)
             damage.append(Damage(name, err, line))
-    again, marked_again = scan(dir_fd)
-    try:
-        after = (plan_held(again, dir_fd, seen) if read else plan(again))[0]
-    except Vanished as exc:
-        after, race = [], race or exc
-    if race is None and (after[: len(chain)] != chain
-                         or any(f != l for f, l, _n in after[len(chain):])):
-        race = Vanished(path)
+    marked_again = False
+    # After reading, two listings, as a commit's check: a name read can have been freed
+    # by a compaction and linked again by a stale writer, and one listing torn by two
+    # compactions can miss every segment over it (found by review).
+    for _look in range(2 if read else 1):
+        again, marked_now = scan(dir_fd)
+        marked_again = marked_again or marked_now
+        try:
+            after = (plan_held(again, dir_fd, seen) if read else plan(again))[0]
+        except Vanished as exc:
+            after, race = [], race or exc
+        if race is None and (after[: len(chain)] != chain
+                             or any(f != l for f, l, _n in after[len(chain):])):
+            race = Vanished(path)
+        if race is not None:
+            break
     deleted = None
     try:
         check_session_marker(dir_fd, session_marker)  # first: the session's delete, if it is one

@@ -505,6 +505,47 @@ def test_a_stale_writers_link_under_a_segment_is_never_read_for_the_batch_the_se
     assert SyncStore(root).load(KEY) == want
 
 
+def test_a_load_whose_listing_after_its_reads_is_torn_still_never_returns_a_batch_linked_at_a_freed_name(
+    root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found by review (real processes; 1,500 temp files so a listing takes four
+    getdents64 calls): a load listed parts 1..7; before it read 2, a compaction merged
+    them into 1-7 and removed the parts, and a stale writer W linked its batch at the
+    freed name 2 (the compaction stalled there); the load's listing after its reads,
+    torn by a second compaction (1-8 made behind its cursor, 1-7 removed ahead), showed
+    parts only: the load returned W in place of the acknowledged X2. A load lists twice
+    after its reads."""
+    store = SyncStore(root, create=True, compact_every=0)
+    for i in range(1, 8):
+        store.append(KEY, [{"type": "x", "n": i}])  # no uuid: a swap would show
+    d = tdir(root, KEY)
+    real_read, real_scan = _read.read_file, _transcript.scan
+    events: list[str] = []
+
+    def compaction_then_w(dir_fd: int, name: str, **kw: Any) -> bytes:
+        if name == _layout.part_name(2) and not events:
+            events.append("freed")
+            data = b"".join((d / _layout.part_name(i)).read_bytes() for i in range(1, 8))
+            (d / _layout.segment_name(1, 7)).write_bytes(data)
+            (d / _layout.part_name(2)).unlink()  # (the compaction stalls after this unlink)
+            (d / _layout.part_name(2)).write_bytes(_commit.encode_batch([{"type": "x", "n": "W"}], "append"))
+        return real_read(dir_fd, name, **kw)
+
+    def torn_once(dir_fd: int) -> Any:
+        items, deleted = real_scan(dir_fd)
+        if events == ["freed"]:  # the listing after the reads, torn: every segment missed
+            events.append("torn")
+            items = [it for it in items if it[0] == it[1]]
+        return items, deleted
+
+    monkeypatch.setattr(_read, "read_file", compaction_then_w)
+    monkeypatch.setattr(_transcript, "scan", torn_once)
+    got = store.load(KEY)
+    monkeypatch.undo()
+    assert events == ["freed", "torn"]
+    assert got == [{"type": "x", "n": i} for i in range(1, 8)]
+
+
 def test_a_part_merged_by_an_overlapping_compaction_before_its_check_is_committed_once(
     root: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
