@@ -103,6 +103,19 @@ def misplaced_parts(dir_fd: int, items: list[Item]) -> list[tuple[str, bytes, fl
     return [(name, part, age) for _ctime, name, part, age in sorted(late)]
 
 
+def _temp_batches(dir_fd: int) -> set[bytes]:
+    """The bytes of the temp files in a transcript directory: batches writers are
+    committing (a temp name is a writer's until its check passes)."""
+    found: set[bytes] = set()
+    for name in _fsio.listdir(dir_fd):
+        if name.startswith(_fsio.TEMP_PREFIX):
+            try:
+                found.add(_read.read_file(dir_fd, name))
+            except OSError:
+                continue  # gone meanwhile, or not a file
+    return found
+
+
 def _migrate_one(w: Walker, tref: TranscriptRef, dry_run: bool, older_than: float, *,
                  gaps: bool) -> list[Action]:
     store = w.store
@@ -123,14 +136,17 @@ def _fix(fs: _fsio.Fs, fd: int, path: str, dry_run: bool, *, gaps: bool, spare: 
          older_than: float) -> list[Action]:
     actions: list[Action] = []
     items, _deleted = scan(fd)
-    for name, data, age in misplaced_parts(fd, items):
-        if age < older_than:
+    misplaced = misplaced_parts(fd, items)
+    in_flight = _temp_batches(fd) if misplaced else set()
+    for name, data, age in misplaced:
+        if age < older_than or data in in_flight:
             # Format 2 never acknowledges a batch left there: a writer whose lock was
             # overtaken is between its link and its check, about to commit it again
-            # above itself (found by review: taken here too, it was there twice).
+            # above itself (found by review: taken here too, it was there twice). Its
+            # temp file still holds the batch (whatever this host's clock says).
             actions.append(Action("skip", f"{path}/{name}", "a batch inside a segment's range, "
-                                  "written recently: its writer may be committing it again",
-                                  False, age=age))
+                                  "written recently or still in a temp file: its writer may be "
+                                  "committing it again", False, age=age))
             continue
         if dry_run:
             actions.append(Action("recommit", f"{path}/{name}", "a batch inside a segment's range, "
