@@ -19,8 +19,8 @@ Steps, and what readers and crashes see:
    list twice more: a segment over the range that the first listing lacks means a
    name read may have been freed by another compaction and linked again by a stale
    writer: start over. Write their bytes to a temp file; fsync if ``fsync=True``;
-   move it, no-replace, to ``<first>-<last>.jsonl``. Readers now take the segment (fewer files) and
-   skip what it merged; either way each entry once.
+   move it, no-replace, to ``<first>-<last>.jsonl``. Readers now take the segment
+   (fewer files) and skip what it merged; either way each entry once.
 4. List again (the *check*): if another segment overlaps this one without one
    holding the other (two compactions that overlapped), remove this one and stop:
    its files are all still there. Readers racing it take the chain that continues.

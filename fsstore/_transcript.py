@@ -11,13 +11,14 @@ part of it. Nothing in this module needs the transcript lock to be
 exclusive: the lock orders writers and keeps contention cheap.
 
 Reading (:func:`read_snapshot`): list, plan, read every file of the chain (each
-once), list twice again (a name read may have been freed and linked again since). A listing is not atomic once it takes more than one ``getdents`` call: it
-can miss a segment made behind its cursor while the parts it merged are gone
-ahead of it (a hole, or at the tail a listing that ends early). Files that exist
+once), list twice again (a name read may have been freed and linked again since).
+A listing is not atomic once it takes more than one ``getdents`` call: it can
+miss a segment made behind its cursor while the parts it merged are gone ahead of
+it (a hole, or at the tail a listing that ends early). Files that exist
 for the whole listing are always in it, so a part the first listing lacks was
 committed after the load began; a segment it lacks may hold parts committed
-before. So the snapshot holds only when the second listing's chain begins with
-the first's and continues with parts only; otherwise (a compaction ran) the
+before. So the snapshot holds only when the later listings' chains begin with
+the first's and continue with parts only; otherwise (a compaction ran) the
 caller reads again. A file that vanished between listing and reading is the same
 race. A ``.deleted`` marker means the transcript is gone (:class:`Deleted`).
 """
@@ -172,8 +173,9 @@ def plan(items: list[Item]) -> tuple[list[Item], int | None]:
     it merged (leftovers of a compaction in flight or killed), and of two segments
     that overlap (two compactions that overlapped) the one the chain can continue
     from is taken; with two such, a chain can run through a part inside the other's
-    range (:func:`plan_held` takes it only if that segment holds it). Where no such chain exists (a file lost outside fsstore), the
-    widest file at each start is taken and the first hole reported.
+    range (:func:`plan_held` takes it only if that segment holds it). Where no such
+    chain exists (a file lost outside fsstore), the widest file at each start is
+    taken and the first hole reported.
     """
     if not items:
         return [], None
@@ -348,8 +350,8 @@ def snapshot(
     first: tuple[list[Item], bool] | None = None, session_marker: str | None = None,
 ) -> Snapshot:
     """List, plan, read every file of the chain (unless ``read`` is false), list again
-    (twice where it read; see the module docstring), and return everything seen: ``load`` raises from it
-    (:func:`read_snapshot`), ``fsstore check`` reports it. ``first``: the first
+    (twice where it read; see the module docstring), and return everything seen:
+    ``load`` raises from it (:func:`read_snapshot`), ``fsstore check`` reports it. ``first``: the first
     listing (what :func:`scan` returns), where the caller made it itself (with a
     ``stat`` of each entry, say).
 
