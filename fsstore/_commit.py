@@ -324,7 +324,13 @@ def link_and_check(
     try:
         while True:
             name = _layout.part_name(seq)
-            linked = _fsio.link_noreplace(fs, dir_fd, src, name)
+            try:
+                linked = _fsio.link_noreplace(fs, dir_fd, src, name)
+            except FileNotFoundError:
+                found = _found(dir_fd, payload) if relinked or src != tmp else None
+                if found is None:
+                    raise
+                return found
             if linked is None and forgotten < _FORGET_RETRIES and _views.forgot_stale_name(dir_fd, name):
                 forgotten += 1
                 continue  # a name another host removed, which only this client still had
@@ -377,6 +383,27 @@ def link_and_check(
     finally:
         for name in misplaced:
             _fsio.unlink_quiet(dir_fd, name)
+
+
+def _found(dir_fd: int, payload: bytes) -> tuple[int, list[Item]] | None:
+    """Where a batch that was linked (misplaced) and then lost both its names is
+    committed now, if anywhere: ``check --repair`` commits a misplaced batch again
+    once no temp file holds it, which ``fsstore gc`` on a host whose clock runs ahead
+    can have removed (found by review: the writer, taking the vanished names for a
+    delete, started over: the batch twice). Where none holds it (a compaction removed
+    the misplaced name, gc the temp file) its writer starts over: nothing of it is on
+    disk. A repair links the batch above before it unlinks the misplaced name, so
+    that link is in this listing. Reads the whole transcript: rare."""
+    _views.refresh_listing(dir_fd)
+    items = _transcript.scan_items(dir_fd)
+    for first, last, name in items:
+        try:
+            if payload in _read.read_file(dir_fd, name):
+                return last, items
+        except OSError as exc:
+            if exc.errno not in (errno.ENOENT, errno.ESTALE):
+                raise
+    return None
 
 
 def _holds(dir_fd: int, segment: str, payload: bytes) -> bool | None:

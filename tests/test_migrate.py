@@ -154,3 +154,51 @@ def test_repair_leaves_a_misplaced_batch_its_live_writer_is_committing_again(
     out = _cli(*args, str(root))
     assert out.returncode == 0 and "committed again as" in out.stdout, out.stdout + out.stderr
     assert store.load(KEY) == [*want, {"type": "x", "n": "late"}]
+
+
+def test_a_misplaced_batch_repair_committed_after_gc_took_its_temp_file_is_not_committed_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found by review (real processes, 7 of 7): a writer stalled around its link put
+    its batch at a number a compaction had freed (inside segment 1-5); ``fsstore gc``
+    on a host whose clock runs 2 h ahead took its temp file for garbage, so ``check
+    --repair`` found no temp twin and committed the misplaced batch again above; the
+    writer's check then found its temp file gone, took that for a delete, and
+    started over: the batch twice. A writer that cannot link its batch again looks
+    for it first: here it is committed (by the repair), and the append returns."""
+    from fsstore import _cleanup, _commit, _layout, _migrate
+    from fsstore._store import SyncStore
+
+    from ._helpers import tdir
+    from .conftest import KEY
+
+    root = tmp_path / "store"
+    store = SyncStore(root, create=True, compact_every=0)
+    for i in range(1, 6):
+        store.append(KEY, [{"type": "x", "n": i}])
+    store.compact(KEY)
+    d = tdir(root, KEY)
+    real_next, real_check = _commit._next_seq, _commit.check
+    monkeypatch.setattr(_commit, "_next_seq", lambda t, dfd: 4)  # a view from before the compaction
+    interleaved: list[str] = []
+
+    def check(dir_fd: int, seq: int, marker: str | None) -> Any:
+        if not interleaved:
+            interleaved.append("gc, repair")
+            monkeypatch.setattr(_commit, "_next_seq", real_next)
+            assert [a.action for a in _cleanup.gc(str(root), older_than=-1)] == ["remove-temp"]
+            fd = os.open(d, os.O_RDONLY | os.O_DIRECTORY)
+            try:  # check --repair, its lock overtaken (or taken over from the stalled writer)
+                done = _migrate._fix(store.fs, fd, str(d), False, gaps=True, spare=False, older_than=-1)
+            finally:
+                os.close(fd)
+            assert [a.action for a in done] == ["recommit"], done
+        return real_check(dir_fd, seq, marker)
+
+    monkeypatch.setattr(_commit, "check", check)
+    store.append(KEY, [{"type": "x", "n": "W"}])
+    assert interleaved
+    assert store.load(KEY) == [{"type": "x", "n": n} for n in [1, 2, 3, 4, 5, "W"]]
+    assert not [p for p in os.listdir(d) if p.startswith(".tmp-")]
+    store.append(KEY, [{"type": "x", "n": "after"}])
+    assert store.load(KEY)[-2:] == [{"type": "x", "n": "W"}, {"type": "x", "n": "after"}]
