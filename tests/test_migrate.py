@@ -166,7 +166,7 @@ def test_a_misplaced_batch_repair_committed_after_gc_took_its_temp_file_is_not_c
     writer's check then found its temp file gone, took that for a delete, and
     started over: the batch twice. A writer that cannot link its batch again looks
     for it first: here it is committed (by the repair), and the append returns."""
-    from fsstore import _cleanup, _commit, _layout, _migrate
+    from fsstore import _cleanup, _commit, _migrate
     from fsstore._store import SyncStore
 
     from ._helpers import tdir
