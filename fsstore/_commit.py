@@ -390,20 +390,31 @@ def _found(dir_fd: int, payload: bytes) -> tuple[int, list[Item]] | None:
     committed now, if anywhere: ``check --repair`` commits a misplaced batch again
     once no temp file holds it, which ``fsstore gc`` on a host whose clock runs ahead
     can have removed (found by review: the writer, taking the vanished names for a
-    delete, started over: the batch twice). Where none holds it (a compaction removed
-    the misplaced name, gc the temp file) its writer starts over: nothing of it is on
-    disk. A repair links the batch above before it unlinks the misplaced name, so
-    that link is in this listing. Reads the whole transcript: rare."""
-    _views.refresh_listing(dir_fd)
-    items = _transcript.scan_items(dir_fd)
-    for first, last, name in items:
+    delete, started over: the batch twice). A repair links the batch above before it
+    unlinks the misplaced name, so that link, or a segment merging it, is there.
+
+    A look reads every file of a listing (rare: the whole transcript) and lists twice
+    more; a file gone before it was read, or a segment the listing lacked (one
+    listing can be torn), is a compaction's doing: looked at again (found by review:
+    a compaction during the look hid the repair's link, and the batch was there
+    twice). None only after a whole look: nothing of the batch is on disk, and its
+    writer starts over."""
+    for _look in range(_COVER_READS):
+        _views.refresh_listing(dir_fd)
+        items = _transcript.scan_items(dir_fd)
         try:
-            if payload in _read.read_file(dir_fd, name):
-                return last, items
+            for _first, last, name in items:
+                if payload in _read.read_file(dir_fd, name):
+                    return last, items
         except OSError as exc:
-            if exc.errno not in (errno.ENOENT, errno.ESTALE):
+            if exc.errno not in (errno.ENOENT, errno.ESTALE):  # ESTALE: another host removed it
                 raise
-    return None
+            continue
+        if not _transcript.segment_made_over(dir_fd, items, 1, _layout.MAX_SEQ):
+            return None
+    raise FsStoreError("EAGAIN", "the batch's names were removed and compactions kept changing "
+                       "the transcript while it was looked for; the batch may be committed",
+                       operation="append", errno=errno.EAGAIN)
 
 
 def _holds(dir_fd: int, segment: str, payload: bytes) -> bool | None:

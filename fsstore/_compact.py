@@ -48,7 +48,17 @@ from typing import Any
 from . import _fsio, _layout, _read, _summaries
 from ._errors import FsStoreError, log
 from ._lock import Held
-from ._transcript import Item, State, Vanished, parse, plan_held, read_state, scan, write_state
+from ._transcript import (
+    Item,
+    State,
+    Vanished,
+    parse,
+    plan_held,
+    read_state,
+    scan,
+    segment_made_over,
+    write_state,
+)
 
 # The SDK's fold function and the session key it is given.
 Summary = tuple[_summaries.Fold, dict[str, str]]
@@ -93,8 +103,12 @@ def compact(
     everything: bool,
     operation: str,
     summary: Summary | None = None,
+    across_gaps: bool = False,
 ) -> int:
-    """Merge (see the module docstring); return how many files were merged (0: none)."""
+    """Merge (see the module docstring); return how many files were merged (0: none).
+    ``across_gaps`` (``fsstore check --repair``): a hole two listings agree on is
+    closed instead: everything merged into one segment numbered from 1 (the missing
+    parts were lost already)."""
     mtime = os.fstat(dir_fd).st_mtime_ns
     items, deleted = scan(dir_fd)
     seen: dict[str, bytes] = {}  # what plan_held judged is what is copied
@@ -106,10 +120,11 @@ def compact(
         # it was read in several parts (found by review: CORRUPT for honest writers).
         if sorted(scan(dir_fd)[0]) != sorted(items):
             raise Vanished(path)  # changing: looked at again
-        raise FsStoreError("CORRUPT", f"sequence gap at part {gap}: refusing to compact across it",
-                           operation=operation, path=path)
-    merge = chain[choose(chain, everything=everything):]
-    if len(merge) < 2:
+        if not across_gaps:
+            raise FsStoreError("CORRUPT", f"sequence gap at part {gap}: refusing to compact across it",
+                               operation=operation, path=path)
+    merge = chain[choose(chain, everything=everything or across_gaps):]
+    if len(merge) < 2 and gap is None:
         _remove_covered(dir_fd, items, chain)
         return 0
     blobs: dict[str, bytes] = {}
@@ -126,8 +141,8 @@ def compact(
             parse(blob, f"{path}/{name}", operation)  # never copy a damaged part
         blobs[name] = blob
         newest = max(newest, st.st_mtime_ns)
-    first, last = merge[0][0], merge[-1][1]
-    if _segment_made_over(dir_fd, items, first, last):
+    first, last = 1 if gap is not None else merge[0][0], merge[-1][1]
+    if segment_made_over(dir_fd, items, first, last):
         # Found by review: a name read here can be one another compaction freed (its
         # segment over it published first) and a stale writer linked again since:
         # copied, that batch would take the merged one's place. Looked at again.
@@ -152,31 +167,6 @@ def compact(
     _remove_covered(dir_fd, after, [(first, last, segment)])
     _restore_mtime(dir_fd, mtime)
     return len(merge)
-
-
-def _segment_made_over(dir_fd: int, listed: list[Item], first: int, last: int) -> bool:
-    """Whether a segment that ``listed`` lacks holds a number of ``first..last``: step 3's
-    look after the reads. A name is free again only once a segment over it exists, and
-    one such segment exists from then on (the one replacing it is made first), so a
-    file read after its name was freed leaves one here. Two listings, as a commit's
-    check: one can be torn by a compaction."""
-    known = {name for _f, _l, name in listed}
-    return any(f != l and name not in known and f <= last and first <= l
-               for _look in range(2) for f, l, name in scan(dir_fd)[0])
-
-
-def close_gaps(fs: _fsio.Fs, dir_fd: int, path: str, chain: list[Item]) -> None:
-    """Merge the files of a chain with holes into one segment numbered from 1, which
-    closes them (``fsstore check --repair``: the missing parts were lost already)."""
-    blobs = []
-    for _first, _last, name in chain:
-        blob = _read.read_file(dir_fd, name)
-        parse(blob, f"{path}/{name}", "repair")  # never hide damage inside a segment
-        blobs.append(blob)
-    segment = _layout.segment_name(1, chain[-1][1])
-    if not _publish(fs, dir_fd, segment, b"".join(blobs), None, lambda: None):
-        raise FsStoreError("CORRUPT", f"{segment} exists already", operation="repair", path=path)
-    _remove_covered(dir_fd, scan(dir_fd)[0], [(1, chain[-1][1], segment)])
 
 
 def _publish(fs: _fsio.Fs, dir_fd: int, segment: str, data: bytes, mtime_ns: int | None,

@@ -29,12 +29,12 @@ import os
 import time
 from collections.abc import Callable
 
-from . import _compact, _fsio, _layout, _read
+from . import _fsio, _layout, _read
 from ._cleanup import Action, not_looked_at
 from ._commit import link_and_check
 from ._errors import FsStoreError
 from ._store import SyncStore
-from ._transcript import Item, plan, scan, top
+from ._transcript import Item, scan, snapshot, top
 from ._walk import Progress, TranscriptRef, Walker, tick, walking
 
 
@@ -124,16 +124,21 @@ def _migrate_one(w: Walker, tref: TranscriptRef, dry_run: bool, older_than: floa
         fd = w.open(tref.comps)
         if fd is None:
             return []
+        close = (lambda: store._compact(tref.tk, everything=True, across_gaps=True)) if gaps else None
         try:
-            return _fix(store.fs, fd, path, dry_run, gaps=gaps, spare=not gaps, older_than=older_than)
+            return _fix(store.fs, fd, path, dry_run, close=close, spare=not gaps, older_than=older_than)
         except (OSError, FsStoreError) as exc:
             return [Action("repair", path, f"not repaired: {exc}", False, failed=True)]
         finally:
             os.close(fd)
 
 
-def _fix(fs: _fsio.Fs, fd: int, path: str, dry_run: bool, *, gaps: bool, spare: bool,
-         older_than: float) -> list[Action]:
+def _fix(fs: _fsio.Fs, fd: int, path: str, dry_run: bool, *, close: Callable[[], int] | None,
+         spare: bool, older_than: float) -> list[Action]:
+    """Misplaced parts committed again, ``.state.spare`` removed (``spare``), a gap
+    closed by ``close`` (a compaction across it, checked as every compaction is: a
+    hole in a listing torn by a racing compaction is never closed), under the
+    transcript lock, which another holder may have overtaken."""
     actions: list[Action] = []
     items, _deleted = scan(fd)
     misplaced = misplaced_parts(fd, items)
@@ -161,14 +166,18 @@ def _fix(fs: _fsio.Fs, fd: int, path: str, dry_run: bool, *, gaps: bool, spare: 
             _fsio.unlink_quiet(fd, _layout.STATE_SPARE)
         actions.append(Action("remove", f"{path}/{_layout.STATE_SPARE}", "format 1's spare state file",
                               not dry_run))
-    items, _deleted = scan(fd)
-    chain, gap = plan(items)
-    if gaps and gap is not None:
-        present = {n for first, last, _n in chain for n in range(first, last + 1)}
-        lost = [n for n in range(1, top(items) + 1) if n not in present]
+    if close is None:
+        return actions
+    seen = snapshot(fd, path, "repair", read=False)
+    if seen.race is not None:
+        return [*actions, Action("repair", path, "not repaired: the transcript changed while it "
+                                 "was looked at (compactions); run again", False, failed=True)]
+    if seen.gap is not None:
+        present = {n for first, last, _n in seen.chain for n in range(first, last + 1)}
+        lost = [n for n in range(1, top(seen.items) + 1) if n not in present]
         what = f"gap closed; lost (gone before the repair): parts {_ranges(lost)}"
         if not dry_run:
-            _compact.close_gaps(fs, fd, path, chain)
+            close()
         actions.append(Action("close-gap", path, what if not dry_run else f"would be {what}",
                               not dry_run))
     return actions

@@ -189,7 +189,7 @@ def test_a_misplaced_batch_repair_committed_after_gc_took_its_temp_file_is_not_c
             assert [a.action for a in _cleanup.gc(str(root), older_than=-1)] == ["remove-temp"]
             fd = os.open(d, os.O_RDONLY | os.O_DIRECTORY)
             try:  # check --repair, its lock overtaken (or taken over from the stalled writer)
-                done = _migrate._fix(store.fs, fd, str(d), False, gaps=True, spare=False, older_than=-1)
+                done = _migrate._fix(store.fs, fd, str(d), False, close=None, spare=False, older_than=-1)
             finally:
                 os.close(fd)
             assert [a.action for a in done] == ["recommit"], done
@@ -202,3 +202,107 @@ def test_a_misplaced_batch_repair_committed_after_gc_took_its_temp_file_is_not_c
     assert not [p for p in os.listdir(d) if p.startswith(".tmp-")]
     store.append(KEY, [{"type": "x", "n": "after"}])
     assert store.load(KEY)[-2:] == [{"type": "x", "n": "W"}, {"type": "x", "n": "after"}]
+
+
+def test_a_writer_looking_for_its_batch_while_a_compaction_merges_it_finds_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Re-review of the above (real processes, 4 of 4): the writer's look for its
+    batch listed once, and a compaction merged the repair's link (and the segment
+    under it) before the reads: both names gone, the writer took the batch for lost
+    and started over: there twice. A file gone during the look is a compaction's
+    doing: looked at again."""
+    from fsstore import _cleanup, _commit, _compact, _migrate, _transcript
+    from fsstore._store import SyncStore
+
+    from ._helpers import tdir
+    from .conftest import KEY
+
+    root = tmp_path / "store"
+    store = SyncStore(root, create=True, compact_every=0)
+    for i in range(1, 6):
+        store.append(KEY, [{"type": "x", "n": i}])
+    store.compact(KEY)
+    d = tdir(root, KEY)
+    real_next, real_check, real_scan = _commit._next_seq, _commit.check, _transcript.scan_items
+    monkeypatch.setattr(_commit, "_next_seq", lambda t, dfd: 4)
+    steps: list[str] = []
+
+    class Unfenced:  # the compactor's lock: overtaken from the stalled writer
+        def check(self, _op: str) -> None:
+            pass
+
+    def check(dir_fd: int, seq: int, marker: str | None) -> Any:
+        if not steps:
+            steps.append("gc, repair")
+            monkeypatch.setattr(_commit, "_next_seq", real_next)
+            _cleanup.gc(str(root), older_than=-1)
+            fd = os.open(d, os.O_RDONLY | os.O_DIRECTORY)
+            try:
+                _migrate._fix(store.fs, fd, str(d), False, close=None, spare=False, older_than=-1)
+            finally:
+                os.close(fd)
+        return real_check(dir_fd, seq, marker)
+
+    def scan_items(dir_fd: int) -> Any:
+        items = real_scan(dir_fd)
+        if steps == ["gc, repair"] and any(it[0] == 6 for it in items):
+            steps.append("compaction during the look")  # after the listing, before the reads
+            _compact.compact(store.fs, dir_fd, str(d), Unfenced(), everything=True,  # type: ignore[arg-type]
+                             operation="compact")
+        return items
+
+    monkeypatch.setattr(_commit, "check", check)
+    monkeypatch.setattr(_transcript, "scan_items", scan_items)
+    store.append(KEY, [{"type": "x", "n": "W"}])
+    assert steps == ["gc, repair", "compaction during the look"]
+    assert store.load(KEY) == [{"type": "x", "n": n} for n in [1, 2, 3, 4, 5, "W"]]
+
+
+def test_repair_never_closes_a_hole_that_only_a_torn_listing_shows(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found by review (by reading): repair judged a gap from one listing, which a
+    compaction racing it (its lock overtaken) can tear: a segment made behind the
+    cursor and the parts it merged gone ahead of it. Closing that hole merged the rest
+    and removed the real segment: its batches lost. The gap is now judged as a load
+    judges it (the listings after agree), and closed by a compaction across it, with
+    a compaction's checks."""
+    from fsstore import _keys, _migrate, _transcript
+    from fsstore._store import SyncStore
+
+    from ._helpers import tdir
+    from .conftest import KEY
+
+    root = tmp_path / "store"
+    store = SyncStore(root, create=True, compact_every=0)
+    for i in range(1, 7):
+        store.append(KEY, [{"type": "x", "n": i}])
+    d = tdir(root, KEY)
+    # What a compaction racing the listing leaves: 3-4 made behind the cursor, 3 and 4
+    # gone ahead of it: the listing shows neither.
+    (d / "00000000000000000003-00000000000000000004.jsonl").write_bytes(
+        (d / "00000000000000000003.jsonl").read_bytes() + (d / "00000000000000000004.jsonl").read_bytes())
+    for n in (3, 4):
+        (d / f"0000000000000000000{n}.jsonl").unlink()
+    real_scan = _transcript.scan
+    torn: list[int] = []
+
+    def scan(dir_fd: int) -> Any:  # the first two listings torn (the repair's own and its gap's)
+        items, deleted = real_scan(dir_fd)
+        if len(torn) < 2:
+            torn.append(1)
+            items = [it for it in items if it[0] != 3]
+        return items, deleted
+
+    monkeypatch.setattr(_transcript, "scan", scan)
+    monkeypatch.setattr(_migrate, "scan", scan)
+    fd = os.open(d, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        done = _migrate._fix(store.fs, fd, str(d), False, spare=False, older_than=3600,
+                             close=lambda: store._compact(_keys.parse_key(KEY, "t"), everything=True, across_gaps=True))
+    finally:
+        os.close(fd)
+    assert torn and [a.action for a in done] == ["repair"] and "run again" in done[0].detail, done
+    assert store.load(KEY) == [{"type": "x", "n": i} for i in range(1, 7)]
+
