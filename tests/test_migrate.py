@@ -17,6 +17,9 @@ import pytest
 
 from fsstore import FsSessionStore
 
+from ._helpers import tdir
+from .conftest import KEY
+
 FIXTURES = Path(__file__).parent / "fixtures"
 REPO = str(Path(__file__).parent.parent)
 
@@ -120,17 +123,9 @@ def test_repair_leaves_a_misplaced_batch_its_live_writer_is_committing_again(
     host whose clock is 2 h ahead, or a writer stalled that long), is left to its
     writer; an old one (format 1's) is committed again."""
     from fsstore import _commit, _layout
-    from fsstore._store import SyncStore
 
-    from ._helpers import tdir
-    from .conftest import KEY
-
+    store, d = _five_compacted(tmp_path)
     root = tmp_path / "store"
-    store = SyncStore(root, create=True, compact_every=0)
-    for i in range(1, 6):
-        store.append(KEY, [{"type": "x", "n": i}])
-    store.compact(KEY)
-    d = tdir(root, KEY)
     w_batch = _commit.encode_batch([{"type": "x", "n": "W"}], "append")
     (d / ".tmp-w").write_bytes(w_batch)
     os.link(d / ".tmp-w", d / _layout.part_name(4))  # the stale writer's link; its check to come
@@ -156,8 +151,9 @@ def test_repair_leaves_a_misplaced_batch_its_live_writer_is_committing_again(
     assert store.load(KEY) == [*want, {"type": "x", "n": "late"}]
 
 
+@pytest.mark.parametrize("during_the_look", [False, True], ids=["look undisturbed", "a compaction during the look"])
 def test_a_misplaced_batch_repair_committed_after_gc_took_its_temp_file_is_not_committed_again(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, during_the_look: bool
 ) -> None:
     """Found by review (real processes, 7 of 7): a writer stalled around its link put
     its batch at a number a compaction had freed (inside segment 1-5); ``fsstore gc``
@@ -165,28 +161,28 @@ def test_a_misplaced_batch_repair_committed_after_gc_took_its_temp_file_is_not_c
     --repair`` found no temp twin and committed the misplaced batch again above; the
     writer's check then found its temp file gone, took that for a delete, and
     started over: the batch twice. A writer that cannot link its batch again looks
-    for it first: here it is committed (by the repair), and the append returns."""
-    from fsstore import _cleanup, _commit, _migrate
-    from fsstore._store import SyncStore
+    for it first: here it is committed (by the repair), and the append returns.
 
-    from ._helpers import tdir
-    from .conftest import KEY
+    The re-review (4 of 4): that look listed once, and a compaction merged the
+    repair's link and the segment under it before the reads: both gone, the batch
+    taken for lost: twice again. A file gone during the look, or a segment new
+    after it, is a compaction's doing: looked at again."""
+    from fsstore import _cleanup, _commit, _compact, _migrate, _transcript
 
-    root = tmp_path / "store"
-    store = SyncStore(root, create=True, compact_every=0)
-    for i in range(1, 6):
-        store.append(KEY, [{"type": "x", "n": i}])
-    store.compact(KEY)
-    d = tdir(root, KEY)
-    real_next, real_check = _commit._next_seq, _commit.check
+    store, d = _five_compacted(tmp_path)
+    real_next, real_check, real_scan = _commit._next_seq, _commit.check, _transcript.scan_items
     monkeypatch.setattr(_commit, "_next_seq", lambda t, dfd: 4)  # a view from before the compaction
-    interleaved: list[str] = []
+    steps: list[str] = []
+
+    class Unfenced:  # a compactor's lock, overtaken from the stalled writer
+        def check(self, _op: str) -> None:
+            pass
 
     def check(dir_fd: int, seq: int, marker: str | None) -> Any:
-        if not interleaved:
-            interleaved.append("gc, repair")
+        if not steps:
+            steps.append("gc, repair")
             monkeypatch.setattr(_commit, "_next_seq", real_next)
-            assert [a.action for a in _cleanup.gc(str(root), older_than=-1)] == ["remove-temp"]
+            assert [a.action for a in _cleanup.gc(str(store.root), older_than=-1)] == ["remove-temp"]
             fd = os.open(d, os.O_RDONLY | os.O_DIRECTORY)
             try:  # check --repair, its lock overtaken (or taken over from the stalled writer)
                 done = _migrate._fix(store.fs, fd, str(d), False, close=None, spare=False, older_than=-1)
@@ -195,58 +191,9 @@ def test_a_misplaced_batch_repair_committed_after_gc_took_its_temp_file_is_not_c
             assert [a.action for a in done] == ["recommit"], done
         return real_check(dir_fd, seq, marker)
 
-    monkeypatch.setattr(_commit, "check", check)
-    store.append(KEY, [{"type": "x", "n": "W"}])
-    assert interleaved
-    assert store.load(KEY) == [{"type": "x", "n": n} for n in [1, 2, 3, 4, 5, "W"]]
-    assert not [p for p in os.listdir(d) if p.startswith(".tmp-")]
-    store.append(KEY, [{"type": "x", "n": "after"}])
-    assert store.load(KEY)[-2:] == [{"type": "x", "n": "W"}, {"type": "x", "n": "after"}]
-
-
-def test_a_writer_looking_for_its_batch_while_a_compaction_merges_it_finds_it(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Re-review of the above (real processes, 4 of 4): the writer's look for its
-    batch listed once, and a compaction merged the repair's link (and the segment
-    under it) before the reads: both names gone, the writer took the batch for lost
-    and started over: there twice. A file gone during the look is a compaction's
-    doing: looked at again."""
-    from fsstore import _cleanup, _commit, _compact, _migrate, _transcript
-    from fsstore._store import SyncStore
-
-    from ._helpers import tdir
-    from .conftest import KEY
-
-    root = tmp_path / "store"
-    store = SyncStore(root, create=True, compact_every=0)
-    for i in range(1, 6):
-        store.append(KEY, [{"type": "x", "n": i}])
-    store.compact(KEY)
-    d = tdir(root, KEY)
-    real_next, real_check, real_scan = _commit._next_seq, _commit.check, _transcript.scan_items
-    monkeypatch.setattr(_commit, "_next_seq", lambda t, dfd: 4)
-    steps: list[str] = []
-
-    class Unfenced:  # the compactor's lock: overtaken from the stalled writer
-        def check(self, _op: str) -> None:
-            pass
-
-    def check(dir_fd: int, seq: int, marker: str | None) -> Any:
-        if not steps:
-            steps.append("gc, repair")
-            monkeypatch.setattr(_commit, "_next_seq", real_next)
-            _cleanup.gc(str(root), older_than=-1)
-            fd = os.open(d, os.O_RDONLY | os.O_DIRECTORY)
-            try:
-                _migrate._fix(store.fs, fd, str(d), False, close=None, spare=False, older_than=-1)
-            finally:
-                os.close(fd)
-        return real_check(dir_fd, seq, marker)
-
     def scan_items(dir_fd: int) -> Any:
         items = real_scan(dir_fd)
-        if steps == ["gc, repair"] and any(it[0] == 6 for it in items):
+        if during_the_look and steps == ["gc, repair"] and any(it[0] == 6 for it in items):
             steps.append("compaction during the look")  # after the listing, before the reads
             _compact.compact(store.fs, dir_fd, str(d), Unfenced(), everything=True,  # type: ignore[arg-type]
                              operation="compact")
@@ -255,8 +202,22 @@ def test_a_writer_looking_for_its_batch_while_a_compaction_merges_it_finds_it(
     monkeypatch.setattr(_commit, "check", check)
     monkeypatch.setattr(_transcript, "scan_items", scan_items)
     store.append(KEY, [{"type": "x", "n": "W"}])
-    assert steps == ["gc, repair", "compaction during the look"]
+    assert len(steps) == 1 + during_the_look
     assert store.load(KEY) == [{"type": "x", "n": n} for n in [1, 2, 3, 4, 5, "W"]]
+    assert not [p for p in os.listdir(d) if p.startswith(".tmp-")]
+    store.append(KEY, [{"type": "x", "n": "after"}])
+    assert store.load(KEY)[-2:] == [{"type": "x", "n": "W"}, {"type": "x", "n": "after"}]
+
+
+def _five_compacted(tmp_path: Path) -> tuple[Any, Path]:
+    """A store whose transcript KEY is segment 1-5, and that transcript's directory."""
+    from fsstore._store import SyncStore
+
+    store = SyncStore(tmp_path / "store", create=True, compact_every=0)
+    for i in range(1, 6):
+        store.append(KEY, [{"type": "x", "n": i}])
+    store.compact(KEY)
+    return store, tdir(tmp_path / "store", KEY)
 
 
 def test_repair_never_closes_a_hole_that_only_a_torn_listing_shows(
@@ -270,9 +231,6 @@ def test_repair_never_closes_a_hole_that_only_a_torn_listing_shows(
     a compaction's checks."""
     from fsstore import _keys, _migrate, _transcript
     from fsstore._store import SyncStore
-
-    from ._helpers import tdir
-    from .conftest import KEY
 
     root = tmp_path / "store"
     store = SyncStore(root, create=True, compact_every=0)
