@@ -225,7 +225,17 @@ def _append_once(store: SyncStore, t: Appending, payload: bytes, into: Callable[
     if dfd is None:
         with store._open_root(create=True, path_only=True) as rfd:
             assert rfd is not None
-            if _first_commit(store, rfd, t, payload, into):
+            try:
+                made = _first_commit(store, rfd, t, payload, into)
+            except FileNotFoundError:
+                # A directory of the path (the session's, another host deleted it) still
+                # opens here but is gone on the server, so making one in it fails: sshfs
+                # keeps the name for seconds, past every start-over (found by review:
+                # 65 of 1,733 appends ran out of attempts). As for a part's temp file:
+                if into is not None:
+                    raise
+                made = _recreate(store, t, payload)
+            if made:
                 t.next_seq, t.last_name = 2, _layout.part_name(1)
                 return
         raise FileNotFoundError(errno.ENOENT, "created and deleted meanwhile", t.path)

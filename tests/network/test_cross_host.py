@@ -563,6 +563,40 @@ def test_an_append_after_a_remote_delete_starts_a_new_session(request: pytest.Fi
             assert_transcript(s.load(key), [("new", 0)], 2)
 
 
+@pytest.mark.parametrize("kind", params())
+def test_a_first_append_into_a_session_the_other_host_deleted_starts_a_new_session(
+    request: pytest.FixtureRequest, kind: str
+) -> None:
+    """Stop 24's investigation (sshfs with caches, deletes and prunes on host 1): 65 of
+    1,733 appends on host 2 failed ENOENT ("transcript directory kept disappearing").
+    Host 2 still reached the deleted session directory by its cached name, but not
+    the transcript directory in it: a first commit's mkdir in the stale directory
+    failed ENOENT on the server on every try for seconds (3 of 3 here), and only a
+    part's temp file (not a first commit) made the session anew. Now both do."""
+    pair = pair_of(request, kind)
+    r1, r2 = pair.fresh("reborn-first")
+    root1, root2 = str(r1 / "store"), str(r2 / "store")
+    keys = _sessions(root1, 3, batches=2)
+    s1, s2 = FsSessionStore(root1, create=True).sync, FsSessionStore(root2, create=True).sync
+    time.sleep(pair.cache_window)  # host 2 sees them all
+    codes: collections.Counter[str] = collections.Counter()
+    for key in keys:
+        assert len(s2.load(key) or []) == 8  # host 2 reaches <S> by its cached name
+        s1.delete(key)
+        try:  # a new subagent transcript: its first commit makes subkeys/ in <S>
+            s2.append({**key, "subpath": "subagents/agent-1"}, batch("new", 0, 2))
+        except FsStoreError as exc:
+            codes[exc.code] += 1
+    if codes:
+        raise AppendsFailed(f"{sum(codes.values())} of {len(keys)} first appends after a remote delete "
+                            f"failed: {dict(codes)}")
+    time.sleep(pair.cache_window)
+    for key in keys:
+        for s in (s1, s2):
+            assert s.load(key) is None
+            assert_transcript(s.load({**key, "subpath": "subagents/agent-1"}), [("new", 0)], 2)
+
+
 @pytest.mark.parametrize("kind", [pytest.param("sshfs", id="sshfs")])
 def test_an_append_after_a_remote_delete_starts_a_new_session_where_names_outlive_attributes(
     request: pytest.FixtureRequest, kind: str, tmp_path: Path
