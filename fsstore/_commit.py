@@ -403,8 +403,9 @@ def _found(dir_fd: int, payload: bytes) -> tuple[int, list[Item]] | None:
     delete, started over: the batch twice). A repair links the batch above before it
     unlinks the misplaced name, so that link, or a segment merging it, is there.
 
-    A look reads every file of a listing (rare: the whole transcript) and lists twice
-    more; a file gone before it was read, or a segment the listing lacked (one
+    Only a file of the chain counts (a repair's link can itself be misplaced, and be
+    removed by its check: found by review, the batch lost). A look reads the chain
+    (rare: the whole transcript) and lists twice more; a file gone before it was read, or a segment the listing lacked (one
     listing can be torn), is a compaction's doing: looked at again (found by review:
     a compaction during the look hid the repair's link, and the batch was there
     twice). None only after a whole look: nothing of the batch is on disk, and its
@@ -412,10 +413,13 @@ def _found(dir_fd: int, payload: bytes) -> tuple[int, list[Item]] | None:
     for _look in range(_COVER_READS):
         _views.refresh_listing(dir_fd)
         items = _transcript.scan_items(dir_fd)
+        seen: dict[str, bytes] = {}
         try:
-            for _first, last, name in items:
-                if payload in _read.read_file(dir_fd, name):
+            for _first, last, name in _transcript.plan_held(items, dir_fd, seen)[0]:
+                if payload in (seen[name] if name in seen else _read.read_file(dir_fd, name)):
                     return last, items
+        except _transcript.Vanished:
+            continue
         except OSError as exc:
             if exc.errno not in (errno.ENOENT, errno.ESTALE):  # ESTALE: another host removed it
                 raise

@@ -103,12 +103,8 @@ def compact(
     everything: bool,
     operation: str,
     summary: Summary | None = None,
-    across_gaps: bool = False,
 ) -> int:
-    """Merge (see the module docstring); return how many files were merged (0: none).
-    ``across_gaps`` (``fsstore check --repair``): a hole two listings agree on is
-    closed instead: everything merged into one segment numbered from 1 (the missing
-    parts were lost already)."""
+    """Merge (see the module docstring); return how many files were merged (0: none)."""
     mtime = os.fstat(dir_fd).st_mtime_ns
     items, deleted = scan(dir_fd)
     seen: dict[str, bytes] = {}  # what plan_held judged is what is copied
@@ -120,11 +116,10 @@ def compact(
         # it was read in several parts (found by review: CORRUPT for honest writers).
         if sorted(scan(dir_fd)[0]) != sorted(items):
             raise Vanished(path)  # changing: looked at again
-        if not across_gaps:
-            raise FsStoreError("CORRUPT", f"sequence gap at part {gap}: refusing to compact across it",
-                               operation=operation, path=path)
-    merge = chain[choose(chain, everything=everything or across_gaps):]
-    if len(merge) < 2 and gap is None:
+        raise FsStoreError("CORRUPT", f"sequence gap at part {gap}: refusing to compact across it",
+                           operation=operation, path=path)
+    merge = chain[choose(chain, everything=everything):]
+    if len(merge) < 2:
         _remove_covered(dir_fd, items, chain)
         return 0
     blobs: dict[str, bytes] = {}
@@ -141,7 +136,7 @@ def compact(
             parse(blob, f"{path}/{name}", operation)  # never copy a damaged part
         blobs[name] = blob
         newest = max(newest, st.st_mtime_ns)
-    first, last = 1 if gap is not None else merge[0][0], merge[-1][1]
+    first, last = merge[0][0], merge[-1][1]
     if segment_made_over(dir_fd, items, first, last):
         # Found by review: a name read here can be one another compaction freed (its
         # segment over it published first) and a stale writer linked again since:

@@ -10,6 +10,7 @@ transcript directory:
 
     00000000000000000001.jsonl                        a part: one committed batch
     00000000000000000001-00000000000000000300.jsonl   a segment: parts 1..300 merged
+                                                      (a part of one empty line: a lost batch's place)
     state.json                                        the summary as of a compaction (a hint)
     .deleted                                          a delete is under way (committed)
     .tmp-*-pruning                                    a prune's mark, until its last look
@@ -36,6 +37,10 @@ MARKER = ".fsstore"  # in the root: this directory is a store (format, created w
 STATE = "state.json"
 STATE_SPARE = ".state.spare"  # format 1's previous state.json: ignored, removed by migrate
 DELETED = ".deleted"  # created in a transcript directory before a delete moves it away
+# What `fsstore check --repair` links at the number of a batch lost outside fsstore: one
+# empty line, which holds no entry. The chain is whole again; a writer that wanted the
+# number finds it taken and goes above; under a segment it is a leftover like any part.
+LOST = b"\n"
 # A prune's mark until its last look says delete: a temp file (``.tmp-*-pruning``) it then
 # renames to ``.deleted`` in ``main/`` (its commit, like a batch's). An append that finds
 # one removes it first: that prune then keeps the session (see _delete._prune).

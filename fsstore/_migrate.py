@@ -15,9 +15,13 @@ name whose bytes are elsewhere), idempotent, and reported by ``--dry-run`` first
   first (ctime order, the order they were committed in), then its old name is
   removed.
 * **Gaps** (repair only). A part lost outside fsstore (moved aside by an operator)
-  leaves a hole that makes every load warn. The transcript is compacted across it
-  into one segment numbered from 1, which closes the hole; the missing numbers are
-  reported as lost (their bytes were already gone).
+  leaves a hole that makes every load warn. Each missing number gets a part of one
+  empty line (:data:`_layout.LOST`, no entry), linked no-replace, which closes the
+  hole; the numbers are reported as lost (their bytes were already gone). Nothing is
+  removed or rewritten: where a writer linked its batch at the number first, the
+  link fails and the batch stays; where a segment the repair's listing missed holds
+  the number, the part is a leftover under it (found by review: a compaction across
+  the hole removed a batch committed into it meanwhile).
 
 ``migrate`` also removes format 1's ``.state.spare`` and gives a store made before
 the marker existed its ``.fsstore`` marker.
@@ -124,21 +128,19 @@ def _migrate_one(w: Walker, tref: TranscriptRef, dry_run: bool, older_than: floa
         fd = w.open(tref.comps)
         if fd is None:
             return []
-        close = (lambda: store._compact(tref.tk, everything=True, across_gaps=True)) if gaps else None
         try:
-            return _fix(store.fs, fd, path, dry_run, close=close, spare=not gaps, older_than=older_than)
+            return _fix(store.fs, fd, path, dry_run, gaps=gaps, spare=not gaps, older_than=older_than)
         except (OSError, FsStoreError) as exc:
             return [Action("repair", path, f"not repaired: {exc}", False, failed=True)]
         finally:
             os.close(fd)
 
 
-def _fix(fs: _fsio.Fs, fd: int, path: str, dry_run: bool, *, close: Callable[[], int] | None,
-         spare: bool, older_than: float) -> list[Action]:
-    """Misplaced parts committed again, ``.state.spare`` removed (``spare``), a gap
-    closed by ``close`` (a compaction across it, checked as every compaction is: a
-    hole in a listing torn by a racing compaction is never closed), under the
-    transcript lock, which another holder may have overtaken."""
+def _fix(fs: _fsio.Fs, fd: int, path: str, dry_run: bool, *, gaps: bool, spare: bool,
+         older_than: float) -> list[Action]:
+    """Misplaced parts committed again, ``.state.spare`` removed (``spare``), gaps
+    closed (``gaps``), under the transcript lock, which another holder may have
+    overtaken (see the module)."""
     actions: list[Action] = []
     items, _deleted = scan(fd)
     misplaced = misplaced_parts(fd, items)
@@ -166,21 +168,38 @@ def _fix(fs: _fsio.Fs, fd: int, path: str, dry_run: bool, *, close: Callable[[],
             _fsio.unlink_quiet(fd, _layout.STATE_SPARE)
         actions.append(Action("remove", f"{path}/{_layout.STATE_SPARE}", "format 1's spare state file",
                               not dry_run))
-    if close is None:
+    if not gaps:
         return actions
     seen = snapshot(fd, path, "repair", read=False)
     if seen.race is not None:
         return [*actions, Action("repair", path, "not repaired: the transcript changed while it "
                                  "was looked at (compactions); run again", False, failed=True)]
-    if seen.gap is not None:
-        present = {n for first, last, _n in seen.chain for n in range(first, last + 1)}
-        lost = [n for n in range(1, top(seen.items) + 1) if n not in present]
-        what = f"gap closed; lost (gone before the repair): parts {_ranges(lost)}"
-        if not dry_run:
-            close()
-        actions.append(Action("close-gap", path, what if not dry_run else f"would be {what}",
-                              not dry_run))
+    if seen.gap is None:
+        return actions
+    # Numbers no listed file holds (a segment the plan left out still holds its own).
+    lost = [n for n in range(1, top(seen.items) + 1)
+            if not any(first <= n <= last for first, last, _name in seen.items)]
+    if not lost:  # overlapping segments and no chain through them: not a lost batch
+        return [*actions, Action("repair", path, f"not repaired: part {seen.gap} is missing from "
+                                 "the chain but held by an overlapping segment", False, failed=True)]
+    if not dry_run:
+        lost = [n for n in lost if _mark_lost(fs, fd, n)]
+        if not lost:
+            return [*actions, Action("close-gap", path, "filled meanwhile by commits: nothing lost", False)]
+    what = f"gap closed; lost (gone before the repair): parts {_ranges(lost)}"
+    actions.append(Action("close-gap", path, what if not dry_run else f"would be {what}", not dry_run))
     return actions
+
+
+def _mark_lost(fs: _fsio.Fs, fd: int, n: int) -> bool:
+    """Link :data:`_layout.LOST` at part ``n``, no-replace; False where a file is there
+    (a writer's batch, linked since the look: it stays)."""
+    tmp = _fsio.temp_name("-lost")
+    fs.write_new(fd, tmp, _layout.LOST)
+    try:
+        return _fsio.link_noreplace(fs, fd, tmp, _layout.part_name(n)) is not None
+    finally:
+        _fsio.unlink_quiet(fd, tmp)
 
 
 def _ranges(numbers: list[int]) -> str:

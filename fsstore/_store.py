@@ -615,12 +615,9 @@ class SyncStore:
         with translating("compact", self._path(_layout.transcript_dirs(tk))):
             return self._compact(tk, everything=True)
 
-    def _compact(self, tk: TranscriptKey, *, everything: bool, wait: float | None = None,
-                 across_gaps: bool = False) -> int:
+    def _compact(self, tk: TranscriptKey, *, everything: bool, wait: float | None = None) -> int:
         """:meth:`compact` (``everything``) or the automatic one (the parts since the
-        last segment, binary-counter style); raises OSError or FsStoreError, unlogged.
-        ``across_gaps``: ``fsstore check --repair`` closing a hole (see
-        :func:`_compact.compact`)."""
+        last segment, binary-counter style); raises OSError or FsStoreError, unlogged."""
         op = "compact"
         comps = _layout.transcript_dirs(tk)
         path = self._path(comps)
@@ -635,8 +632,7 @@ class SyncStore:
                     for _attempt in range(_LOAD_ATTEMPTS):
                         try:
                             return _compact.compact(self._fs, dfd, path, held, everything=everything,
-                                                    operation=op, summary=self._summary_of(tk),
-                                                    across_gaps=across_gaps)
+                                                    operation=op, summary=self._summary_of(tk))
                         except Vanished:
                             continue  # a file merged by an overlapping compaction: look again
             finally:

@@ -25,6 +25,7 @@ race. A ``.deleted`` marker means the transcript is gone (:class:`Deleted`).
 
 from __future__ import annotations
 
+import bisect
 import errno
 import json
 import os
@@ -186,8 +187,11 @@ def plan(items: list[Item]) -> tuple[list[Item], int | None]:
     that overlap (two compactions that overlapped) the one the chain can continue
     from is taken; with two such, a chain can run through a part inside the other's
     range (:func:`plan_held` takes it only if that segment holds it). Where no such
-    chain exists (a file lost outside fsstore), the widest file at each start is
-    taken and the first hole reported.
+    chain exists (a file lost outside fsstore), the files that do not overlap and
+    cover the most numbers are taken (the fewest of them among equals), and the
+    first hole reported: two crossing segments of overlapping compactions, one of
+    them left by a compactor that died before its check, hide nothing of the other
+    (found by review: the widest file at each start hid what the other held).
     """
     if not items:
         return [], None
@@ -209,17 +213,34 @@ def plan(items: list[Item]) -> tuple[list[Item], int | None]:
             end = link[0] - 1
         chain.reverse()
         return chain, None
+    return _covering_most(items)
+
+
+def _covering_most(items: list[Item]) -> tuple[list[Item], int | None]:
+    """:func:`plan` where no whole chain exists: weighted interval scheduling over the
+    files' ranges (numbers covered, then fewer files), and the first hole."""
+    ordered = sorted(items, key=lambda it: (it[1], it[0]))
+    ends = [it[1] for it in ordered]
+    # best[i]: (numbers covered, -files, the last file taken and best[] index before it)
+    # using the first i files of ``ordered``.
+    best: list[tuple[int, int, tuple[int, int] | None]] = [(0, 0, None)]
+    for i, (first, last, _name) in enumerate(ordered):
+        j = bisect.bisect_left(ends, first)  # the files that end before this one begins
+        covered, files, _ = best[j]
+        take = (covered + last - first + 1, files - 1, (i, j))
+        best.append(take if take[:2] > best[i][:2] else best[i])
     chosen: list[Item] = []
+    link = best[-1][2]
+    while link is not None:
+        chosen.append(ordered[link[0]])
+        link = best[link[1]][2]
+    chosen.reverse()
     covered = 0
-    gap = None
-    for item in sorted(items, key=lambda it: (it[0], -it[1])):
-        if item[0] <= covered:
-            continue
-        if gap is None and item[0] != covered + 1:
-            gap = covered + 1
-        chosen.append(item)
-        covered = item[1]
-    return chosen, gap
+    for first, last, _name in chosen:
+        if first != covered + 1:
+            return chosen, covered + 1
+        covered = last
+    return chosen, None
 
 
 def plan_held(items: list[Item], dir_fd: int, seen: dict[str, bytes]) -> tuple[list[Item], int | None]:
@@ -269,7 +290,8 @@ def plan_held(items: list[Item], dir_fd: int, seen: dict[str, bytes]) -> tuple[l
 
 
 def parse(data: bytes, path: str, operation: str) -> list[dict[str, Any]]:
-    """Entries of one part or segment; CORRUPT (with the line) if it does not parse."""
+    """Entries of one part or segment; CORRUPT (with the line) if it does not parse. An
+    empty line holds no entry (:data:`_layout.LOST`: a lost batch's place)."""
     if not data.endswith(b"\n"):
         raise FsStoreError(
             "CORRUPT",
@@ -290,7 +312,10 @@ def parse(data: bytes, path: str, operation: str) -> list[dict[str, Any]]:
         and all(type(e) is dict for e in entries)
     ):
         return entries
+    found: list[dict[str, Any]] = []
     for lineno, line in enumerate(data.split(b"\n")[:-1], start=1):
+        if not line:
+            continue
         try:
             entry = json.loads(line)
         except (ValueError, RecursionError) as exc:
@@ -301,7 +326,8 @@ def parse(data: bytes, path: str, operation: str) -> list[dict[str, Any]]:
             raise FsStoreError(
                 "CORRUPT", f"line {lineno} is not a JSON object", operation=operation, path=path
             )
-    raise FsStoreError("CORRUPT", "line structure is damaged", operation=operation, path=path)
+        found.append(entry)
+    return found
 
 
 def read_snapshot(

@@ -185,7 +185,7 @@ def test_a_misplaced_batch_repair_committed_after_gc_took_its_temp_file_is_not_c
             assert [a.action for a in _cleanup.gc(str(store.root), older_than=-1)] == ["remove-temp"]
             fd = os.open(d, os.O_RDONLY | os.O_DIRECTORY)
             try:  # check --repair, its lock overtaken (or taken over from the stalled writer)
-                done = _migrate._fix(store.fs, fd, str(d), False, close=None, spare=False, older_than=-1)
+                done = _migrate._fix(store.fs, fd, str(d), False, gaps=False, spare=False, older_than=-1)
             finally:
                 os.close(fd)
             assert [a.action for a in done] == ["recommit"], done
@@ -227,9 +227,8 @@ def test_repair_never_closes_a_hole_that_only_a_torn_listing_shows(
     compaction racing it (its lock overtaken) can tear: a segment made behind the
     cursor and the parts it merged gone ahead of it. Closing that hole merged the rest
     and removed the real segment: its batches lost. The gap is now judged as a load
-    judges it (the listings after agree), and closed by a compaction across it, with
-    a compaction's checks."""
-    from fsstore import _keys, _migrate, _transcript
+    judges it (the listings after agree), and closed without removing anything."""
+    from fsstore import _migrate, _transcript
     from fsstore._store import SyncStore
 
     root = tmp_path / "store"
@@ -257,10 +256,125 @@ def test_repair_never_closes_a_hole_that_only_a_torn_listing_shows(
     monkeypatch.setattr(_migrate, "scan", scan)
     fd = os.open(d, os.O_RDONLY | os.O_DIRECTORY)
     try:
-        done = _migrate._fix(store.fs, fd, str(d), False, spare=False, older_than=3600,
-                             close=lambda: store._compact(_keys.parse_key(KEY, "t"), everything=True, across_gaps=True))
+        done = _migrate._fix(store.fs, fd, str(d), False, gaps=True, spare=False, older_than=3600)
     finally:
         os.close(fd)
     assert torn and [a.action for a in done] == ["repair"] and "run again" in done[0].detail, done
     assert store.load(KEY) == [{"type": "x", "n": i} for i in range(1, 7)]
 
+
+
+def test_repair_closes_a_gap_without_removing_a_batch_committed_into_it_meanwhile(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found by review (real processes, 6 of 6 with a stalled repair, 5 of 5 with a
+    writer's clock +2 h): a writer whose last part was still there linked its batch at
+    the number a part moved aside had freed, after the repair's look; the repair's
+    compaction across the gap then removed it as covered. A gap is now closed by a
+    part of one empty line at each missing number, linked no-replace: the writer's
+    batch stays, and the repair reports only what was really lost."""
+    from fsstore import _commit, _layout, _migrate
+
+    store = _sync(tmp_path)
+    for i in range(1, 8):
+        store.append(KEY, [{"type": "x", "n": i}])
+    d = tdir(tmp_path / "store", KEY)
+    (d / _layout.part_name(6)).rename(tmp_path / "moved-aside")
+    real_snapshot = _migrate.snapshot
+
+    def snapshot(dir_fd: int, *args: Any, **kwargs: Any) -> Any:
+        seen = real_snapshot(dir_fd, *args, **kwargs)
+        # After the repair's look, W (its part 5 is there: 6 next), the repair's lock
+        # overtaken, commits: its link and check.
+        w = _commit.encode_batch([{"type": "x", "n": "W"}], "append")
+        (d / ".tmp-w").write_bytes(w)
+        assert _commit.link_and_check(store.fs, dir_fd, ".tmp-w", 6, w)[0] == 6
+        (d / ".tmp-w").unlink()
+        return seen
+
+    monkeypatch.setattr(_migrate, "snapshot", snapshot)
+    done = _migrate.repair(str(tmp_path / "store"))
+    assert [a.action for a in done] == ["close-gap"] and "nothing lost" in done[0].detail, done
+    want = [{"type": "x", "n": n} for n in [1, 2, 3, 4, 5, "W", 7]]
+    assert store.load(KEY) == want
+    monkeypatch.undo()
+    assert _migrate.repair(str(tmp_path / "store")) == []  # nothing left to repair
+    store.append(KEY, [{"type": "x", "n": 8}])
+    assert store.load(KEY) == [*want, {"type": "x", "n": 8}]
+
+
+def test_a_gap_next_to_crossing_segments_hides_nothing_they_hold_and_repair_loses_nothing(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Found by review (real processes, 5 of 5): compactor A published 1-10 and died
+    before its check, after an automatic compaction had made 9-12 (the two cross); then
+    part 13 was lost. With no whole chain, loads and check took the widest file at
+    each start: 1-10, hiding 11 and 12 (in 9-12), reported missing; `check --repair`
+    then removed 9-12. Now the files covering the most numbers are taken (parts 1..8,
+    9-12): only 13 is missing, and the repair marks only 13 lost."""
+    from fsstore import _layout
+
+    store = _sync(tmp_path)
+    for i in range(1, 15):
+        store.append(KEY, [{"type": "x", "n": i}])
+    d = tdir(tmp_path / "store", KEY)
+    part = {n: (d / _layout.part_name(n)).read_bytes() for n in range(1, 15)}
+    (d / _layout.segment_name(9, 12)).write_bytes(b"".join(part[n] for n in range(9, 13)))
+    for n in range(9, 13):
+        (d / _layout.part_name(n)).unlink()
+    (d / _layout.segment_name(1, 10)).write_bytes(b"".join(part[n] for n in range(1, 11)))  # A's
+    (d / _layout.part_name(13)).rename(tmp_path / "moved-aside")
+    want = [{"type": "x", "n": n} for n in range(1, 15) if n != 13]
+    assert store.load(KEY) == want
+    assert [r for r in caplog.records if getattr(r, "code", None) == "GAP"]
+    out = _cli("check", "--repair", str(tmp_path / "store"))
+    assert out.returncode == 0 and "lost (gone before the repair): parts 13\n" in out.stdout, out.stdout
+    assert (d / _layout.segment_name(9, 12)).exists()
+    caplog.clear()
+    assert store.load(KEY) == want
+    assert not [r for r in caplog.records if getattr(r, "code", None) == "GAP"]
+    assert _cli("check", str(tmp_path / "store")).returncode == 0
+
+
+def test_a_writers_look_for_its_batch_never_takes_a_misplaced_copy(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found by review (real processes, 5 of 5 repair, 2 of 2 migrate): the repair's
+    link of a writer's misplaced batch was itself misplaced (its number freed by a
+    compaction of 6-8), the writer's look found its bytes there and returned, and the
+    repair's check then removed that link: the acknowledged batch lost. Only a file
+    of the chain counts."""
+    from fsstore import _cleanup, _commit, _layout
+
+    store, d = _five_compacted(tmp_path)
+    for i in range(6, 9):
+        store.append(KEY, [{"type": "x", "n": i}])
+    parts = [d / _layout.part_name(n) for n in range(6, 9)]
+    (d / _layout.segment_name(6, 8)).write_bytes(b"".join(p.read_bytes() for p in parts))
+    for p in parts:
+        p.unlink()  # 6-8: B's compaction; 7 is free, inside it
+    real_check = _commit.check
+    monkeypatch.setattr(_commit, "_next_seq", lambda t, dfd: 4)  # W: a view from before 1-5
+    steps: list[str] = []
+
+    def check(dir_fd: int, seq: int, marker: str | None) -> Any:
+        if not steps:
+            steps.append("gc, the repair's misplaced link")
+            monkeypatch.undo()
+            _cleanup.gc(str(store.root), older_than=-1)
+            os.link(d / _layout.part_name(4), d / _layout.part_name(7))  # the repair's copy, under 6-8
+            (d / _layout.part_name(4)).unlink()
+        return real_check(dir_fd, seq, marker)
+
+    monkeypatch.setattr(_commit, "check", check)
+    store.append(KEY, [{"type": "x", "n": "W"}])
+    monkeypatch.undo()
+    assert steps
+    (d / _layout.part_name(7)).unlink()  # the repair's check: misplaced, removed
+    assert store.load(KEY) == [{"type": "x", "n": n} for n in [1, 2, 3, 4, 5, 6, 7, 8, "W"]]
+
+
+def _sync(tmp_path: Path) -> Any:
+    from fsstore._store import SyncStore
+
+    return SyncStore(tmp_path / "store", create=True, compact_every=0)
