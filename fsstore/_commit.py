@@ -405,11 +405,11 @@ def _found(dir_fd: int, payload: bytes) -> tuple[int, list[Item]] | None:
 
     Only a file of the chain counts (a repair's link can itself be misplaced, and be
     removed by its check: found by review, the batch lost). A look reads the chain
-    (rare: the whole transcript) and lists twice more; a file gone before it was read, or a segment the listing lacked (one
-    listing can be torn), is a compaction's doing: looked at again (found by review:
-    a compaction during the look hid the repair's link, and the batch was there
-    twice). None only after a whole look: nothing of the batch is on disk, and its
-    writer starts over."""
+    (rare: the whole transcript) and lists twice more; a file gone before it was
+    read, or a segment the listing lacked (one listing can be torn), is a
+    compaction's doing: looked at again (found by review: a compaction during the
+    look hid the repair's link, and the batch was there twice). None only after a
+    whole look: nothing of the batch is committed, and its writer starts over."""
     for _look in range(_COVER_READS):
         _views.refresh_listing(dir_fd)
         items = _transcript.scan_items(dir_fd)
