@@ -404,7 +404,8 @@ def _found(dir_fd: int, payload: bytes) -> tuple[int, list[Item]] | None:
     unlinks the misplaced name, so that link, or a segment merging it, is there.
 
     Only a file of the chain counts (a repair's link can itself be misplaced, and be
-    removed by its check: found by review, the batch lost). A look reads the chain
+    removed by its check: found by review, the batch lost); a copy outside it means
+    the repair is not done: looked at again. A look reads the chain
     (rare: the whole transcript) and lists twice more; a file gone before it was
     read, or a segment the listing lacked (one listing can be torn), is a
     compaction's doing: looked at again (found by review: a compaction during the
@@ -415,16 +416,23 @@ def _found(dir_fd: int, payload: bytes) -> tuple[int, list[Item]] | None:
         items = _transcript.scan_items(dir_fd)
         seen: dict[str, bytes] = {}
         try:
-            for _first, last, name in _transcript.plan_held(items, dir_fd, seen)[0]:
+            chain = _transcript.plan_held(items, dir_fd, seen)[0]
+            for _first, last, name in chain:
                 if payload in (seen[name] if name in seen else _read.read_file(dir_fd, name)):
                     return last, items
+            # A copy outside the chain is a repair's link in flight (misplaced): its
+            # check commits it above or removes it. Looked at again.
+            copied = any(payload in (seen[name] if name in seen else _read.read_file(dir_fd, name))
+                         for first, last, name in items if first == last and (first, last, name) not in chain)
         except _transcript.Vanished:
             continue
         except OSError as exc:
             if exc.errno not in (errno.ENOENT, errno.ESTALE):  # ESTALE: another host removed it
                 raise
             continue
-        if not _transcript.segment_made_over(dir_fd, items, 1, _layout.MAX_SEQ):
+        if copied:
+            time.sleep(0.01 * (_look + 1))
+        elif not _transcript.segment_made_over(dir_fd, items, 1, _layout.MAX_SEQ):
             return None
     raise FsStoreError("EAGAIN", "the batch's names were removed and compactions kept changing "
                        "the transcript while it was looked for; the batch may be committed",

@@ -336,14 +336,18 @@ def test_a_gap_next_to_crossing_segments_hides_nothing_they_hold_and_repair_lose
     assert _cli("check", str(tmp_path / "store")).returncode == 0
 
 
+@pytest.mark.parametrize("repair", ["removes its copy", "commits its copy above"])
 def test_a_writers_look_for_its_batch_never_takes_a_misplaced_copy(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, repair: str
 ) -> None:
     """Found by review (real processes, 5 of 5 repair, 2 of 2 migrate): the repair's
     link of a writer's misplaced batch was itself misplaced (its number freed by a
     compaction of 6-8), the writer's look found its bytes there and returned, and the
     repair's check then removed that link: the acknowledged batch lost. Only a file
-    of the chain counts."""
+    of the chain counts; a copy outside it is a repair in flight, looked at again
+    until it is committed (found there) or removed (the writer starts over)."""
+    import time as _time
+
     from fsstore import _cleanup, _commit, _layout
 
     store, d = _five_compacted(tmp_path)
@@ -353,24 +357,32 @@ def test_a_writers_look_for_its_batch_never_takes_a_misplaced_copy(
     (d / _layout.segment_name(6, 8)).write_bytes(b"".join(p.read_bytes() for p in parts))
     for p in parts:
         p.unlink()  # 6-8: B's compaction; 7 is free, inside it
-    real_check = _commit.check
+    real_check, real_sleep, real_next = _commit.check, _time.sleep, _commit._next_seq
     monkeypatch.setattr(_commit, "_next_seq", lambda t, dfd: 4)  # W: a view from before 1-5
     steps: list[str] = []
 
     def check(dir_fd: int, seq: int, marker: str | None) -> Any:
         if not steps:
             steps.append("gc, the repair's misplaced link")
-            monkeypatch.undo()
+            monkeypatch.setattr(_commit, "_next_seq", real_next)
             _cleanup.gc(str(store.root), older_than=-1)
             os.link(d / _layout.part_name(4), d / _layout.part_name(7))  # the repair's copy, under 6-8
             (d / _layout.part_name(4)).unlink()
         return real_check(dir_fd, seq, marker)
 
+    def sleep(seconds: float) -> None:  # the writer waits: the repair's check goes on
+        if steps == ["gc, the repair's misplaced link"]:
+            steps.append(repair)
+            if repair == "commits its copy above":
+                os.link(d / _layout.part_name(7), d / _layout.part_name(9))
+            (d / _layout.part_name(7)).unlink()
+        real_sleep(seconds)
+
     monkeypatch.setattr(_commit, "check", check)
+    monkeypatch.setattr(_time, "sleep", sleep)
     store.append(KEY, [{"type": "x", "n": "W"}])
     monkeypatch.undo()
-    assert steps
-    (d / _layout.part_name(7)).unlink()  # the repair's check: misplaced, removed
+    assert steps == ["gc, the repair's misplaced link", repair]
     assert store.load(KEY) == [{"type": "x", "n": n} for n in [1, 2, 3, 4, 5, 6, 7, 8, "W"]]
 
 
