@@ -189,7 +189,7 @@ def _fix(fs: _fsio.Fs, fd: int, path: str, dry_run: bool, *, gaps: bool, spare: 
     if gap is not None:
         # Held only by a segment that crosses the chain's (a compaction killed between its
         # move and its check, a part lost since): no file can be taken for it (found by
-        # review: reported closed). Left for a person: docs/operations.md.
+        # review: reported closed). An open defect: docs/reliability.md.
         return [*actions, Action("repair", path, f"not repaired: part {gap} is held only by a "
                                  f"segment that overlaps another (a compaction killed before its "
                                  f"check); {what}", False, failed=True)]
