@@ -434,8 +434,9 @@ def _found(dir_fd: int, payload: bytes) -> tuple[int, list[Item]] | None:
             time.sleep(0.01 * (_look + 1))
         elif not _transcript.segment_made_over(dir_fd, items, 1, _layout.MAX_SEQ):
             return None
-    raise FsStoreError("EAGAIN", "the batch's names were removed and compactions kept changing "
-                       "the transcript while it was looked for; the batch may be committed",
+    raise FsStoreError("EAGAIN", "the batch's names were removed by others (gc, check --repair) "
+                       f"and {_COVER_READS} looks found it neither committed nor gone (a repair's "
+                       "copy in flight, or compactions); the batch may be committed",
                        operation="append", errno=errno.EAGAIN)
 
 

@@ -38,7 +38,7 @@ from ._cleanup import Action, not_looked_at
 from ._commit import link_and_check
 from ._errors import FsStoreError
 from ._store import SyncStore
-from ._transcript import Item, scan, snapshot, top
+from ._transcript import Item, plan, scan, snapshot, top
 from ._walk import Progress, TranscriptRef, Walker, tick, walking
 
 
@@ -183,8 +183,8 @@ def _fix(fs: _fsio.Fs, fd: int, path: str, dry_run: bool, *, gaps: bool, spare: 
         lost = [n for n in lost if _mark_lost(fs, fd, n)]
         after = snapshot(fd, path, "repair", read=False)
         gap = after.gap if after.race is None else None
-    else:
-        gap = None if lost else seen.gap
+    else:  # what the real run's look after its links would see
+        gap = plan([*seen.items, *((n, n, _layout.part_name(n)) for n in lost)])[1]
     what = f"lost (gone before the repair): parts {_ranges(lost)}" if lost else "nothing lost"
     if gap is not None:
         # Held only by a segment that crosses the chain's (a compaction killed between its

@@ -390,7 +390,7 @@ def cmd_check(args: argparse.Namespace, out: TextIO, err: TextIO, progress: Prog
         repairs = _migrate.repair(args.root, dry_run=args.dry_run, older_than=args.older_than,
                                   stale_lock_seconds=args.stale_lock_seconds)
         if not args.json:
-            out.writelines(f"{'REPAIR' if a.done else 'SKIP' if a.action == 'skip' else 'WOULD':<8} "
+            out.writelines(f"{'FAILED' if a.failed else 'REPAIR' if a.done else 'SKIP' if a.action == 'skip' else 'WOULD':<8} "
                           f"{rel_path(args.root, a.path)}  "
                           f"{clean(a.detail)}\n" for a in repairs)
     report = _check.check(args.root, older_than=args.older_than,
@@ -408,7 +408,7 @@ def cmd_check(args: argparse.Namespace, out: TextIO, err: TextIO, progress: Prog
             f"{report.errors} error(s), {report.warnings} warning(s)")
         out.write(f"checked {report.sessions} session(s), {report.transcripts} transcript(s), "
                   f"{report.entries} entries, {size_text(report.bytes)}: {verdict}\n")
-    return EXIT_OK if report.ok else EXIT_PROBLEMS
+    return EXIT_OK if report.ok and not any(a.failed for a in repairs) else EXIT_PROBLEMS
 
 
 _DONE_VERB = {"mark": "marked", "recommit": "committed again", "remove": "removed", "close-gap": "closed a gap",

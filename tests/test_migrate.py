@@ -412,6 +412,10 @@ def test_repair_says_so_where_a_lost_part_is_held_only_by_a_segment_crossing_ano
     (d / _layout.segment_name(1, 12)).write_bytes(b"".join(part[n] for n in range(1, 13)))  # L's
     for n in [*range(1, 14), 16]:  # L removed what it merged; 13 and 16 lost by hand
         (d / _layout.part_name(n)).unlink()
+    dry = _cli("check", "--repair", "--dry-run", str(tmp_path / "store"))  # (review: it promised the repair)
+    assert "not repaired: part 13 is held only by a segment that overlaps" in dry.stdout, dry.stdout
+    assert "gap closed" not in dry.stdout and not (d / _layout.part_name(16)).exists()
     out = _cli("check", "--repair", str(tmp_path / "store"))
     assert out.returncode != 0 and "not repaired: part 13 is held only by a segment that overlaps" in out.stdout
     assert "lost (gone before the repair): parts 16" in out.stdout and "gap closed" not in out.stdout, out.stdout
+    assert out.stdout.startswith("FAILED ")  # (review: labelled WOULD)
