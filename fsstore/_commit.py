@@ -405,12 +405,13 @@ def _found(dir_fd: int, payload: bytes) -> tuple[int, list[Item]] | None:
 
     Only a file of the chain counts (a repair's link can itself be misplaced, and be
     removed by its check: found by review, the batch lost); a copy outside it means
-    the repair is not done: looked at again. A look reads the chain
-    (rare: the whole transcript) and lists twice more; a file gone before it was
-    read, or a segment the listing lacked (one listing can be torn), is a
-    compaction's doing: looked at again (found by review: a compaction during the
-    look hid the repair's link, and the batch was there twice). None only after a
-    whole look: nothing of the batch is committed, and its writer starts over."""
+    the repair is not done: looked at again. A look reads the chain (rare: the
+    whole transcript), and where the batch is not in it lists twice more; a file
+    gone before it was read, or a segment the listing lacked (one listing can be
+    torn), is a compaction's doing: looked at again (found by review: a compaction
+    during the look hid the repair's link, and the batch was there twice). None
+    only after a whole look: nothing of the batch is committed, and its writer
+    starts over."""
     for _look in range(_COVER_READS):
         _views.refresh_listing(dir_fd)
         items = _transcript.scan_items(dir_fd)
@@ -422,8 +423,9 @@ def _found(dir_fd: int, payload: bytes) -> tuple[int, list[Item]] | None:
                     return last, items
             # A copy outside the chain is a repair's link in flight (misplaced): its
             # check commits it above or removes it. Looked at again.
+            taken = {name for _f, _l, name in chain}
             copied = any(payload in (seen[name] if name in seen else _read.read_file(dir_fd, name))
-                         for first, last, name in items if first == last and (first, last, name) not in chain)
+                         for first, last, name in items if first == last and name not in taken)
         except _transcript.Vanished:
             continue
         except OSError as exc:

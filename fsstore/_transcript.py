@@ -189,9 +189,9 @@ def plan(items: list[Item]) -> tuple[list[Item], int | None]:
     range (:func:`plan_held` takes it only if that segment holds it). Where no such
     chain exists (a file lost outside fsstore), the files that do not overlap and
     cover the most numbers are taken (the fewest of them among equals), and the
-    first hole reported: two crossing segments of overlapping compactions, one of
-    them left by a compactor that died before its check, hide nothing of the other
-    (found by review: the widest file at each start hid what the other held).
+    first hole reported: where a compactor that died before its check left a
+    segment crossing another, the parts beside them still make a chain through
+    either (found by review: the widest file at each start hid what the other held).
     """
     if not items:
         return [], None
