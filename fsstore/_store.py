@@ -553,13 +553,6 @@ class SyncStore:
                 except OSError as exc:  # a compaction removed a part after the listing, or
                     if exc.errno not in (errno.ENOENT, errno.ESTALE):  # another host replaced
                         raise  # state.json (ESTALE: GlusterFS, NFS)
-                    if exc.errno == errno.ESTALE:
-                        # A GlusterFS client resolves state.json to the file another host
-                        # replaced until it lists the directory (its open succeeds; fstat,
-                        # read and close answer ESTALE): every try failed for up to 1 s,
-                        # leaving the session out (found by review: 86 of 9,886 listings).
-                        with contextlib.suppress(OSError):
-                            _fsio.listdir(mfd)
                 except FsStoreError as exc:
                     problem = str(exc)
                     break

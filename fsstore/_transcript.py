@@ -57,9 +57,20 @@ class State:
 
 
 def read_state(dir_fd: int) -> State | None:
-    """The state file, or None if there is none fsstore can use (missing, torn, foreign)."""
+    """The state file, or None if there is none fsstore can use (missing, torn, foreign).
+
+    It is the one file another host replaces. A GlusterFS client resolves its name to
+    the replaced file until it lists the directory (the open succeeds; fstat, read
+    and close answer ESTALE, for up to a second: found by review, summaries left a
+    session out), so after ESTALE it lists and reads once more."""
     try:
-        raw = _read.read_file(dir_fd, _layout.STATE, limit=MAX_STATE_BYTES)
+        try:
+            raw = _read.read_file(dir_fd, _layout.STATE, limit=MAX_STATE_BYTES)
+        except OSError as exc:
+            if exc.errno != errno.ESTALE:
+                raise
+            _fsio.listdir(dir_fd)
+            raw = _read.read_file(dir_fd, _layout.STATE, limit=MAX_STATE_BYTES)
     except (FileNotFoundError, _read.NotAFile):
         return None
     return parse_state(raw)
