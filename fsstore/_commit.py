@@ -403,39 +403,32 @@ def _found(dir_fd: int, payload: bytes) -> tuple[int, list[Item]] | None:
     delete, started over: the batch twice). A repair links the batch above before it
     unlinks the misplaced name, so that link, or a segment merging it, is there.
 
-    Only a file of the chain counts (a repair's link can itself be misplaced, and be
-    removed by its check: found by review, the batch lost); a copy outside it means
-    the repair is not done: looked at again. A look reads the chain (rare: the
-    whole transcript), and where the batch is not in it lists twice more; a file
-    gone before it was read, or a segment the listing lacked (one listing can be
-    torn), is a compaction's doing: looked at again (found by review: a compaction
-    during the look hid the repair's link, and the batch was there twice). None
-    only after a whole look: nothing of the batch is committed, and its writer
-    starts over."""
-    for _look in range(_COVER_READS):
+    The transcript is read as a load reads it (a snapshot: a compaction during the
+    read means reading again; found by review, one listing missed the repair's link
+    and the batch was there twice). Only a file of the chain counts (a repair's link
+    can itself be misplaced, and be removed by its check: found by review, the batch
+    lost); a copy outside it means the repair is not done: looked at again. None:
+    nothing of the batch is committed, and its writer starts over. Rare: it reads
+    the whole transcript."""
+    for look in range(_COVER_READS):
         _views.refresh_listing(dir_fd)
-        items = _transcript.scan_items(dir_fd)
-        seen: dict[str, bytes] = {}
-        try:
-            chain = _transcript.plan_held(items, dir_fd, seen)[0]
-            for _first, last, name in chain:
-                if payload in (seen[name] if name in seen else _read.read_file(dir_fd, name)):
-                    return last, items
-            # A copy outside the chain is a repair's link in flight (misplaced): its
-            # check commits it above or removes it. Looked at again.
-            taken = {name for _f, _l, name in chain}
-            copied = any(payload in (seen[name] if name in seen else _read.read_file(dir_fd, name))
-                         for first, last, name in items if first == last and name not in taken)
-        except _transcript.Vanished:
+        seen = _transcript.snapshot(dir_fd, "", "append")
+        if seen.race is not None:
             continue
+        for _first, last, name in seen.chain:
+            if payload in seen.data.get(name, b""):
+                return last, seen.items
+        taken = {name for _f, _l, name in seen.chain}
+        try:
+            copied = any(payload in _read.read_file(dir_fd, name)
+                         for first, last, name in seen.items if first == last and name not in taken)
         except OSError as exc:
             if exc.errno not in (errno.ENOENT, errno.ESTALE):  # ESTALE: another host removed it
                 raise
             continue
-        if copied:
-            time.sleep(0.01 * (_look + 1))
-        elif not _transcript.segment_made_over(dir_fd, items, 1, _layout.MAX_SEQ):
+        if not copied:
             return None
+        time.sleep(0.01 * (look + 1))
     raise FsStoreError("EAGAIN", "the batch's names were removed by others (gc, check --repair) "
                        f"and {_COVER_READS} looks found it neither committed nor gone (a repair's "
                        "copy in flight, or compactions); the batch may be committed",

@@ -48,17 +48,7 @@ from typing import Any
 from . import _fsio, _layout, _read, _summaries
 from ._errors import FsStoreError, log
 from ._lock import Held
-from ._transcript import (
-    Item,
-    State,
-    Vanished,
-    parse,
-    plan_held,
-    read_state,
-    scan,
-    segment_made_over,
-    write_state,
-)
+from ._transcript import Item, State, Vanished, parse, plan_held, read_state, scan, write_state
 
 # The SDK's fold function and the session key it is given.
 Summary = tuple[_summaries.Fold, dict[str, str]]
@@ -137,7 +127,7 @@ def compact(
         blobs[name] = blob
         newest = max(newest, st.st_mtime_ns)
     first, last = merge[0][0], merge[-1][1]
-    if segment_made_over(dir_fd, items, first, last):
+    if _segment_made_over(dir_fd, items, first, last):
         # Found by review: a name read here can be one another compaction freed (its
         # segment over it published first) and a stale writer linked again since:
         # copied, that batch would take the merged one's place. Looked at again.
@@ -162,6 +152,17 @@ def compact(
     _remove_covered(dir_fd, after, [(first, last, segment)])
     _restore_mtime(dir_fd, mtime)
     return len(merge)
+
+
+def _segment_made_over(dir_fd: int, listed: list[Item], first: int, last: int) -> bool:
+    """Whether a segment that ``listed`` lacks holds a number of ``first..last``: step 3's
+    look after the reads. A name is free again only once a segment over it exists, and
+    one such segment exists from then on (the one replacing it is made first), so a
+    file read after its name was freed leaves one here. Two listings, as a commit's
+    check: one can be torn by a compaction."""
+    known = {name for _f, _l, name in listed}
+    return any(f != l and name not in known and f <= last and first <= l
+               for _look in range(2) for f, l, name in scan(dir_fd)[0])
 
 
 def _publish(fs: _fsio.Fs, dir_fd: int, segment: str, data: bytes, mtime_ns: int | None,

@@ -176,18 +176,6 @@ def covering_segment(items: list[Item], seq: int) -> str | None:
     return None
 
 
-def segment_made_over(dir_fd: int, listed: list[Item], first: int, last: int) -> bool:
-    """Whether a segment that ``listed`` lacks holds a number of ``first..last``: a look
-    after reading what ``listed`` named (a compaction's step 3, a writer's search for
-    its batch). A name is free again only once a segment over it exists, and
-    one such segment exists from then on (the one replacing it is made first), so a
-    file read after its name was freed leaves one here. Two listings, as a commit's
-    check: one can be torn by a compaction."""
-    known = {name for _f, _l, name in listed}
-    return any(f != l and name not in known and f <= last and first <= l
-               for _look in range(2) for f, l, name in scan(dir_fd)[0])
-
-
 def plan(items: list[Item]) -> tuple[list[Item], int | None]:
     """The files that make up the transcript, in order, and the first missing number
     (None when the chain is whole).
@@ -392,6 +380,7 @@ class Snapshot:
     damage: list[Damage]  # files of the chain that could not be read or parsed, in order
     deleted: Deleted | None  # a ``.deleted`` mark (``session``: the session's) was seen
     race: Vanished | None  # the transcript changed while it was read: read it again
+    data: dict[str, bytes]  # the bytes read, by name (what was judged is what was returned)
 
 
 def snapshot(
@@ -464,7 +453,7 @@ def snapshot(
         deleted = exc
     if deleted is None and (marked or marked_again):
         deleted = Deleted(path)
-    return Snapshot(items, chain, gap, batches, damage, deleted, race)
+    return Snapshot(items, chain, gap, batches, damage, deleted, race, seen)
 
 
 def warn_gap(gap: int, path: str, operation: str) -> None:

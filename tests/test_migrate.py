@@ -170,7 +170,7 @@ def test_a_misplaced_batch_repair_committed_after_gc_took_its_temp_file_is_not_c
     from fsstore import _cleanup, _commit, _compact, _migrate, _transcript
 
     store, d = _five_compacted(tmp_path)
-    real_next, real_check, real_scan = _commit._next_seq, _commit.check, _transcript.scan_items
+    real_next, real_check, real_scan = _commit._next_seq, _commit.check, _transcript.scan
     monkeypatch.setattr(_commit, "_next_seq", lambda t, dfd: 4)  # a view from before the compaction
     steps: list[str] = []
 
@@ -191,16 +191,16 @@ def test_a_misplaced_batch_repair_committed_after_gc_took_its_temp_file_is_not_c
             assert [a.action for a in done] == ["recommit"], done
         return real_check(dir_fd, seq, marker)
 
-    def scan_items(dir_fd: int) -> Any:
-        items = real_scan(dir_fd)
+    def scan(dir_fd: int) -> Any:
+        items, deleted = real_scan(dir_fd)
         if during_the_look and steps == ["gc, repair"] and any(it[0] == 6 for it in items):
             steps.append("compaction during the look")  # after the listing, before the reads
             _compact.compact(store.fs, dir_fd, str(d), Unfenced(), everything=True,  # type: ignore[arg-type]
                              operation="compact")
-        return items
+        return items, deleted
 
     monkeypatch.setattr(_commit, "check", check)
-    monkeypatch.setattr(_transcript, "scan_items", scan_items)
+    monkeypatch.setattr(_transcript, "scan", scan)
     store.append(KEY, [{"type": "x", "n": "W"}])
     assert len(steps) == 1 + during_the_look
     assert store.load(KEY) == [{"type": "x", "n": n} for n in [1, 2, 3, 4, 5, "W"]]
