@@ -213,7 +213,8 @@ def test_temp_and_foreign_files_are_ignored(store: SyncStore, root: Path) -> Non
 @pytest.mark.parametrize(
     "content,line",
     [(b'{"type":"a"}\n{"type":\n', "line 2"), (b'{"type":"a"}\n[1,2]\n', "line 2"),
-     (b'{"type":"a"}\n{"type":"b"}', "torn"), (b"", "empty")],
+     (b'{"type":"a"}\n{"type":"b"}', "torn"), (b"", "empty"),
+     (b'{"type":"a"}\n \n', "line 2")],  # (an empty line holds no entry; a blank one is damage)
 )
 def test_unparseable_part_is_corruption_naming_file_and_line(
     store: SyncStore, root: Path, content: bytes, line: str
