@@ -329,6 +329,7 @@ def link_and_check(
     """
     misplaced: list[str] = []  # linked by us, not committed: removed on the way out
     relinked: set[str] = set()  # ours, removed already (a cached listing may still show them)
+    passed: list[str] = []  # a repair's misplaced links: removed once the batch is committed
     src = tmp
     holes = forgotten = 0
     try:
@@ -368,14 +369,14 @@ def link_and_check(
                 raise FsStoreError("EAGAIN", f"the segments over part {seq} kept vanishing "
                                    "(compactions); the batch may be committed", operation="append",
                                    path=name, errno=errno.EAGAIN)
-            if merged:
-                # A compaction that listed our part after we linked it merged it: the
-                # batch is in the chain, in that segment.
-                return seq, items
             others = [it for it in items if it[2] != name and it[2] not in relinked]
             hole = seq > 1 and not any(f <= seq - 1 <= last for f, last, _n in others)
-            if cover is None and (not hole or holes >= _HOLE_RETRIES):
-                return seq, items  # (past the retries: a client that keeps naming gone files)
+            if merged or (cover is None and (not hole or holes >= _HOLE_RETRIES)):
+                # Committed: in the chain (past the retries: a client that keeps naming gone
+                # files), or merged by a compaction that listed our part after the link.
+                for old in passed:
+                    _fsio.unlink_quiet(dir_fd, old)
+                return seq, items
             holes += cover is None
             # Not in the chain: inside a compacted range (two lock holders overlapped),
             # or above a hole (a number taken from a stale view: a client cache that
@@ -384,7 +385,15 @@ def link_and_check(
                         "inside a compacted range (two lock holders overlapped)" if cover
                         else "above a hole (a stale view of the directory)", extra={
                             "code": "RELOCATED", "operation": "append", "path": name})
-            if linked:
+            if linked and cover is not None and not tmp.startswith(_fsio.TEMP_PREFIX):
+                # A repair committing a misplaced part again: the name it linked from is
+                # its writer's, who may remove it (found by review: the repair then removed
+                # this link and had nothing to link from, the batch in no file). It moves
+                # on from its own link, which goes once the batch is committed (inside a
+                # segment's range, no reader takes it meanwhile).
+                passed.append(name)
+                src = name
+            elif linked:
                 # Gone before the batch is linked again: above a hole, a reader takes
                 # every part, and would read the batch twice (found by review on sshfs).
                 _fsio.unlink_quiet(dir_fd, name)

@@ -159,7 +159,16 @@ def _fix(fs: _fsio.Fs, fd: int, path: str, dry_run: bool, *, gaps: bool, spare: 
             actions.append(Action("recommit", f"{path}/{name}", "a batch inside a segment's range, "
                                   "committed after it: would be committed again above", False))
             continue
-        seq, items = link_and_check(fs, fd, name, top(items) + 1, data)
+        try:
+            seq, items = link_and_check(fs, fd, name, top(items) + 1, data)
+        except FileNotFoundError:
+            # Removed by its writer, whose lock overlapped ours (or by a delete) before
+            # our link: the batch is its writer's, who commits it itself (found by
+            # review: reported FAILED, the batch committed once).
+            actions.append(Action("skip", f"{path}/{name}", "a batch inside a segment's range, "
+                                  "taken back by its writer before it could be committed again",
+                                  False, age=age))
+            continue
         _fsio.unlink_quiet(fd, name)
         actions.append(Action("recommit", f"{path}/{name}",
                               f"committed again as {_layout.part_name(seq)}", True))

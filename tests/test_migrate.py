@@ -388,6 +388,100 @@ def test_a_writers_look_for_its_batch_never_takes_a_misplaced_copy(
     assert store.load(KEY) == [{"type": "x", "n": n} for n in [1, 2, 3, 4, 5, 6, 7, 8, "W"]]
 
 
+@pytest.mark.parametrize("writer", ["gives up first", "looks again meanwhile", "starts over before the repair links"])
+def test_a_stalled_repair_whose_link_is_misplaced_again_never_loses_the_batch_its_writer_gave_up(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, writer: str
+) -> None:
+    """Found by review (real processes, 4 of 4): a writer W misplaced its batch at 4
+    (inside 1-5; its lock overtaken), ``fsstore gc`` with a clock ahead took its temp
+    file, and ``check --repair`` linked the batch from 4 to 7, a number a compaction
+    of 6-8 had freed meanwhile: misplaced again. The repair stalled there; W's check
+    removed its misplaced 4, could not link from its vanished temp file, and its look
+    found the batch only in the repair's misplaced 7: it gave up (``EAGAIN``, "may be
+    committed"). The repair then removed 7 and could not link again from 4: the
+    batch in no file. A repair now moves on from its own link (the new name first,
+    then the old one goes), so the batch always has a name: committed once, whenever
+    the writer looks. (With a shorter stall the writer removed 4 and started over
+    before the repair linked from it: the batch once, and the repair said FAILED;
+    its source gone, the batch is its writer's: skipped.)"""
+    import threading
+    import time as _time
+
+    from fsstore import FsStoreError, _cleanup, _commit, _layout, _migrate
+
+    store, d = _five_compacted(tmp_path)
+    store.append(KEY, [{"type": "x", "n": 6}])
+    real_check, real_sleep, real_next = _commit.check, _time.sleep, _commit._next_seq
+    real_link_and_check = _migrate.link_and_check
+    monkeypatch.setattr(_commit, "_next_seq", lambda t, dfd: 4)  # W: a view from before 1-5
+    repair_linked, repair_goes_on = threading.Event(), threading.Event()
+    done: list[Any] = []
+
+    def compaction_then_link(*args: Any, **kwargs: Any) -> Any:
+        # B2 (its lock overtaken from the stalled repair) appends 7, 8 and compacts 6-8.
+        for n in (7, 8):
+            (d / _layout.part_name(n)).write_bytes(json.dumps({"type": "x", "n": n}).encode() + b"\n")
+        parts = [d / _layout.part_name(n) for n in (6, 7, 8)]
+        (d / _layout.segment_name(6, 8)).write_bytes(b"".join(p.read_bytes() for p in parts))
+        for p in parts:
+            p.unlink()
+        if writer == "starts over before the repair links":
+            repair_linked.set()  # stalled before its link, not after it
+            assert repair_goes_on.wait(30)
+        return real_link_and_check(*args, **kwargs)
+
+    def repair() -> None:
+        fd = os.open(d, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            done.extend(_migrate._fix(store.fs, fd, str(d), False, gaps=False, spare=False, older_than=-1))
+        except BaseException as exc:  # noqa: BLE001 - the test reports it
+            done.append(exc)
+        finally:
+            os.close(fd)
+
+    def check(dir_fd: int, seq: int, marker: str | None) -> Any:
+        if threading.current_thread() is not threading.main_thread():
+            if seq == 7:  # the repair's link, misplaced under 6-8: it stalls after it
+                repair_linked.set()
+                assert repair_goes_on.wait(30)
+        elif seq == 4 and not repair_linked.is_set():  # W, after its misplaced link
+            monkeypatch.setattr(_commit, "_next_seq", real_next)
+            assert [a.action for a in _cleanup.gc(str(store.root), older_than=-1)] == ["remove-temp"]
+            threading.Thread(target=repair, daemon=True).start()
+            assert repair_linked.wait(30)
+        return real_check(dir_fd, seq, marker)
+
+    def sleep(seconds: float) -> None:  # W's look waits for a repair in flight
+        if threading.current_thread() is threading.main_thread() and writer == "looks again meanwhile":
+            repair_goes_on.set()
+            while not done:
+                real_sleep(0.01)
+        real_sleep(seconds)
+
+    monkeypatch.setattr(_migrate, "link_and_check", compaction_then_link)
+    monkeypatch.setattr(_commit, "check", check)
+    monkeypatch.setattr(_time, "sleep", sleep)
+    try:
+        store.append(KEY, [{"type": "x", "n": "W"}])
+        returned = True
+    except FsStoreError as exc:
+        assert exc.code == "EAGAIN" and "may be committed" in str(exc)
+        returned = False
+    repair_goes_on.set()
+    for _ in range(3000):
+        if done:
+            break
+        real_sleep(0.01)
+    monkeypatch.undo()
+    assert returned == (writer != "gives up first")
+    want = "skip" if writer == "starts over before the repair links" else "recommit"
+    assert [getattr(a, "action", a) for a in done] == [want], done
+    assert not any(a.failed for a in done)
+    assert store.load(KEY) == [{"type": "x", "n": n} for n in [1, 2, 3, 4, 5, 6, 7, 8, "W"]]
+    assert not [p for p in os.listdir(d) if p.startswith(".tmp-")]
+    assert _cli("check", str(tmp_path / "store")).returncode == 0
+
+
 def _sync(tmp_path: Path) -> Any:
     from fsstore._store import SyncStore
 
