@@ -188,31 +188,74 @@ def _fix(fs: _fsio.Fs, fd: int, path: str, dry_run: bool, *, gaps: bool, spare: 
     # Numbers no listed file holds (a segment the plan left out still holds its own).
     lost = [n for n in range(1, top(seen.items) + 1)
             if not any(first <= n <= last for first, last, _name in seen.items)]
+    # Numbers held only by a segment the chain cannot take (it crosses the chain's: a
+    # compaction killed between its move and its check), their batches cut out of it.
+    cut = _cut_out(fd, seen.items, seen.chain, lost)
     if not dry_run:
-        lost = [n for n in lost if _mark_lost(fs, fd, n)]
+        cut = {n: batch for n, batch in cut.items() if _mark_lost(fs, fd, n, batch)}
+        lost = [n for n in lost if _mark_lost(fs, fd, n, _layout.LOST)]
         after = snapshot(fd, path, "repair", read=False)
         gap = after.gap if after.race is None else None
     else:  # what the real run's look after its links would see
-        gap = plan([*seen.items, *((n, n, _layout.part_name(n)) for n in lost)])[1]
+        gap = plan([*seen.items, *((n, n, _layout.part_name(n)) for n in [*lost, *cut])])[1]
     what = f"lost (gone before the repair): parts {_ranges(lost)}" if lost else "nothing lost"
+    if cut:
+        what += (f"; parts {_ranges(sorted(cut))} {'would be' if dry_run else 'were'} cut out of "
+                 f"a segment that crosses another")
     if gap is not None:
-        # Held only by a segment that crosses the chain's (a compaction killed between its
-        # move and its check, a part lost since): no file can be taken for it (found by
-        # review: reported closed). An open defect: docs/reliability.md.
+        # Held only by a segment that crosses the chain's, whose batches cannot be told
+        # apart (written before batches carried a nonce; found by review: reported closed).
         return [*actions, Action("repair", path, f"not repaired: part {gap} is held only by a "
                                  f"segment that overlaps another (a compaction killed before its "
-                                 f"check); {what}", False, failed=True)]
+                                 f"check) and whose batches cannot be told apart; {what}", False,
+                                 failed=True)]
     if dry_run:
         return [*actions, Action("close-gap", path, f"would be gap closed; {what}", False)]
     return [*actions, Action("close-gap", path, f"gap closed; {what}" if lost
                              else "filled meanwhile by commits: nothing lost", bool(lost))]
 
 
-def _mark_lost(fs: _fsio.Fs, fd: int, n: int) -> bool:
-    """Link :data:`_layout.LOST` at part ``n``, no-replace; False where a file is there
-    (a writer's batch, linked since the look: it stays)."""
+def _cut_out(fd: int, items: list[Item], chain: list[Item], lost: list[int]) -> dict[int, bytes]:
+    """The batches of the numbers that neither the chain nor any part holds, cut out of
+    a listed segment that holds them: one that crosses the chain's, made by a compaction
+    killed before its check (found by review: a part lost since was hidden, its batch
+    only there). A segment is its parts' bytes, each batch ending with its nonce (an
+    empty line: a lost batch's place); one whose batches cannot be counted exactly
+    (files written before the nonce) gives nothing."""
+    held = {n for first, last, _name in chain for n in range(first, last + 1)}
+    held |= {first for first, last, _name in items if first == last}
+    cut: dict[int, bytes] = {}
+    for first, last, name in items:
+        wanted = [n for n in range(first, last + 1) if n not in held and n not in lost and n not in cut]
+        if first == last or not wanted:
+            continue
+        try:
+            batches = _batches(_read.read_file(fd, name))
+        except OSError:
+            continue  # gone meanwhile: the look after the repair says what is left
+        if len(batches) == last - first + 1:
+            cut.update((n, batches[n - first]) for n in wanted)
+    return cut
+
+
+def _batches(data: bytes) -> list[bytes]:
+    """A segment's bytes split into its parts' batches: each ends with a line ending in
+    its nonce (JSON whitespace before the newline) or is one empty line."""
+    out: list[bytes] = []
+    begin = end = 0
+    for line in data.split(b"\n")[:-1]:  # each ended with a newline (what follows: torn)
+        end += len(line) + 1
+        if not line or line[-1:] in (b" ", b"\t"):
+            out.append(data[begin:end])
+            begin = end
+    return out if begin == len(data) else []
+
+
+def _mark_lost(fs: _fsio.Fs, fd: int, n: int, batch: bytes) -> bool:
+    """Link ``batch`` (:data:`_layout.LOST`: no entry) at part ``n``, no-replace; False
+    where a file is there (a writer's batch, linked since the look: it stays)."""
     tmp = _fsio.temp_name("-lost")
-    fs.write_new(fd, tmp, _layout.LOST)
+    fs.write_new(fd, tmp, batch)
     try:
         return _fsio.link_noreplace(fs, fd, tmp, _layout.part_name(n)) is not None
     finally:
