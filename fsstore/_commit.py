@@ -351,24 +351,16 @@ def link_and_check(
                 continue
             if not linked:
                 src = name  # moved, not linked (a mount without hard links)
-            for _read_attempt in range(_COVER_READS):
-                try:
-                    items, cover = check(dir_fd, seq, session_marker)
-                except BaseException:
-                    misplaced.append(name)  # not committed: the check did not pass
-                    raise
-                merged = cover is not None and _holds(dir_fd, cover, payload)
-                if merged is not None:
-                    break
-                # The segment went before it was read: merged into a bigger one, or removed
-                # by its compaction, which lost to an overlapping one (found by review: our
-                # part, in the chain or merged, was taken for misplaced: a gap, or the batch
-                # twice). Looked at again.
-                _views.refresh_listing(dir_fd)
-            else:
+            try:
+                checked = _check_holding(dir_fd, seq, session_marker, payload)
+            except BaseException:
+                misplaced.append(name)  # not committed: the check did not pass
+                raise
+            if checked is None:
                 raise FsStoreError("EAGAIN", f"the segments over part {seq} kept vanishing "
                                    "(compactions); the batch may be committed", operation="append",
                                    path=name, errno=errno.EAGAIN)
+            items, cover, merged = checked
             others = [it for it in items if it[2] != name and it[2] not in relinked]
             hole = seq > 1 and not any(f <= seq - 1 <= last for f, last, _n in others)
             if merged or (cover is None and (not hole or holes >= _HOLE_RETRIES)):
@@ -402,6 +394,25 @@ def link_and_check(
     finally:
         for name in misplaced:
             _fsio.unlink_quiet(dir_fd, name)
+
+
+def _check_holding(
+    dir_fd: int, seq: int, session_marker: str | None, payload: bytes,
+) -> tuple[list[Item], str | None, bool] | None:
+    """The check of part ``seq`` (:func:`check`: the listing and the segment over it, if
+    any) and whether that segment holds ``payload`` (it merged our part after the link);
+    None where the segments over it kept vanishing before they were read."""
+    for _read_attempt in range(_COVER_READS):
+        items, cover = check(dir_fd, seq, session_marker)
+        merged = cover is not None and _holds(dir_fd, cover, payload)
+        if merged is not None:
+            return items, cover, merged
+        # The segment went before it was read: merged into a bigger one, or removed by
+        # its compaction, which lost to an overlapping one (found by review: our part, in
+        # the chain or merged, was taken for misplaced: a gap, or the batch twice).
+        # Looked at again.
+        _views.refresh_listing(dir_fd)
+    return None
 
 
 def _found(dir_fd: int, payload: bytes) -> tuple[int, list[Item]] | None:
