@@ -213,9 +213,10 @@ def _check_transcript(w: Walker, report: CheckReport, t: TranscriptInfo, older_t
             continue  # a segment of an overlapping compaction: its twin removes it
         age = w.now - it.mtime_ns / 1e9
         w.problem("warning" if age > older_than else "info", "leftover", path,
-                  f"inside a segment's range, {age_text(max(age, 0))} old: a compaction's "
-                  "leftover, or a batch its writer (its lock overtaken) is committing again "
-                  "above; not part of the transcript (fsstore compact removes it)")
+                  f"inside a segment's range, {age_text(max(age, 0))} old, not part of the "
+                  "transcript: a compaction's leftover (fsstore compact removes it), or a batch "
+                  "misplaced by a writer whose lock was overtaken (it commits it again above; "
+                  "once old, fsstore check --repair does)")
 
 
 def check(

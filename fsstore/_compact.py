@@ -25,9 +25,10 @@ Steps, and what readers and crashes see:
    holding the other (two compactions that overlapped), remove this one and stop:
    its files are all still there. Readers racing it take the chain that continues.
 5. Main transcripts: write the summary sidecar (state.json) folded up to ``last``.
-6. Unlink the merged files and every other part or segment inside the range
-   (leftovers, and parts a stale writer misplaced there, which that writer is
-   committing again above). A reader that listed them gets ENOENT or a changed
+6. Unlink the merged files and every other segment inside the range, and every
+   part there whose bytes the segment holds (leftovers; a part a stale writer
+   misplaced there stays: that writer commits it again above from its temp file, or
+   ``fsstore check --repair`` does once gc took that). A reader that listed them gets ENOENT or a changed
    second listing and reads again.
 
 A crash after step 3 leaves files covered by the segment: readers skip them, and
@@ -110,7 +111,7 @@ def compact(
                            operation=operation, path=path)
     merge = chain[choose(chain, everything=everything):]
     if len(merge) < 2:
-        _remove_covered(dir_fd, items, chain)
+        _remove_covered(dir_fd, items, chain, seen)
         return 0
     blobs: dict[str, bytes] = {}
     newest = 0
@@ -149,7 +150,7 @@ def compact(
             # A hint: list_session_summaries folds what the sidecar lacks.
             log.warning("summary sidecar not written: %s", exc, extra={
                 "code": "SUMMARY_BEHIND", "operation": operation, "path": path})
-    _remove_covered(dir_fd, after, [(first, last, segment)])
+    _remove_covered(dir_fd, after, [(first, last, segment)], {segment: b"".join(blobs.values())})
     _restore_mtime(dir_fd, mtime)
     return len(merge)
 
@@ -195,12 +196,27 @@ def _write_summary(fs: _fsio.Fs, dir_fd: int, path: str, summary: Summary, chain
     write_state(fs, dir_fd, State(folded=through, summary=folded))
 
 
-def _remove_covered(dir_fd: int, items: list[Item], keep: list[Item]) -> None:
-    """Unlink every file inside the range of a file of ``keep`` (but those)."""
+def _remove_covered(dir_fd: int, items: list[Item], keep: list[Item], seen: dict[str, bytes]) -> None:
+    """Unlink every file inside the range of a segment of ``keep`` (but those): the
+    leftovers of compactions. A part whose bytes that segment does not hold stays: a
+    batch a stale writer misplaced there, which its writer commits again from its temp
+    file, or ``check --repair`` once that is gone (found by review: removed here, a
+    batch whose temp file gc had taken was in no file). ``seen``: bytes already read,
+    by name."""
     names = {name for _f, _l, name in keep}
     for first, last, name in items:
-        if name not in names and any(f <= first and last <= l for f, l, _n in keep if f != l):
-            _fsio.unlink_quiet(dir_fd, name)
+        cover = next((k for k in keep if k[0] != k[1] and k[0] <= first and last <= k[1]), None)
+        if name in names or cover is None:
+            continue
+        if first == last:
+            try:
+                if cover[2] not in seen:
+                    seen[cover[2]] = _read.read_file(dir_fd, cover[2])
+                if _read.read_file(dir_fd, name) not in seen[cover[2]]:
+                    continue
+            except OSError:
+                continue  # gone, or unreadable: the next compaction looks again
+        _fsio.unlink_quiet(dir_fd, name)
 
 
 def _restore_mtime(dir_fd: int, before: int) -> None:

@@ -13,7 +13,8 @@ name whose bytes are elsewhere), idempotent, and reported by ``--dry-run`` first
   refused the whole transcript (CORRUPT) and format 2 would skip the part. Each
   such part is committed again above the transcript's highest number, oldest
   first (ctime order, the order they were committed in), then its old name is
-  removed.
+  removed. A batch with a nonce is known by its bytes: one the chain holds already
+  only loses its misplaced copies, and copies of one batch are committed once.
 * **Gaps** (repair only). A part lost outside fsstore (moved aside by an operator)
   leaves a hole that makes every load warn. Each missing number gets a part of one
   empty line (:data:`_layout.LOST`, no entry), linked no-replace, which closes the
@@ -38,7 +39,7 @@ from ._cleanup import Action, not_looked_at
 from ._commit import link_and_check
 from ._errors import FsStoreError
 from ._store import SyncStore
-from ._transcript import Item, plan, scan, snapshot, top
+from ._transcript import Item, Snapshot, plan, scan, snapshot, top
 from ._walk import Progress, TranscriptRef, Walker, tick, walking
 
 
@@ -141,37 +142,7 @@ def _fix(fs: _fsio.Fs, fd: int, path: str, dry_run: bool, *, gaps: bool, spare: 
     """Misplaced parts committed again, ``.state.spare`` removed (``spare``), gaps
     closed (``gaps``), under the transcript lock, which another holder may have
     overtaken (see the module)."""
-    actions: list[Action] = []
-    items, _deleted = scan(fd)
-    misplaced = misplaced_parts(fd, items)
-    in_flight = _temp_batches(fd) if misplaced else set()
-    for name, data, age in misplaced:
-        if age < older_than or data in in_flight:
-            # Format 2 never acknowledges a batch left there: a writer whose lock was
-            # overtaken is between its link and its check, about to commit it again
-            # above itself (found by review: taken here too, it was there twice). Its
-            # temp file still holds the batch (whatever this host's clock says).
-            actions.append(Action("skip", f"{path}/{name}", "a batch inside a segment's range, "
-                                  "written recently or still in a temp file: its writer may be "
-                                  "committing it again", False, age=age))
-            continue
-        if dry_run:
-            actions.append(Action("recommit", f"{path}/{name}", "a batch inside a segment's range, "
-                                  "committed after it: would be committed again above", False))
-            continue
-        try:
-            seq, items = link_and_check(fs, fd, name, top(items) + 1, data)
-        except FileNotFoundError:
-            # Removed by its writer, whose lock overlapped ours (or by a delete) before
-            # our link: the batch is its writer's, who commits it itself (found by
-            # review: reported FAILED, the batch committed once).
-            actions.append(Action("skip", f"{path}/{name}", "a batch inside a segment's range, "
-                                  "taken back by its writer before it could be committed again",
-                                  False, age=age))
-            continue
-        _fsio.unlink_quiet(fd, name)
-        actions.append(Action("recommit", f"{path}/{name}",
-                              f"committed again as {_layout.part_name(seq)}", True))
+    actions = _recommit(fs, fd, path, dry_run, older_than)
     if spare and _fsio.exists(fd, _layout.STATE_SPARE):
         if not dry_run:
             _fsio.unlink_quiet(fd, _layout.STATE_SPARE)
@@ -179,8 +150,8 @@ def _fix(fs: _fsio.Fs, fd: int, path: str, dry_run: bool, *, gaps: bool, spare: 
                               not dry_run))
     if not gaps:
         return actions
-    seen = snapshot(fd, path, "repair", read=False)
-    if seen.race is not None:
+    seen = _settled(fd, path)
+    if seen is None:
         return [*actions, Action("repair", path, "not repaired: the transcript changed while it "
                                  "was looked at (compactions); run again", False, failed=True)]
     if seen.gap is None:
@@ -249,6 +220,87 @@ def _batches(data: bytes) -> list[bytes]:
             out.append(data[begin:end])
             begin = end
     return out if begin == len(data) else []
+
+
+def _recommit(fs: _fsio.Fs, fd: int, path: str, dry_run: bool, older_than: float) -> list[Action]:
+    """Each batch misplaced inside a segment's range committed again above, once, and
+    its misplaced copies removed after (see the module).
+
+    A batch that carries a nonce (written since stop 23) is one batch wherever its
+    bytes are: copies of it (a repair killed, failed or overtaken between its link and
+    its removals) are committed once, and one already in the chain (another repair's
+    commit, its writer's) only loses its misplaced copies (found by review: each copy
+    committed again, the acknowledged batch there two or three times). Nothing is
+    removed before the batch is in a file of the chain."""
+    actions: list[Action] = []
+    misplaced = misplaced_parts(fd, scan(fd)[0])
+    if not misplaced:
+        return actions
+    in_flight = _temp_batches(fd)
+    seen = _settled(fd, path)
+    if seen is None:
+        return [Action("recommit", path, "not repaired: the transcript changed while it was "
+                       "looked at (compactions); run again", False, failed=True)]
+    copies: dict[bytes, list[str]] = {}
+    for name, data, _age in misplaced:  # oldest first
+        copies.setdefault(data if _nonced(data) else name.encode(), []).append(name)
+    for name, data, age in misplaced:
+        names = copies.pop(data if _nonced(data) else name.encode(), None)
+        where = f"{path}/{name}"
+        if names is None:
+            continue  # a copy of a batch handled with its first
+        if age < older_than or data in in_flight:
+            # Format 2 never acknowledges a batch left there: a writer whose lock was
+            # overtaken is between its link and its check, about to commit it again
+            # above itself (found by review: taken here too, it was there twice). Its
+            # temp file still holds the batch (whatever this host's clock says).
+            actions.append(Action("skip", where, "a batch inside a segment's range, written "
+                                  "recently or still in a temp file: its writer may be "
+                                  "committing it again", False, age=age))
+            continue
+        held = next((n for _f, _l, n in seen.chain if _nonced(data) and data in seen.data.get(n, b"")), None)
+        if held is not None:
+            if not dry_run:
+                for copy in names:
+                    _fsio.unlink_quiet(fd, copy)
+            actions.append(Action("remove", where, f"a copy of a batch committed in {held}: "
+                                  f"{len(names)} misplaced cop{'y' if len(names) == 1 else 'ies'} "
+                                  "removed", not dry_run))
+            continue
+        if dry_run:
+            actions.append(Action("recommit", where, "a batch inside a segment's range, "
+                                  "committed after it: would be committed again above", False))
+            continue
+        for source in names:
+            try:
+                seq, _items = link_and_check(fs, fd, source, top(seen.items) + 1, data)
+                break
+            except FileNotFoundError:
+                continue  # removed meanwhile (its writer, another repair): the next copy
+        else:
+            actions.append(Action("skip", where, "a batch inside a segment's range, gone before "
+                                  "it could be committed again (its writer took it back, or "
+                                  "another repair committed it)", False, age=age))
+            continue
+        for copy in names:
+            _fsio.unlink_quiet(fd, copy)
+        actions.append(Action("recommit", where, f"committed again as {_layout.part_name(seq)}", True))
+    return actions
+
+
+def _nonced(batch: bytes) -> bool:
+    """Whether ``batch`` ends with a nonce (written since stop 23): its bytes are then
+    this batch's only."""
+    return batch.rstrip(b"\n")[-1:] in (b" ", b"\t")
+
+
+def _settled(fd: int, path: str) -> Snapshot | None:
+    """The transcript read as a load reads it; None where compactions kept changing it."""
+    for _look in range(3):
+        seen = snapshot(fd, path, "repair")
+        if seen.race is None:
+            return seen
+    return None
 
 
 def _mark_lost(fs: _fsio.Fs, fd: int, n: int, batch: bytes) -> bool:
