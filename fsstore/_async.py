@@ -100,7 +100,11 @@ class FsSessionStore:
         Raises:
             FsStoreError: ``INVALID_KEY``/``INVALID_ENTRY`` before anything touches
                 disk; otherwise with the POSIX or store code of what failed, and
-                nothing of the batch committed (safe to retry).
+                nothing of the batch committed (safe to retry), except where the
+                message says the batch may be committed (``EAGAIN`` after others'
+                compactions or repairs, ``EIO`` where a part it linked could not be
+                removed): a retry may then store it twice (entries with a ``uuid``
+                still load once).
         """
         await to_thread.run_sync(self.sync.append, key, entries)
 

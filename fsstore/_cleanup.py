@@ -521,6 +521,6 @@ def _compact_one(w: Walker, tref: TranscriptRef, dry_run: bool) -> Action | None
                           "(see fsstore check)", False, failed=True)
         return Action("compact", info.path, f"{detail}: {err}", False, failed=True)
     what = (f"merged {merged} files into one segment" if merged
-            else "nothing to merge (leftovers removed)")
+            else "nothing to merge (leftovers its segments hold removed)")
     return Action("compact", info.path, what, merged > 0)
 

@@ -58,7 +58,6 @@ import contextlib
 import dataclasses
 import errno
 import os
-import random
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
@@ -152,9 +151,11 @@ def nonce() -> str:
     """What ends a batch's last line: :data:`_NONCE_BITS` random bits written as JSON
     whitespace (spaces and tabs), which every JSON reader skips. Two batches of equal
     entries differ by it, so a segment that holds a batch's bytes holds that very
-    batch (step 6), not another writer's equal one. (``random`` is reseeded in a
-    forked child.)"""
-    return format(random.getrandbits(_NONCE_BITS), f"0{_NONCE_BITS}b").translate(_AS_WHITESPACE)
+    batch (step 6), not another writer's equal one. From the system's random source:
+    an application that seeds :mod:`random` must not make two batches equal (found by
+    review)."""
+    bits = int.from_bytes(os.urandom(_NONCE_BITS // 8), "big")
+    return format(bits, f"0{_NONCE_BITS}b").translate(_AS_WHITESPACE)
 
 
 # -- steps 2 to 8 ------------------------------------------------------------------
@@ -313,6 +314,10 @@ _COVER_READS = 8
 # How often a link refused for a name the server no longer has is tried again (see
 # _views.forgot_stale_name): a bound, should a client keep refusing it.
 _FORGET_RETRIES = 8
+# s: how long a writer whose batch lost its names waits for a repair's copy of it to be
+# committed or removed (a stalled repair: found by review, 0.36 s gave up on it, and a
+# caller's retry then had the batch twice).
+_COPY_WAIT = 30.0
 
 
 def link_and_check(
@@ -367,7 +372,7 @@ def link_and_check(
                 # Committed: in the chain (past the retries: a client that keeps naming gone
                 # files), or merged by a compaction that listed our part after the link.
                 for old in passed:
-                    _fsio.unlink_quiet(dir_fd, old)
+                    _removed(dir_fd, old)  # (left: a copy, which the next repair removes)
                 return seq, items
             holes += cover is None
             # Not in the chain: inside a compacted range (two lock holders overlapped),
@@ -385,15 +390,39 @@ def link_and_check(
                 # segment's range, no reader takes it meanwhile).
                 passed.append(name)
                 src = name
+            elif linked and cover is not None:
+                # Inside a segment's range no reader takes it. One that cannot be removed
+                # (EIO) stays, and once the batch is committed above, `check --repair`
+                # removes it as a copy (found by review: the append raised, and a repair
+                # committed the batch later: twice after the caller's retry).
+                if _removed(dir_fd, name):
+                    relinked.add(name)
             elif linked:
                 # Gone before the batch is linked again: above a hole, a reader takes
                 # every part, and would read the batch twice (found by review on sshfs).
+                # One that cannot be removed fails the append, "may be committed".
+                misplaced.append(name)
                 _fsio.unlink_quiet(dir_fd, name)
+                misplaced.remove(name)
                 relinked.add(name)
             seq = top(others) + 1
     finally:
         for name in misplaced:
-            _fsio.unlink_quiet(dir_fd, name)
+            if not _removed(dir_fd, name):
+                # A part we linked stays where a reader may take it: the append cannot
+                # say that nothing of it is committed (found by review).
+                raise FsStoreError("EIO", f"{name}, linked and not checked, could not be "
+                                   "removed; the batch may be committed", operation="append",
+                                   path=name, errno=errno.EIO)
+
+
+def _removed(dir_fd: int, name: str) -> bool:
+    """Unlink a name of ours; False where that failed (EIO, say), not where it is gone."""
+    try:
+        _fsio.unlink_quiet(dir_fd, name)
+    except OSError:
+        return False
+    return True
 
 
 def _check_holding(
@@ -430,7 +459,10 @@ def _found(dir_fd: int, payload: bytes) -> tuple[int, list[Item]] | None:
     lost); a copy outside it means the repair is not done: looked at again. None:
     nothing of the batch is committed, and its writer starts over. Rare: it reads
     the whole transcript."""
-    for look in range(_COVER_READS):
+    deadline = time.monotonic() + _COPY_WAIT
+    look = 0
+    while look == 0 or time.monotonic() < deadline:
+        look += 1
         _views.refresh_listing(dir_fd)
         seen = _transcript.snapshot(dir_fd, "", "append")
         if seen.race is not None:
@@ -448,11 +480,11 @@ def _found(dir_fd: int, payload: bytes) -> tuple[int, list[Item]] | None:
             continue
         if not copied:
             return None
-        time.sleep(0.01 * (look + 1))
+        time.sleep(min(0.5, 0.01 * 2 ** min(look, 6)))
     raise FsStoreError("EAGAIN", "the batch's names were removed by others (gc, check --repair) "
-                       f"and {_COVER_READS} looks found it neither committed nor gone (a repair's "
-                       "copy in flight, or compactions); the batch may be committed",
-                       operation="append", errno=errno.EAGAIN)
+                       f"and for {_COPY_WAIT:g} s it was neither committed nor gone (a repair's "
+                       "copy in flight, or compactions); it may be committed: it is once a "
+                       "repair commits that copy", operation="append", errno=errno.EAGAIN)
 
 
 def _holds(dir_fd: int, segment: str, payload: bytes) -> bool | None:

@@ -81,17 +81,17 @@ def _each_transcript(root: str, stale_lock_seconds: float, progress: Progress | 
     return actions
 
 
-def misplaced_parts(dir_fd: int, items: list[Item]) -> list[tuple[str, bytes, float]]:
+def misplaced_parts(dir_fd: int, items: list[Item]) -> list[tuple[str, bytes, float, int]]:
     """Parts inside a segment's range whose batch that segment does not hold (format
-    1's late parts), with their bytes and age (seconds since written), in the order
-    they were committed (ctime).
+    1's late parts), with their bytes, age (seconds since written) and inode number,
+    in the order they were committed (ctime).
 
     A compaction's leftover is byte for byte a piece of the segment that merged it;
     a batch committed into the range after the segment was made is not. (Format 1
     told them apart by ctime, which a backup and restore resets.)"""
     segments = sorted((it for it in items if it[0] != it[1]), key=lambda it: it[0] - it[1])
     blobs: dict[str, bytes] = {}
-    late: list[tuple[int, str, bytes, float]] = []
+    late: list[tuple[int, str, bytes, float, int]] = []
     for first, last, name in items:
         cover = next((s for s in segments if s[0] <= first <= s[1]), None)  # the widest
         if first != last or cover is None:
@@ -104,8 +104,8 @@ def misplaced_parts(dir_fd: int, items: list[Item]) -> list[tuple[str, bytes, fl
         except FileNotFoundError:
             continue
         if part not in blobs[cover[2]]:
-            late.append((st.st_ctime_ns, name, part, time.time() - st.st_mtime))
-    return [(name, part, age) for _ctime, name, part, age in sorted(late)]
+            late.append((st.st_ctime_ns, name, part, time.time() - st.st_mtime, st.st_ino))
+    return [(name, part, age, ino) for _ctime, name, part, age, ino in sorted(late)]
 
 
 def _temp_batches(dir_fd: int) -> set[bytes]:
@@ -241,11 +241,14 @@ def _recommit(fs: _fsio.Fs, fd: int, path: str, dry_run: bool, older_than: float
     if seen is None:
         return [Action("recommit", path, "not repaired: the transcript changed while it was "
                        "looked at (compactions); run again", False, failed=True)]
-    copies: dict[bytes, list[str]] = {}
-    for name, data, _age in misplaced:  # oldest first
-        copies.setdefault(data if _nonced(data) else name.encode(), []).append(name)
-    for name, data, age in misplaced:
-        names = copies.pop(data if _nonced(data) else name.encode(), None)
+    # A batch is one wherever its bytes are (its nonce) or its inode is (a repair's link
+    # of it: format 1's batches have no nonce, and equal ones are different batches).
+    chain_inodes = _inodes(fd, [n for f, last, n in seen.chain if f == last])
+    copies: dict[object, list[str]] = {}
+    for name, data, _age, ino in misplaced:  # oldest first
+        copies.setdefault(data if _nonced(data) else ino, []).append(name)
+    for name, data, age, ino in misplaced:
+        names = copies.pop(data if _nonced(data) else ino, None)
         where = f"{path}/{name}"
         if names is None:
             continue  # a copy of a batch handled with its first
@@ -258,14 +261,13 @@ def _recommit(fs: _fsio.Fs, fd: int, path: str, dry_run: bool, older_than: float
                                   "recently or still in a temp file: its writer may be "
                                   "committing it again", False, age=age))
             continue
-        held = next((n for _f, _l, n in seen.chain if _nonced(data) and data in seen.data.get(n, b"")), None)
+        held = chain_inodes.get(ino) or next(
+            (n for _f, _l, n in seen.chain if _nonced(data) and data in seen.data.get(n, b"")), None)
         if held is not None:
-            if not dry_run:
-                for copy in names:
-                    _fsio.unlink_quiet(fd, copy)
+            left = "" if dry_run else _remove_copies(fd, names)
             actions.append(Action("remove", where, f"a copy of a batch committed in {held}: "
                                   f"{len(names)} misplaced cop{'y' if len(names) == 1 else 'ies'} "
-                                  "removed", not dry_run))
+                                  f"removed{left}", not dry_run))
             continue
         if dry_run:
             actions.append(Action("recommit", where, "a batch inside a segment's range, "
@@ -282,10 +284,33 @@ def _recommit(fs: _fsio.Fs, fd: int, path: str, dry_run: bool, older_than: float
                                   "it could be committed again (its writer took it back, or "
                                   "another repair committed it)", False, age=age))
             continue
-        for copy in names:
-            _fsio.unlink_quiet(fd, copy)
-        actions.append(Action("recommit", where, f"committed again as {_layout.part_name(seq)}", True))
+        left = _remove_copies(fd, names)
+        actions.append(Action("recommit", where, f"committed again as {_layout.part_name(seq)}{left}", True))
     return actions
+
+
+def _remove_copies(fd: int, names: list[str]) -> str:
+    """Unlink a committed batch's misplaced copies; what could not be, said (found by
+    review: an EIO here made a repair that had committed the batch say FAILED)."""
+    failed = []
+    for name in names:
+        try:
+            _fsio.unlink_quiet(fd, name)
+        except OSError as exc:
+            failed.append(f"{name} ({exc.strerror})")
+    return f"; not removed: {', '.join(failed)}: run again" if failed else ""
+
+
+def _inodes(fd: int, names: list[str]) -> dict[int, str]:
+    """The inode numbers of parts, by number: a repair's link of a misplaced part is that
+    part's inode (where the mount has hard links and numbers them alike: not sshfs)."""
+    found: dict[int, str] = {}
+    for name in names:
+        try:
+            found[os.stat(name, dir_fd=fd, follow_symlinks=False).st_ino] = name
+        except OSError:
+            continue  # gone meanwhile: merged into a segment, which holds the bytes
+    return found
 
 
 def _nonced(batch: bytes) -> bool:

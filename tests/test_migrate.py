@@ -389,7 +389,8 @@ def test_a_writers_look_for_its_batch_never_takes_a_misplaced_copy(
     assert store.load(KEY) == [{"type": "x", "n": n} for n in [1, 2, 3, 4, 5, 6, 7, 8, "W"]]
 
 
-@pytest.mark.parametrize("writer", ["gives up first", "looks again meanwhile", "starts over before the repair links"])
+@pytest.mark.parametrize("writer", ["gives up first", "looks again meanwhile", "waits 2 s for the repair",
+                                    "starts over before the repair links"])
 def test_a_stalled_repair_whose_link_is_misplaced_again_never_loses_the_batch_its_writer_gave_up(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, writer: str
 ) -> None:
@@ -402,7 +403,8 @@ def test_a_stalled_repair_whose_link_is_misplaced_again_never_loses_the_batch_it
     committed"). The repair then removed 7 and could not link again from 4: the
     batch in no file. A repair now moves on from its own link (the new name first,
     then the old one goes), so the batch always has a name: committed once, whenever
-    the writer looks. (With a shorter stall the writer removed 4 and started over
+    the writer looks; it waits up to 30 s for a repair's copy (it gave up after 0.36
+    s: a caller's retry had the batch twice). (With a shorter stall the writer removed 4 and started over
     before the repair linked from it: the batch once, and the repair said FAILED;
     its source gone, the batch is its writer's: skipped.)"""
     import threading
@@ -452,8 +454,12 @@ def test_a_stalled_repair_whose_link_is_misplaced_again_never_loses_the_batch_it
             assert repair_linked.wait(30)
         return real_check(dir_fd, seq, marker)
 
+    slept: list[float] = []
+
     def sleep(seconds: float) -> None:  # W's look waits for a repair in flight
-        if threading.current_thread() is threading.main_thread() and writer == "looks again meanwhile":
+        slept.append(seconds)
+        if threading.current_thread() is threading.main_thread() and (
+                writer == "looks again meanwhile" or writer == "waits 2 s for the repair" and sum(slept) > 2):
             repair_goes_on.set()
             while not done:
                 real_sleep(0.01)
@@ -462,6 +468,8 @@ def test_a_stalled_repair_whose_link_is_misplaced_again_never_loses_the_batch_it
     monkeypatch.setattr(_migrate, "link_and_check", compaction_then_link)
     monkeypatch.setattr(_commit, "check", check)
     monkeypatch.setattr(_time, "sleep", sleep)
+    if writer == "gives up first":
+        monkeypatch.setattr(_commit, "_COPY_WAIT", 1.0)  # the writer's wait for the repair's copy
     try:
         store.append(KEY, [{"type": "x", "n": "W"}])
         returned = True
@@ -538,15 +546,18 @@ def test_repair_cuts_a_lost_part_out_of_a_segment_crossing_another_or_says_why_n
     assert out.returncode != 0 and out.stdout.startswith("FAILED ")  # (review: labelled WOULD)
 
 
-@pytest.mark.parametrize("copies", ["one in the chain", "two misplaced", "format 1's equal batches"])
+@pytest.mark.parametrize("copies", [
+    "one in the chain", "two misplaced", "format 1: one in the chain", "format 1: two misplaced",
+    "format 1's equal batches"])
 def test_repair_commits_a_batch_with_misplaced_copies_once(tmp_path: Path, copies: str) -> None:
-    """Found by review (real processes; 8 of 8, 4 of 4): a repair killed, failed (EIO)
-    or overtaken between its link of a misplaced batch and the removal of its source
-    left copies: the source at 3 and its own link (committed at 7, or misplaced again
-    there), and the next repair committed each copy again: the acknowledged batch
-    loaded two or three times. A batch is its bytes (its nonce): a copy of one in the
-    chain is removed, copies that are all misplaced are committed once. Format 1's
-    batches carry no nonce: equal ones are different batches, each committed."""
+    """Found by review (real processes; 8 of 8, 4 of 4, 3 of 3): a repair killed, failed
+    (EIO) or overtaken between its link of a misplaced batch and the removal of its
+    source left copies: the source at 3 and its own link (committed at 9, or misplaced
+    again at 7), and the next repair committed each copy again: the acknowledged batch
+    loaded two or three times. A batch is its bytes (its nonce), or its inode (a
+    repair's link; format 1's batches carry no nonce): a copy of one in the chain is
+    removed, copies that are all misplaced are committed once. Format 1's equal batches
+    in files of their own are different batches, each committed."""
     import re
 
     from fsstore import _commit, _layout
@@ -555,23 +566,60 @@ def test_repair_commits_a_batch_with_misplaced_copies_once(tmp_path: Path, copie
     for i in range(6, 9):
         store.append(KEY, [{"type": "x", "n": i}])
     batch = _commit.encode_batch([{"type": "x", "n": "W"}], "append")
-    if copies == "format 1's equal batches":
+    if copies.startswith("format 1"):
         batch = re.sub(rb"[ \t]+\n", b"\n", batch)
-    if copies == "one in the chain":
-        (d / _layout.part_name(9)).write_bytes(batch)  # the killed repair's commit
+    source = d / _layout.part_name(3)  # the writer's misplaced link, under 1-5
+    source.write_bytes(batch)
+    if copies.endswith("one in the chain"):
+        os.link(source, d / _layout.part_name(9))  # the killed repair's commit
     else:
         parts = [d / _layout.part_name(n) for n in range(6, 9)]
         (d / _layout.segment_name(6, 8)).write_bytes(b"".join(p.read_bytes() for p in parts))
         for p in parts:
             p.unlink()
-        (d / _layout.part_name(7)).write_bytes(batch)  # misplaced again, under 6-8
-    (d / _layout.part_name(3)).write_bytes(batch)  # the writer's misplaced link, under 1-5
+        if copies == "format 1's equal batches":
+            (d / _layout.part_name(7)).write_bytes(batch)  # another batch, equal
+        else:
+            os.link(source, d / _layout.part_name(7))  # the repair's link, misplaced under 6-8
     out = _cli("check", "--repair", "--older-than", "0s", str(tmp_path / "store"))
     assert out.returncode == 0, out.stdout + out.stderr
     times = 2 if copies == "format 1's equal batches" else 1
     assert store.load(KEY) == [{"type": "x", "n": n} for n in [*range(1, 9), *["W"] * times]]
     assert not (d / _layout.part_name(3)).exists()
-    assert copies == "one in the chain" or not (d / _layout.part_name(7)).exists()
+    assert copies.endswith("one in the chain") or not (d / _layout.part_name(7)).exists()
     again = _cli("check", "--repair", "--older-than", "0s", str(tmp_path / "store"))
     assert again.returncode == 0 and "REPAIR" not in again.stdout and "REMOVE" not in again.stdout, again.stdout
     assert store.load(KEY) == [{"type": "x", "n": n} for n in [*range(1, 9), *["W"] * times]]
+
+
+def test_a_misplaced_link_its_writer_cannot_remove_is_a_copy_the_repair_removes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found by review (strace `inject=unlinkat:error=EIO`, 3 of 3): a writer whose
+    batch landed at 4, inside 1-5 (its view old), could not remove that name (EIO);
+    its append raised "nothing committed" and left the part, which a later `check
+    --repair` committed: twice after the caller's retry. Inside a segment's range no
+    reader takes it: the writer goes on and commits the batch above, and the repair
+    removes the part as a copy of a committed batch."""
+    from fsstore import _commit, _fsio, _layout
+
+    store, d = _five_compacted(tmp_path)
+    monkeypatch.setattr(_commit, "_next_seq", lambda t, dfd: 4)  # a view from before 1-5
+    real_unlink = _fsio.unlink_quiet
+    refused: list[str] = []
+
+    def unlink(dir_fd: int, name: str) -> None:
+        if name == _layout.part_name(4) and not refused:
+            refused.append(name)
+            raise OSError(5, "Input/output error")
+        real_unlink(dir_fd, name)
+
+    monkeypatch.setattr(_fsio, "unlink_quiet", unlink)
+    store.append(KEY, [{"type": "x", "n": "W"}])
+    monkeypatch.undo()
+    assert refused and (d / _layout.part_name(4)).exists()
+    want = [{"type": "x", "n": n} for n in [1, 2, 3, 4, 5, "W"]]
+    assert store.load(KEY) == want
+    out = _cli("check", "--repair", "--older-than", "0s", str(tmp_path / "store"))
+    assert out.returncode == 0 and "a copy of a batch committed in" in out.stdout, out.stdout
+    assert not (d / _layout.part_name(4)).exists() and store.load(KEY) == want

@@ -114,6 +114,18 @@ def test_equal_batches_have_different_bytes() -> None:
     assert len({_commit.encode_batch([{"type": "x"}], "append") for _ in range(100)}) == 100
 
 
+def test_equal_batches_differ_though_the_application_seeds_random() -> None:
+    # Found by review: the nonce came from the random module, which two processes of an
+    # application that calls random.seed(42) draw alike.
+    import random
+
+    batches = set()
+    for _ in range(20):
+        random.seed(42)
+        batches.add(_commit.encode_batch([{"type": "x"}], "append"))
+    assert len(batches) == 20
+
+
 def test_a_circular_entry_is_invalid_even_under_a_raised_recursion_limit(tmp_path: Path) -> None:
     # Without cycle detection the C encoder recursed until the C stack overflowed
     # (Python < 3.12 bounds it only by the recursion limit): a segfault (found by
