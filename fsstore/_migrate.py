@@ -244,11 +244,12 @@ def _recommit(fs: _fsio.Fs, fd: int, path: str, dry_run: bool, older_than: float
     # A batch is one wherever its bytes are (its nonce) or its inode is (a repair's link
     # of it: format 1's batches have no nonce, and equal ones are different batches).
     chain_inodes = _inodes(fd, [n for f, last, n in seen.chain if f == last])
+    # (Bytes too, with an inode: a number freed and reused meanwhile is another file.)
     copies: dict[object, list[str]] = {}
     for name, data, _age, ino in misplaced:  # oldest first
-        copies.setdefault(data if _nonced(data) else ino, []).append(name)
+        copies.setdefault(data if _nonced(data) else (ino, data), []).append(name)
     for name, data, age, ino in misplaced:
-        names = copies.pop(data if _nonced(data) else ino, None)
+        names = copies.pop(data if _nonced(data) else (ino, data), None)
         where = f"{path}/{name}"
         if names is None:
             continue  # a copy of a batch handled with its first
@@ -261,7 +262,8 @@ def _recommit(fs: _fsio.Fs, fd: int, path: str, dry_run: bool, older_than: float
                                   "recently or still in a temp file: its writer may be "
                                   "committing it again", False, age=age))
             continue
-        held = chain_inodes.get(ino) or next(
+        same = chain_inodes.get(ino)
+        held = same if same is not None and seen.data.get(same) == data else next(
             (n for _f, _l, n in seen.chain if _nonced(data) and data in seen.data.get(n, b"")), None)
         if held is not None:
             left = "" if dry_run else _remove_copies(fd, names)
