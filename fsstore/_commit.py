@@ -63,7 +63,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from . import _delete, _fsio, _layout, _read, _transcript, _views
-from ._errors import FsStoreError, log
+from ._errors import FsStoreError, from_oserror, log
 from ._keys import TranscriptKey
 from ._layout import Component
 from ._limits import beyond_limits
@@ -326,15 +326,13 @@ def link_and_check(
 ) -> tuple[int, list[Item]]:
     """Give the temp file ``tmp`` (holding ``payload``) a part name from ``seq`` on
     (steps 5 and 6 of the module docstring); return its number and the listing that
-    checked it.
-
-    Raises :class:`Deleted` (nothing left behind) when the directory is being
-    deleted, FileNotFoundError when the directory or the batch vanished under us
-    (the caller starts over; nothing of the batch is committed).
-    """
+    checked it. Raises :class:`Deleted` when the directory is being deleted and
+    FileNotFoundError when it or the batch vanished (nothing committed: the caller
+    starts over), FsStoreError saying "may be committed" where it cannot tell."""
     misplaced: list[str] = []  # linked by us, not committed: removed on the way out
     relinked: set[str] = set()  # ours, removed already (a cached listing may still show them)
     passed: list[str] = []  # a repair's misplaced links: removed once the batch is committed
+    kept: list[str] = []  # our misplaced links that could not be removed (EIO)
     src = tmp
     holes = forgotten = 0
     try:
@@ -342,9 +340,8 @@ def link_and_check(
             name = _layout.part_name(seq)
             try:
                 linked = _fsio.link_noreplace(fs, dir_fd, src, name)
-            except FileNotFoundError:
-                found = _found(dir_fd, payload) if relinked or src != tmp else None
-                if found is None:
+            except FileNotFoundError:  # our names went: a repair may have committed it
+                if not (relinked or kept or src != tmp) or (found := _found(dir_fd, payload)) is None:
                     raise
                 return found
             if linked is None and forgotten < _FORGET_RETRIES and _views.forgot_stale_name(dir_fd, name):
@@ -369,8 +366,7 @@ def link_and_check(
             others = [it for it in items if it[2] != name and it[2] not in relinked]
             hole = seq > 1 and not any(f <= seq - 1 <= last for f, last, _n in others)
             if merged or (cover is None and (not hole or holes >= _HOLE_RETRIES)):
-                # Committed: in the chain (past the retries: a client that keeps naming gone
-                # files), or merged by a compaction that listed our part after the link.
+                # In the chain (past the retries: a client naming gone files), or merged.
                 for old in passed:
                     _removed(dir_fd, old)  # (left: a copy, which the next repair removes)
                 return seq, items
@@ -382,38 +378,48 @@ def link_and_check(
                         "inside a compacted range (two lock holders overlapped)" if cover
                         else "above a hole (a stale view of the directory)", extra={
                             "code": "RELOCATED", "operation": "append", "path": name})
+            # Inside a segment's range no reader takes it: a repair links onward from it
+            # (its source is a writer's, who may remove it), a writer removes it or, where
+            # it cannot (EIO), leaves a copy for the repair. Above a hole a reader takes
+            # every part: gone before the batch is linked again (all found by review).
             if linked and cover is not None and not tmp.startswith(_fsio.TEMP_PREFIX):
-                # A repair committing a misplaced part again: the name it linked from is
-                # its writer's, who may remove it (found by review: the repair then removed
-                # this link and had nothing to link from, the batch in no file). It moves
-                # on from its own link, which goes once the batch is committed (inside a
-                # segment's range, no reader takes it meanwhile).
                 passed.append(name)
                 src = name
             elif linked and cover is not None:
-                # Inside a segment's range no reader takes it. One that cannot be removed
-                # (EIO) stays, and once the batch is committed above, `check --repair`
-                # removes it as a copy (found by review: the append raised, and a repair
-                # committed the batch later: twice after the caller's retry).
-                if _removed(dir_fd, name):
-                    relinked.add(name)
+                (relinked.add if _removed(dir_fd, name) else kept.append)(name)
             elif linked:
-                # Gone before the batch is linked again: above a hole, a reader takes
-                # every part, and would read the batch twice (found by review on sshfs).
-                # One that cannot be removed fails the append, "may be committed".
                 misplaced.append(name)
                 _fsio.unlink_quiet(dir_fd, name)
                 misplaced.remove(name)
                 relinked.add(name)
             seq = top(others) + 1
+    except (OSError, FsStoreError) as exc:
+        if kept and "may be committed" not in str(exc):
+            raise _may_be_committed(exc, kept[0]) from exc
+        raise
     finally:
-        for name in misplaced:
-            if not _removed(dir_fd, name):
-                # A part we linked stays where a reader may take it: the append cannot
-                # say that nothing of it is committed (found by review).
-                raise FsStoreError("EIO", f"{name}, linked and not checked, could not be "
-                                   "removed; the batch may be committed", operation="append",
-                                   path=name, errno=errno.EIO)
+        _remove_unchecked(dir_fd, misplaced)
+
+
+def _remove_unchecked(dir_fd: int, names: list[str]) -> None:
+    """Unlink the parts an append linked and did not check. One that stays is where a
+    reader may take it: the append cannot say nothing of it is committed (review)."""
+    for name in names:
+        if not _removed(dir_fd, name):
+            raise FsStoreError("EIO", f"{name}, linked and not checked, could not be removed; "
+                               "the batch may be committed", operation="append", path=name,
+                               errno=errno.EIO)
+
+
+def _may_be_committed(exc: OSError | FsStoreError, kept: str) -> FsStoreError:
+    """The error of an append that fails after a misplaced copy of its batch could not be
+    removed: `check --repair` commits that copy once old, so the append can neither say
+    that nothing of it is committed nor start over (found by review: committed twice
+    after a retry, or after the writer started over)."""
+    err = exc if isinstance(exc, FsStoreError) else from_oserror(exc, "append", kept)
+    return FsStoreError(err.code, f"{err.message}; {kept}, a misplaced copy of the batch, could "
+                        "not be removed: the batch may be committed (fsstore check --repair "
+                        "commits it)", operation="append", path=kept, errno=err.errno)
 
 
 def _removed(dir_fd: int, name: str) -> bool:

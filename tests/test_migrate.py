@@ -592,20 +592,25 @@ def test_repair_commits_a_batch_with_misplaced_copies_once(tmp_path: Path, copie
     assert store.load(KEY) == [{"type": "x", "n": n} for n in [*range(1, 9), *["W"] * times]]
 
 
+@pytest.mark.parametrize("then", ["nothing else", "its next link fails", "gc and a repair meanwhile"])
 def test_a_misplaced_link_its_writer_cannot_remove_is_a_copy_the_repair_removes(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, then: str
 ) -> None:
     """Found by review (strace `inject=unlinkat:error=EIO`, 3 of 3): a writer whose
     batch landed at 4, inside 1-5 (its view old), could not remove that name (EIO);
     its append raised "nothing committed" and left the part, which a later `check
     --repair` committed: twice after the caller's retry. Inside a segment's range no
     reader takes it: the writer goes on and commits the batch above, and the repair
-    removes the part as a copy of a committed batch."""
-    from fsstore import _commit, _fsio, _layout
+    removes the part as a copy of a committed batch. The next review: where the writer
+    then failed (its next link: EIO), it still said nothing was committed (twice after
+    a retry, 6 of 6); where gc took its temp file and a repair committed the copy
+    meanwhile, it started over (twice, 4 of 4). It says "may be committed", and looks
+    for the repair's commit."""
+    from fsstore import FsStoreError, _commit, _fsio, _layout
 
     store, d = _five_compacted(tmp_path)
     monkeypatch.setattr(_commit, "_next_seq", lambda t, dfd: 4)  # a view from before 1-5
-    real_unlink = _fsio.unlink_quiet
+    real_unlink, real_link = _fsio.unlink_quiet, _fsio.link_noreplace
     refused: list[str] = []
 
     def unlink(dir_fd: int, name: str) -> None:
@@ -614,12 +619,31 @@ def test_a_misplaced_link_its_writer_cannot_remove_is_a_copy_the_repair_removes(
             raise OSError(5, "Input/output error")
         real_unlink(dir_fd, name)
 
+    def link(fs: Any, dir_fd: int, src: str, dst: str) -> Any:
+        if refused and dst != _layout.part_name(4) and len(refused) == 1:
+            refused.append(dst)
+            if then == "its next link fails":
+                raise OSError(5, "Input/output error")
+            for name in os.listdir(d):  # gc at +2 h, then a repair: 4 committed as 6
+                if name.startswith(".tmp-"):
+                    (d / name).unlink()
+            os.link(d / _layout.part_name(4), d / _layout.part_name(6))
+        return real_link(fs, dir_fd, src, dst)
+
     monkeypatch.setattr(_fsio, "unlink_quiet", unlink)
-    store.append(KEY, [{"type": "x", "n": "W"}])
+    if then != "nothing else":
+        monkeypatch.setattr(_fsio, "link_noreplace", link)
+    try:
+        store.append(KEY, [{"type": "x", "n": "W"}])
+    except FsStoreError as exc:
+        assert then == "its next link fails" and exc.code == "EIO" and "may be committed" in str(exc), exc
+    else:
+        assert then != "its next link fails"
     monkeypatch.undo()
     assert refused and (d / _layout.part_name(4)).exists()
     want = [{"type": "x", "n": n} for n in [1, 2, 3, 4, 5, "W"]]
-    assert store.load(KEY) == want
+    if then != "its next link fails":
+        assert store.load(KEY) == want
     out = _cli("check", "--repair", "--older-than", "0s", str(tmp_path / "store"))
-    assert out.returncode == 0 and "a copy of a batch committed in" in out.stdout, out.stdout
+    assert out.returncode == 0, out.stdout
     assert not (d / _layout.part_name(4)).exists() and store.load(KEY) == want
