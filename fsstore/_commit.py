@@ -40,7 +40,10 @@ Commit (``append``), step by step, and what a crash at each step leaves:
    the lock. Compaction may follow (:mod:`fsstore._compact`).
 
 A failed append leaves no part: every name it linked is unlinked before it
-raises. Errors come out as :class:`~fsstore.FsStoreError` with the POSIX code.
+raises, or its error says "the batch may be committed" (a name that could not be
+unlinked, which ``fsstore check --repair`` commits or removes as a copy; others'
+repairs in flight). Errors come out as :class:`~fsstore.FsStoreError` with the
+POSIX code.
 
 Why order holds without the lock: numbers are taken first come, first served by
 ``link``, and a writer only keeps a number above everything committed when it
