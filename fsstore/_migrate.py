@@ -39,7 +39,7 @@ from ._cleanup import Action, not_looked_at
 from ._commit import link_and_check
 from ._errors import FsStoreError
 from ._store import SyncStore
-from ._transcript import Item, Snapshot, plan, scan, snapshot, top
+from ._transcript import UNLOCKED_READS, Item, Snapshot, plan, scan, snapshot, top
 from ._walk import Progress, TranscriptRef, Walker, tick, walking
 
 
@@ -216,7 +216,7 @@ def _batches(data: bytes) -> list[bytes]:
     begin = end = 0
     for line in data.split(b"\n")[:-1]:  # each ended with a newline (what follows: torn)
         end += len(line) + 1
-        if not line or line[-1:] in (b" ", b"\t"):
+        if not line or _nonced(line):
             out.append(data[begin:end])
             begin = end
     return out if begin == len(data) else []
@@ -323,7 +323,7 @@ def _nonced(batch: bytes) -> bool:
 
 def _settled(fd: int, path: str) -> Snapshot | None:
     """The transcript read as a load reads it; None where compactions kept changing it."""
-    for _look in range(3):
+    for _look in range(UNLOCKED_READS):  # (under the lock already: no reading under it)
         seen = snapshot(fd, path, "repair")
         if seen.race is None:
             return seen

@@ -647,3 +647,31 @@ def test_a_misplaced_link_its_writer_cannot_remove_is_a_copy_the_repair_removes(
     out = _cli("check", "--repair", "--older-than", "0s", str(tmp_path / "store"))
     assert out.returncode == 0, out.stdout
     assert not (d / _layout.part_name(4)).exists() and store.load(KEY) == want
+
+
+def test_an_append_whose_unchecked_part_cannot_be_removed_says_it_may_be_committed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """README (EIO): the check of a linked part fails, and the part cannot be removed
+    either: it is in the chain, where every reader takes it, so the append cannot say
+    nothing of it is committed (found by review: it did, and a retry stored it twice)."""
+    from fsstore import FsStoreError, _commit, _fsio, _layout
+
+    store, _d = _five_compacted(tmp_path)
+    real_unlink = _fsio.unlink_quiet
+
+    def check(dir_fd: int, seq: int, marker: str | None) -> Any:
+        raise OSError(5, "Input/output error")
+
+    def unlink(dir_fd: int, name: str) -> None:
+        if name == _layout.part_name(6):
+            raise OSError(5, "Input/output error")
+        real_unlink(dir_fd, name)
+
+    monkeypatch.setattr(_commit, "check", check)
+    monkeypatch.setattr(_fsio, "unlink_quiet", unlink)
+    with pytest.raises(FsStoreError) as err:
+        store.append(KEY, [{"type": "x", "n": "W"}])
+    monkeypatch.undo()
+    assert err.value.code == "EIO" and "may be committed" in str(err.value), err.value
+    assert store.load(KEY) == [{"type": "x", "n": n} for n in [1, 2, 3, 4, 5, "W"]]
