@@ -49,7 +49,17 @@ from typing import Any
 from . import _fsio, _layout, _read, _summaries
 from ._errors import FsStoreError, log
 from ._lock import Held
-from ._transcript import Item, State, Vanished, parse, plan_held, read_state, scan, write_state
+from ._transcript import (
+    Item,
+    State,
+    Vanished,
+    misplaced,
+    parse,
+    plan_held,
+    read_state,
+    scan,
+    write_state,
+)
 
 # The SDK's fold function and the session key it is given.
 Summary = tuple[_summaries.Fold, dict[str, str]]
@@ -198,24 +208,29 @@ def _write_summary(fs: _fsio.Fs, dir_fd: int, path: str, summary: Summary, chain
 
 def _remove_covered(dir_fd: int, items: list[Item], keep: list[Item], seen: dict[str, bytes]) -> None:
     """Unlink every file inside the range of a segment of ``keep`` (but those): the
-    leftovers of compactions. A part whose bytes that segment does not hold stays: a
-    batch a stale writer misplaced there, which its writer commits again from its temp
-    file, or ``check --repair`` once that is gone (found by review: removed here, a
-    batch whose temp file gc had taken was in no file). ``seen``: bytes already read,
-    by name."""
+    leftovers of compactions. A part :func:`misplaced` there stays: a batch a stale
+    writer linked at a freed name, which its writer commits again from its temp file,
+    or ``check --repair`` once that is gone (found by review: removed here, a batch
+    whose temp file gc had taken was in no file). ``seen``: bytes already read, by
+    name (a segment's are taken from it; a part is read afresh: its name may have been
+    linked again since)."""
     names = {name for _f, _l, name in keep}
+
+    def read(name: str) -> bytes:
+        if name not in names:
+            return _read.read_file(dir_fd, name)
+        if name not in seen:
+            seen[name] = _read.read_file(dir_fd, name)
+        return seen[name]
+
     for first, last, name in items:
-        cover = next((k for k in keep if k[0] != k[1] and k[0] <= first and last <= k[1]), None)
-        if name in names or cover is None:
+        if name in names or not any(f != l and f <= first and last <= l for f, l, _n in keep):
             continue
-        if first == last:
-            try:
-                if cover[2] not in seen:
-                    seen[cover[2]] = _read.read_file(dir_fd, cover[2])
-                if _read.read_file(dir_fd, name) not in seen[cover[2]]:
-                    continue
-            except OSError:
-                continue  # gone, or unreadable: the next compaction looks again
+        try:
+            if first == last and misplaced(read, keep, first, name):
+                continue
+        except OSError:
+            continue  # gone, or unreadable: the next compaction looks again
         _fsio.unlink_quiet(dir_fd, name)
 
 

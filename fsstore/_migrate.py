@@ -39,7 +39,7 @@ from ._cleanup import Action, not_looked_at
 from ._commit import link_and_check
 from ._errors import FsStoreError
 from ._store import SyncStore
-from ._transcript import UNLOCKED_READS, Item, Snapshot, plan, scan, snapshot, top
+from ._transcript import UNLOCKED_READS, Item, Snapshot, misplaced, plan, scan, snapshot, top
 from ._walk import Progress, TranscriptRef, Walker, tick, walking
 
 
@@ -82,29 +82,26 @@ def _each_transcript(root: str, stale_lock_seconds: float, progress: Progress | 
 
 
 def misplaced_parts(dir_fd: int, items: list[Item]) -> list[tuple[str, bytes, float, int]]:
-    """Parts inside a segment's range whose batch that segment does not hold (format
-    1's late parts), with their bytes, age (seconds since written) and inode number,
-    in the order they were committed (ctime).
-
-    A compaction's leftover is byte for byte a piece of the segment that merged it;
-    a batch committed into the range after the segment was made is not. (Format 1
-    told them apart by ctime, which a backup and restore resets.)"""
-    segments = sorted((it for it in items if it[0] != it[1]), key=lambda it: it[0] - it[1])
+    """Parts :func:`misplaced` under a segment (format 1's late parts, a stale writer's
+    batch), with their bytes, age (seconds since written) and inode number, in the
+    order they were committed (ctime). (Format 1 told them from a compaction's
+    leftovers by ctime, which a backup and restore resets.)"""
     blobs: dict[str, bytes] = {}
+
+    def read(name: str) -> bytes:
+        if name not in blobs:
+            blobs[name] = _read.read_file(dir_fd, name)
+        return blobs[name]
+
     late: list[tuple[int, str, bytes, float, int]] = []
     for first, last, name in items:
-        cover = next((s for s in segments if s[0] <= first <= s[1]), None)  # the widest
-        if first != last or cover is None:
-            continue
         try:
-            if cover[2] not in blobs:
-                blobs[cover[2]] = _read.read_file(dir_fd, cover[2])
-            part = _read.read_file(dir_fd, name)
+            if first != last or not misplaced(read, items, first, name):
+                continue
             st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
         except FileNotFoundError:
             continue
-        if part not in blobs[cover[2]]:
-            late.append((st.st_ctime_ns, name, part, time.time() - st.st_mtime, st.st_ino))
+        late.append((st.st_ctime_ns, name, blobs[name], time.time() - st.st_mtime, st.st_ino))
     return [(name, part, age, ino) for _ctime, name, part, age, ino in sorted(late)]
 
 

@@ -30,6 +30,7 @@ import errno
 import json
 import os
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -242,6 +243,18 @@ def _covering_most(items: list[Item]) -> tuple[list[Item], int | None]:
     return chosen, None
 
 
+def misplaced(read: Callable[[str], bytes | None], items: list[Item], n: int, part: str) -> bool:
+    """Whether ``part`` (number ``n``) is a batch misplaced under a segment of ``items``:
+    one whose range holds ``n`` does not hold its bytes. The one test of the commit
+    rule: a compaction's leftover is byte for byte a piece of every segment made over
+    it (each batch's nonce makes its bytes its own); a batch a stale writer linked at a
+    name a compaction freed is in none. ``read`` gives a file's bytes (None: unreadable,
+    counted as holding) or raises."""
+    over = [name for first, last, name in items if first != last and first <= n <= last]
+    data = read(part) if over else None
+    return data is not None and any(held is not None and data not in held for held in map(read, over))
+
+
 def plan_held(items: list[Item], dir_fd: int, seen: dict[str, bytes]) -> tuple[list[Item], int | None]:
     """:func:`plan`, never taking a part that a listed segment over its number does not
     hold: a stale writer's link at a name a compaction freed (not committed: its writer
@@ -269,17 +282,11 @@ def plan_held(items: list[Item], dir_fd: int, seen: dict[str, bytes]) -> tuple[l
                 return None
         return seen[name]
 
-    def misplaced(n: int, name: str) -> bool:
-        over = [seg for first, last, seg in segments if first <= n <= last]
-        data = read(name) if over else None
-        return data is not None and any(held is not None and data not in held
-                                        for held in map(read, over))
-
     skip: set[str] = set()
     while True:
         chain, gap = plan([it for it in items if it[2] not in skip])
         wrong = {name for first, last, name in chain if first == last <= below
-                 and misplaced(first, name)}
+                 and misplaced(read, segments, first, name)}
         if not wrong:
             return chain, gap
         skip |= wrong
