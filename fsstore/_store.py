@@ -123,11 +123,17 @@ class SyncStore:
         _read.forget_mounts()  # mounts may have come and gone since the last store was made
         self._locks = Locks(
             self._fs, stale_lock_seconds=stale_lock_seconds, lock_timeout_seconds=lock_timeout_seconds)
-        self._fold = _summaries.fold_function() if summaries is not False else None
-        self._start_over()
-        _fsio.in_forked_child(self, "_start_over")
+        self._summaries = summaries
         if summaries is True and self._fold is None:
             raise ValueError("summaries=True needs claude-agent-sdk (pip install 'fsstore-sessions[claude]')")
+        self._start_over()
+        _fsio.in_forked_child(self, "_start_over")
+
+    @property
+    def _fold(self) -> _summaries.Fold | None:
+        """The Claude SDK's fold, imported when first needed (a compaction, a listing of
+        summaries): a process that never needs one does not load the SDK."""
+        return _summaries.fold_function() if self._summaries is not False else None
 
     def _start_over(self) -> None:
         """Remember no transcript and queue no compaction (also in a forked child,

@@ -11,6 +11,8 @@ import logging
 import math
 import os
 import re
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -438,6 +440,26 @@ def test_summaries_off_without_claude_sdk_leaves_sessions_out(root: Path) -> Non
     store.append(KEY, BATCHES[0])
     assert store.list_session_summaries(KEY["project_key"]) == []
     assert [s["session_id"] for s in store.list_sessions(KEY["project_key"])] == [KEY["session_id"]]
+
+
+def test_the_claude_sdk_is_loaded_only_when_a_summary_is_first_needed(root: Path) -> None:
+    """Issue 16: a process that appends and loads but never compacts or lists summaries
+    does not pay the SDK's memory (57 against 26 MiB VmHWM); the summary is still kept."""
+    code = f"""
+import sys
+from fsstore import FsSessionStore
+store = FsSessionStore({str(root)!r}, create=True, compact_every=3).sync
+key = {{"project_key": "p", "session_id": "s"}}
+for i in range(2):
+    store.append(key, [{{"type": "user", "uuid": f"u{{i}}"}}])
+store.load(key)
+print("claude_agent_sdk" in sys.modules)
+store.append(key, [{{"type": "user", "uuid": "u2"}}])  # the third part: a compaction
+store._compactions.done()
+print("claude_agent_sdk" in sys.modules)
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
+    assert out.stdout.split() == ["False", "True"], out.stdout + out.stderr
 
 
 # -- listings ---------------------------------------------------------------------
