@@ -1,14 +1,14 @@
 """The Claude SDK's session-summary sidecar, kept in the main transcript's state file.
 
-``claude_agent_sdk.fold_session_summary`` is pure and incremental; fsstore calls it
-under the transcript lock after each main-transcript commit and stores the result
-with ``folded`` = the last sequence it covers. A reader that finds ``folded`` behind
-the newest committed part folds the missing parts itself, so a writer killed between
-commit and state write, or two overlapping lock holders, cannot leave a summary
-that disagrees with the transcript.
+``claude_agent_sdk.fold_session_summary`` is pure and incremental; a compaction of a
+main transcript folds the files it covers and stores the result with ``folded`` = the
+last number folded (:func:`fsstore._compact.fold_chain`). A listing of summaries folds
+the files committed after it itself, so a compactor killed before its state write, or
+two overlapping ones, cannot leave a summary that disagrees with the transcript.
 
-The SDK is imported lazily: without it (a Qoder-only install) summaries are simply
-not maintained and :meth:`list_session_summaries` returns what it can prove fresh.
+The SDK is imported when a summary is first needed: without it (a Qoder-only install)
+summaries are simply not maintained and :meth:`list_session_summaries` returns what it
+can prove fresh.
 """
 
 from __future__ import annotations
