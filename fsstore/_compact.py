@@ -1,10 +1,15 @@
 """Compaction: merging a transcript's committed files into one segment.
 
 Thousands of small parts make ``load()`` open thousands of files; a segment is the
-same bytes in one file. Compaction runs under the transcript lock, automatically
-from ``append()`` once ``compact_every`` parts follow the last segment, or on
-demand (``compact(key)``, ``fsstore compact``). Like a commit, it is correct
-whatever the lock does; the lock only keeps two compactions from wasting work.
+same bytes in one file. Compaction runs automatically from ``append()`` once
+``compact_every`` parts follow the last segment, or on demand (``compact(key)``,
+``fsstore compact``). Like a commit, it is correct whatever the lock does. It takes
+the transcript lock around the look before its move, the move and its check (steps
+3-4), where it keeps two compactions from wasting work, and again for its writes
+and unlinks (steps 5-6), where it keeps the directory's mtime; its reads run beside
+the appends that follow (the lock was held for all of it until stop 26: an append
+waited behind a whole compaction, 100-200 ms on GlusterFS, 300 ms locally for a
+merge of a few MB).
 
 Steps, and what readers and crashes see:
 
@@ -15,16 +20,17 @@ Steps, and what readers and crashes see:
    every trailing segment no larger than what is merged after it, like carries in
    a binary counter, so each byte is copied O(log n) times and a transcript has
    O(log n) segments.
-3. Read the chosen files (parts are parsed: a damaged part is never copied), then
-   list twice more: a segment over the range that the first listing lacks means a
-   name read may have been freed by another compaction and linked again by a stale
-   writer: start over. Write their bytes to a temp file; fsync if ``fsync=True``;
+3. Read the chosen files (parts are parsed: a damaged part is never copied). Take
+   the lock, then list twice more: a segment over the range that the first listing
+   lacks means a name read may have been freed by another compaction and linked
+   again by a stale writer, and ``.deleted`` a delete: start over. Write their bytes to a temp file; fsync if ``fsync=True``;
    move it, no-replace, to ``<first>-<last>.jsonl``. Readers now take the segment
    (fewer files) and skip what it merged; either way each entry once.
 4. List again (the *check*): if another segment overlaps this one without one
    holding the other (two compactions that overlapped), remove this one and stop:
    its files are all still there. Readers racing it take the chain that continues.
-5. Main transcripts: write the summary sidecar (state.json) folded up to ``last``.
+   Give the lock back.
+5. Take the lock again. Main transcripts: write the summary sidecar (state.json) folded up to ``last``.
 6. Unlink the merged files and every other segment inside the range, and every
    part there whose bytes the segment holds (leftovers; a part a stale writer
    misplaced there stays: that writer commits it again above from its temp file, or
@@ -33,23 +39,26 @@ Steps, and what readers and crashes see:
 
 A crash after step 3 leaves files covered by the segment: readers skip them, and
 the next compaction removes them. A crash before leaves a temp file (``fsstore gc``).
-The directory's mtime (the session's mtime in ``list_sessions``) is put back if
-nothing else changed it meanwhile: compacting an old session must not make it new.
+Each lock hold puts the directory's mtime (the session's mtime in ``list_sessions``)
+back where it found it: compacting an old session must not make it new, nor undo a
+commit's move of it.
 Entries are copied verbatim: duplicates by ``uuid`` stay, and load() still drops
 them, so compaction never changes what ``load()`` returns.
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from . import _fsio, _layout, _read, _summaries
 from ._errors import FsStoreError, log
 from ._lock import Held
 from ._transcript import (
+    READ_ATTEMPTS,
     Item,
     State,
     Vanished,
@@ -99,14 +108,34 @@ def compact(
     fs: _fsio.Fs,
     dir_fd: int,
     path: str,
-    held: Held,
+    hold: Callable[[], contextlib.AbstractContextManager[Held]],
     *,
     everything: bool,
     operation: str,
     summary: Summary | None = None,
 ) -> int:
-    """Merge (see the module docstring); return how many files were merged (0: none)."""
-    mtime = os.fstat(dir_fd).st_mtime_ns
+    """Merge (see the module docstring); return how many files were merged (0: none).
+    ``hold()`` takes the transcript lock: only for step 4 and the mtime."""
+    for _attempt in range(READ_ATTEMPTS):
+        try:
+            return _merge(fs, dir_fd, path, hold, everything=everything, operation=operation,
+                          summary=summary)
+        except Vanished:
+            continue  # a file merged by an overlapping compaction: look again
+    raise FsStoreError("EAGAIN", f"files kept vanishing under {READ_ATTEMPTS} compactions "
+                       "(overlapping compactions)", operation=operation, path=path, errno=errno.EAGAIN)
+
+
+def _merge(
+    fs: _fsio.Fs,
+    dir_fd: int,
+    path: str,
+    hold: Callable[[], contextlib.AbstractContextManager[Held]],
+    *,
+    everything: bool,
+    operation: str,
+    summary: Summary | None,
+) -> int:
     items, deleted = scan(dir_fd)
     seen: dict[str, bytes] = {}  # what plan_held judged is what is copied
     chain, gap = plan_held(items, dir_fd, seen)
@@ -121,7 +150,7 @@ def compact(
                            operation=operation, path=path)
     merge = chain[choose(chain, everything=everything):]
     if len(merge) < 2:
-        _remove_covered(dir_fd, items, chain, seen)
+        _tidy(dir_fd, hold, _covered(dir_fd, items, chain, seen))
         return 0
     blobs: dict[str, bytes] = {}
     newest = 0
@@ -138,42 +167,87 @@ def compact(
         blobs[name] = blob
         newest = max(newest, st.st_mtime_ns)
     first, last = merge[0][0], merge[-1][1]
-    if _segment_made_over(dir_fd, items, first, last):
-        # Found by review: a name read here can be one another compaction freed (its
-        # segment over it published first) and a stale writer linked again since:
-        # copied, that batch would take the merged one's place. Looked at again.
-        raise Vanished(path)
-    segment = _layout.segment_name(first, last)
-    # The segment carries the newest merged mtime: retention goes by file age.
-    if not _publish(fs, dir_fd, segment, b"".join(blobs.values()), newest,
-                    lambda: held.check(operation)):
-        return 0  # the same segment exists already: another compaction made it
-    after, _deleted = scan(dir_fd)
-    if any(f != l and name != segment and (f < first <= l < last or first < f <= last < l)
-           for f, l, name in after):
-        _fsio.unlink_quiet(dir_fd, segment)  # overlapped another compaction: its files stay
-        return 0
+    segment, data = _layout.segment_name(first, last), b"".join(blobs.values())
+    with hold() as held:
+        if _segment_made_over(dir_fd, items, first, last):
+            # Found by review: a name read here can be one another compaction freed (its
+            # segment over it published first) and a stale writer linked again since:
+            # copied, that batch would take the merged one's place. Looked at again.
+            raise Vanished(path)
+        with _mtime_kept(dir_fd):
+            # The segment carries the newest merged mtime: retention goes by file age.
+            if not _publish(fs, dir_fd, segment, data, newest, lambda: held.check(operation)):
+                return 0  # the same segment exists already: another compaction made it
+            after, _deleted = scan(dir_fd)
+            if any(f != l and name != segment and (f < first <= l < last or first < f <= last < l)
+                   for f, l, name in after):
+                _fsio.unlink_quiet(dir_fd, segment)  # overlapped another compaction: its files stay
+                return 0
+    state = None
     if summary is not None:
         try:
-            _write_summary(fs, dir_fd, path, summary, [it for it in chain if it[1] <= last], blobs)
+            state = _summary_state(dir_fd, path, summary, [it for it in chain if it[1] <= last], blobs)
         except (OSError, FsStoreError) as exc:
-            # A hint: list_session_summaries folds what the sidecar lacks.
-            log.warning("summary sidecar not written: %s", exc, extra={
-                "code": "SUMMARY_BEHIND", "operation": operation, "path": path})
-    _remove_covered(dir_fd, after, [(first, last, segment)], {segment: b"".join(blobs.values())})
-    _restore_mtime(dir_fd, mtime)
+            _summary_behind(exc, operation, path)
+    doomed = _covered(dir_fd, after, [(first, last, segment)], {segment: data})
+    _tidy(dir_fd, hold, doomed, None if state is None else (
+        lambda: write_state(fs, dir_fd, state), lambda exc: _summary_behind(exc, operation, path)))
     return len(merge)
 
 
+def _summary_behind(exc: Exception, operation: str, path: str) -> None:
+    # A hint: list_session_summaries folds what the sidecar lacks.
+    log.warning("summary sidecar not written: %s", exc, extra={
+        "code": "SUMMARY_BEHIND", "operation": operation, "path": path})
+
+
+def _tidy(dir_fd: int, hold: Callable[[], contextlib.AbstractContextManager[Held]], doomed: list[str],
+          summary: tuple[Callable[[], None], Callable[[Exception], None]] | None = None) -> None:
+    """Steps 5-6 under the lock again: the summary sidecar (its write, and what to do
+    if that fails), and the unlinks of ``doomed``. A busy lock leaves both to the next
+    compaction (readers skip leftovers, and fold what the sidecar lacks)."""
+    if not doomed and summary is None:
+        return
+    with contextlib.suppress(OSError, FsStoreError), hold(), _mtime_kept(dir_fd):
+        if summary is not None:
+            try:
+                summary[0]()
+            except (OSError, FsStoreError) as exc:
+                summary[1](exc)
+        for name in doomed:
+            _fsio.unlink_quiet(dir_fd, name)
+
+
+@contextlib.contextmanager
+def _mtime_kept(dir_fd: int) -> Iterator[None]:
+    """Put the directory's mtime (the session's, which the SDK compares summaries with)
+    back to what it was before: compaction never moves it, so compacting an old session
+    does not make it new, and a commit's mtime (moved past the coarse clock, see
+    ``_commit._tick_mtime``) is not taken back by a later unlink. Under the lock, where
+    no commit comes between (best effort with an overlapping holder)."""
+    before = os.fstat(dir_fd).st_mtime_ns
+    try:
+        yield
+    finally:
+        with contextlib.suppress(OSError):
+            st = os.fstat(dir_fd)
+            if st.st_mtime_ns != before:
+                os.utime(".", ns=(st.st_atime_ns, before), dir_fd=dir_fd)
+
+
 def _segment_made_over(dir_fd: int, listed: list[Item], first: int, last: int) -> bool:
-    """Whether a segment that ``listed`` lacks holds a number of ``first..last``: step 3's
-    look after the reads. A name is free again only once a segment over it exists, and
-    one such segment exists from then on (the one replacing it is made first), so a
-    file read after its name was freed leaves one here. Two listings, as a commit's
-    check: one can be torn by a compaction."""
+    """Whether a segment that ``listed`` lacks holds a number of ``first..last``, or the
+    transcript is being deleted: step 3's look, under the lock, after the reads. A name
+    is free again only once a segment over it exists, and one such segment exists from
+    then on (the one replacing it is made first), so a file read after its name was
+    freed leaves one here. Two listings, as a commit's check: one can be torn by a
+    compaction."""
     known = {name for _f, _l, name in listed}
-    return any(f != l and name not in known and f <= last and first <= l
-               for _look in range(2) for f, l, name in scan(dir_fd)[0])
+    for _look in range(2):
+        items, deleted = scan(dir_fd)
+        if deleted or any(f != l and name not in known and f <= last and first <= l for f, l, name in items):
+            return True
+    return False
 
 
 def _publish(fs: _fsio.Fs, dir_fd: int, segment: str, data: bytes, mtime_ns: int | None,
@@ -196,24 +270,25 @@ def _publish(fs: _fsio.Fs, dir_fd: int, segment: str, data: bytes, mtime_ns: int
     return True
 
 
-def _write_summary(fs: _fsio.Fs, dir_fd: int, path: str, summary: Summary, chain: list[Item],
-                   blobs: dict[str, bytes]) -> None:
+def _summary_state(dir_fd: int, path: str, summary: Summary, chain: list[Item],
+                   blobs: dict[str, bytes]) -> State:
     def read(name: str) -> list[dict[str, Any]]:
         blob = blobs[name] if name in blobs else _read.read_file(dir_fd, name)
         return parse(blob, f"{path}/{name}", "summary")
 
     folded, through = fold_chain(summary, read_state(dir_fd) or State(), chain, read)
-    write_state(fs, dir_fd, State(folded=through, summary=folded))
+    return State(folded=through, summary=folded)
 
 
-def _remove_covered(dir_fd: int, items: list[Item], keep: list[Item], seen: dict[str, bytes]) -> None:
-    """Unlink every file inside the range of a segment of ``keep`` (but those): the
-    leftovers of compactions. A part :func:`misplaced` there stays: a batch a stale
+def _covered(dir_fd: int, items: list[Item], keep: list[Item], seen: dict[str, bytes]) -> list[str]:
+    """Every file inside the range of a segment of ``keep`` (but those): the leftovers
+    of compactions, for step 6. A part :func:`misplaced` there stays: a batch a stale
     writer linked at a freed name, which its writer commits again from its temp file,
-    or ``check --repair`` once that is gone (found by review: removed here, a batch
-    whose temp file gc had taken was in no file). ``seen``: bytes already read, by
-    name (a segment's are taken from it; a part is read afresh: its name may have been
-    linked again since)."""
+    or ``check --repair`` once that is gone (found by review: removed, a batch whose
+    temp file gc had taken was in no file). ``seen``: bytes already read, by name (a
+    segment's are taken from it; a part is read afresh: its name may have been linked
+    again since). A name freed and linked again between this look and the unlink is
+    a stale writer's part that its writer links again above (the commit rule)."""
     names = {name for _f, _l, name in keep}
 
     def read(name: str) -> bytes:
@@ -223,6 +298,7 @@ def _remove_covered(dir_fd: int, items: list[Item], keep: list[Item], seen: dict
             seen[name] = _read.read_file(dir_fd, name)
         return seen[name]
 
+    doomed = []
     for first, last, name in items:
         if name in names or not any(f != l and f <= first and last <= l for f, l, _n in keep):
             continue
@@ -231,14 +307,5 @@ def _remove_covered(dir_fd: int, items: list[Item], keep: list[Item], seen: dict
                 continue
         except OSError:
             continue  # gone, or unreadable: the next compaction looks again
-        _fsio.unlink_quiet(dir_fd, name)
-
-
-def _restore_mtime(dir_fd: int, before: int) -> None:
-    """Put the directory's mtime back (best effort: under an overtaken lock a commit
-    racing the compaction can lose its mtime, which only reorders listings)."""
-    try:
-        st = os.fstat(dir_fd)
-        os.utime(".", ns=(st.st_atime_ns, before), dir_fd=dir_fd)
-    except OSError:
-        pass
+        doomed.append(name)
+    return doomed

@@ -509,6 +509,7 @@ class SyncStore:
         _keys.check_part(project_key, "project_key", op)
         comps = _layout.project_dirs(project_key)
         out: list[dict[str, Any]] = []
+        fold = self._fold  # the SDK's first import, if it comes now: never under a lock
         with translating(op, self._path(comps)), self._children(comps, op) as (pfd, children):
             for name, session_id in children:
                 mfd = self._fs.open_dir(pfd, [(name, None), (_layout.MAIN, None)], create=False,
@@ -518,14 +519,15 @@ class SyncStore:
                 try:
                     path = f"{self._path(comps)}/{name}/{_layout.MAIN}"
                     key = {"project_key": project_key, "session_id": session_id}
-                    summary, mtime_ns = self._fresh_summary(mfd, path, key)
+                    summary, mtime_ns = self._fresh_summary(mfd, path, key, fold)
                 finally:
                     os.close(mfd)
                 if summary is not None:
                     out.append({**summary, "session_id": session_id, "mtime": mtime_ns // 1_000_000})
         return out
 
-    def _fresh_summary(self, mfd: int, path: str, key: dict[str, str]) -> tuple[dict[str, Any] | None, int]:
+    def _fresh_summary(self, mfd: int, path: str, key: dict[str, str], fold: _summaries.Fold | None
+                       ) -> tuple[dict[str, Any] | None, int]:
         """The summary of every part committed before its mtime (the stat comes first):
         the sidecar a compaction left plus the parts after it, of a chain listed and read
         as a load does it (:func:`snapshot`; its retries, and its lock); None if it
@@ -552,9 +554,9 @@ class SyncStore:
                         break
                     if state.summary is not None and state.folded == chain[-1][1]:
                         return state.summary, mtime_ns
-                    if self._fold is None:
+                    if fold is None:
                         return None, 0
-                    return _compact.fold_chain((self._fold, key), state, chain, lambda name: parse(
+                    return _compact.fold_chain((fold, key), state, chain, lambda name: parse(
                         _read.read_file(mfd, name), f"{path}/{name}", "summary"))[0], mtime_ns
                 except OSError as exc:  # a compaction removed a part after the listing, or
                     if exc.errno not in (errno.ENOENT, errno.ESTALE):  # another host replaced
@@ -626,19 +628,13 @@ class SyncStore:
             dfd = self._open(rfd, comps, op)
             if dfd is None:
                 return 0
+            lock = self._lock_path(_layout.lock_name(comps), op)
             try:
-                with self._locks.hold(self._lock_path(_layout.lock_name(comps), op), op, wait) as held:
-                    for _attempt in range(_LOAD_ATTEMPTS):
-                        try:
-                            return _compact.compact(self._fs, dfd, path, held, everything=everything,
-                                                    operation=op, summary=self._summary_of(tk))
-                        except Vanished:
-                            continue  # a file merged by an overlapping compaction: look again
+                summary = self._summary_of(tk)  # the SDK's first import, if now: not under the lock
+                return _compact.compact(self._fs, dfd, path, lambda: self._locks.hold(lock, op, wait),
+                                        everything=everything, operation=op, summary=summary)
             finally:
                 os.close(dfd)
-            raise FsStoreError("EAGAIN", f"files kept vanishing under {_LOAD_ATTEMPTS} compactions "
-                               "(overlapping lock holders compacting)", operation=op, path=path,
-                               errno=errno.EAGAIN)
 
     @contextlib.contextmanager
     def locked(self, key: Mapping[str, Any]) -> Iterator[None]:

@@ -13,6 +13,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import types
 from collections.abc import Callable, Iterator
@@ -21,7 +22,16 @@ from typing import Any
 
 import pytest
 
-from fsstore import FsStoreError, _autocompact, _commit, _compact, _layout, _read, _transcript
+from fsstore import (
+    FsStoreError,
+    _autocompact,
+    _commit,
+    _compact,
+    _layout,
+    _read,
+    _summaries,
+    _transcript,
+)
 from fsstore._keys import parse_key
 from fsstore._store import SyncStore
 
@@ -31,6 +41,64 @@ from .conftest import KEY, entry
 
 def files_of(root: Path) -> list[tuple[int, int]]:
     return sorted(r for p in tdir(root, KEY).iterdir() if (r := _layout.parse_item(p.name)))
+
+
+def test_an_append_waits_for_no_compactions_reads_and_keeps_its_mtime(
+    root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A compaction holds the lock only around its move (stop 26): an append while it
+    reads commits at once (it waited for the whole compaction: 100-200 ms on
+    GlusterFS, 300 ms for a merge of a few MB), and the compaction leaves that
+    commit's mtime (the session's, which the SDK compares summaries with) in place."""
+    store = SyncStore(root, create=True, compact_every=0)
+    for i in range(5):
+        store.append(KEY, [entry(i)])
+    reading, go = threading.Event(), threading.Event()
+    real = _compact.parse
+
+    def stalled(data: bytes, path: str, operation: str) -> Any:
+        if not reading.is_set():
+            reading.set()
+            go.wait(20)
+        return real(data, path, operation)
+
+    monkeypatch.setattr(_compact, "parse", stalled)
+    compactor = threading.Thread(target=store.compact, args=(KEY,))
+    compactor.start()
+    try:
+        assert reading.wait(10)
+        appender = threading.Thread(target=store.append, args=(KEY, [entry(5)]))
+        appender.start()
+        appender.join(5)
+        assert not appender.is_alive(), "the append waited for the compaction's reads"
+        [committed] = store.list_sessions(KEY["project_key"])
+    finally:
+        go.set()
+        compactor.join(20)
+    assert files_of(root) == [(1, 5), (6, 6)]
+    assert store.load(KEY) == [entry(i) for i in range(6)]
+    [after] = store.list_sessions(KEY["project_key"])
+    assert after["mtime"] >= committed["mtime"]
+
+
+def test_a_slow_first_import_of_the_claude_sdk_is_not_under_the_lock(
+    root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Review (helper-57): the SDK, imported when a summary is first needed, was imported
+    inside the compaction's lock hold, timed against its lease (0.3 s idle, 4-12 s cold
+    or on a busy machine): the first compaction of a process failed LOCK_EXPIRED."""
+    real = _summaries.fold_function
+
+    def slow() -> Any:
+        time.sleep(0.7)  # past half of stale_lock_seconds=1
+        return real()
+
+    monkeypatch.setattr(_summaries, "fold_function", slow)
+    store = SyncStore(root, create=True, stale_lock_seconds=1.0, compact_every=0)
+    for i in range(4):
+        store.append(KEY, [entry(i)])
+    assert store.compact(KEY) == 4
+    assert store.load(KEY) == [entry(i) for i in range(4)]
 
 
 def test_automatic_compaction_keeps_load_identical_and_files_few(root: Path) -> None:

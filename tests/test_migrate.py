@@ -4,6 +4,7 @@ could not read, losing nothing."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -195,8 +196,8 @@ def test_a_misplaced_batch_repair_committed_after_gc_took_its_temp_file_is_not_c
         items, deleted = real_scan(dir_fd)
         if during_the_look and steps == ["gc, repair"] and any(it[0] == 6 for it in items):
             steps.append("compaction during the look")  # after the listing, before the reads
-            _compact.compact(store.fs, dir_fd, str(d), Unfenced(), everything=True,  # type: ignore[arg-type]
-                             operation="compact")
+            _compact.compact(store.fs, dir_fd, str(d), lambda: contextlib.nullcontext(Unfenced()),  # type: ignore[arg-type]
+                             everything=True, operation="compact")
         return items, deleted
 
     monkeypatch.setattr(_commit, "check", check)
