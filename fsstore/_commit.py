@@ -248,7 +248,7 @@ def _append_once(store: SyncStore, t: Appending, payload: bytes, into: Callable[
         try:  # the temp file's cleanup covers its making: an interrupt there leaves none
             try:
                 # The directory as it was: the temp file's creation can move its mtime back
-                # (a coarse clock behind the last commit's tick: see _tick_mtime).
+                # (a coarse clock behind the last commit's tick: see _transcript.tick_mtime).
                 before = os.fstat(dfd)
                 store._fs.write_temp(dfd, tmp, payload)
             except (FileNotFoundError, FileExistsError) as exc:
@@ -553,7 +553,7 @@ def _after_commit(
     So failures are logged: a failed directory fsync is the operator's to see.
     """
     try:
-        _tick_mtime(dfd, before_ns)
+        _transcript.tick_mtime(dfd, before_ns)
         store._fs.sync_dir(dfd)
     except OSError as exc:
         code = errno.errorcode.get(exc.errno or 0, "EIO")
@@ -572,17 +572,6 @@ def _compaction_due(store: SyncStore, items: list[Item]) -> bool:
         return False
     compacted = max((last for first, last, _ in items if first != last), default=0)
     return sum(1 for first, last, _ in items if first == last and first > compacted) >= store._compact_every
-
-
-def _tick_mtime(dfd: int, before_ns: int) -> None:
-    """Make the directory's mtime (the session's mtime) at least 1 ms later than
-    before the commit. The SDK compares a summary's mtime with list_sessions' in
-    whole milliseconds, and file systems stamp with a coarse clock (ext4: a few
-    ms): without this, a commit within the same tick would leave a summary made
-    before it looking fresh. Only ever moves forward, from the storage's own times."""
-    st = os.fstat(dfd)
-    if st.st_mtime_ns // 1_000_000 <= before_ns // 1_000_000:
-        os.utime(".", ns=(st.st_atime_ns, (before_ns // 1_000_000 + 1) * 1_000_000), dir_fd=dfd)
 
 
 # -- a new transcript, or one made anew ------------------------------------------

@@ -40,8 +40,8 @@ Steps, and what readers and crashes see:
 A crash after step 3 leaves files covered by the segment: readers skip them, and
 the next compaction removes them. A crash before leaves a temp file (``fsstore gc``).
 Each lock hold puts the directory's mtime (the session's mtime in ``list_sessions``)
-back where it found it: compacting an old session must not make it new, nor undo a
-commit's move of it.
+back where it found it (compacting an old session must not make it new), or, where
+the hold may have been overlapped, only moves it forward (:func:`_mtime_kept`).
 Entries are copied verbatim: duplicates by ``uuid`` stay, and load() still drops
 them, so compaction never changes what ``load()`` returns.
 """
@@ -51,6 +51,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -67,6 +68,8 @@ from ._transcript import (
     plan_held,
     read_state,
     scan,
+    tick_mtime,
+    top,
     write_state,
 )
 
@@ -174,7 +177,7 @@ def _merge(
             # segment over it published first) and a stale writer linked again since:
             # copied, that batch would take the merged one's place. Looked at again.
             raise Vanished(path)
-        with _mtime_kept(dir_fd):
+        with _mtime_kept(dir_fd, held):
             # The segment carries the newest merged mtime: retention goes by file age.
             if not _publish(fs, dir_fd, segment, data, newest, lambda: held.check(operation)):
                 return 0  # the same segment exists already: another compaction made it
@@ -208,7 +211,7 @@ def _tidy(dir_fd: int, hold: Callable[[], contextlib.AbstractContextManager[Held
     compaction (readers skip leftovers, and fold what the sidecar lacks)."""
     if not doomed and summary is None:
         return
-    with contextlib.suppress(OSError, FsStoreError), hold(), _mtime_kept(dir_fd):
+    with contextlib.suppress(OSError, FsStoreError), hold() as held, _mtime_kept(dir_fd, held):
         if summary is not None:
             try:
                 summary[0]()
@@ -219,22 +222,27 @@ def _tidy(dir_fd: int, hold: Callable[[], contextlib.AbstractContextManager[Held
 
 
 @contextlib.contextmanager
-def _mtime_kept(dir_fd: int) -> Iterator[None]:
+def _mtime_kept(dir_fd: int, held: Held) -> Iterator[None]:
     """Put the directory's mtime (the session's, which the SDK compares summaries with)
-    back to what it was before: compaction never moves it, so compacting an old session
-    does not make it new, and a commit's mtime (moved past the coarse clock, see
-    ``_commit._tick_mtime``) is not taken back by a later unlink. Under the lock, where
-    no commit comes between (best effort with an overlapping holder)."""
+    back to what it was as the hold began: compaction never makes an old session new.
+    Unless the hold may have been overlapped (its lease ran out, or a part above the
+    highest number it saw appeared: a writer that took the lock over committed): then
+    it only moves the mtime forward, past what it was and past any commit's (see
+    :func:`fsstore._transcript.tick_mtime`), so no summary made before that commit
+    looks current (found by review: put back, it hid the commit's). Also when the hold
+    ends in an error: a temp file it made and removed moved the mtime too."""
     before = os.fstat(dir_fd).st_mtime_ns
+    highest = top(scan(dir_fd)[0])
     try:
         yield
     finally:
         with contextlib.suppress(OSError):
             st = os.fstat(dir_fd)
-            if st.st_mtime_ns != before:
-                os.utime(".", ns=(st.st_atime_ns, before), dir_fd=dir_fd)
-
-
+            if time.monotonic() - held.since <= held.budget and top(scan(dir_fd)[0]) <= highest:
+                if st.st_mtime_ns != before:
+                    os.utime(".", ns=(st.st_atime_ns, before), dir_fd=dir_fd)
+            else:
+                tick_mtime(dir_fd, max(before, st.st_mtime_ns))
 def _segment_made_over(dir_fd: int, listed: list[Item], first: int, last: int) -> bool:
     """Whether a segment that ``listed`` lacks holds a number of ``first..last``, or the
     transcript is being deleted: step 3's look, under the lock, after the reads. A name

@@ -243,6 +243,17 @@ def _covering_most(items: list[Item]) -> tuple[list[Item], int | None]:
     return chosen, None
 
 
+def tick_mtime(dfd: int, before_ns: int) -> None:
+    """Make the directory's mtime (the session's mtime) at least 1 ms later than
+    before the commit. The SDK compares a summary's mtime with list_sessions' in
+    whole milliseconds, and file systems stamp with a coarse clock (ext4: a few
+    ms): without this, a commit within the same tick would leave a summary made
+    before it looking fresh. Only ever moves forward, from the storage's own times."""
+    st = os.fstat(dfd)
+    if st.st_mtime_ns // 1_000_000 <= before_ns // 1_000_000:
+        os.utime(".", ns=(st.st_atime_ns, (before_ns // 1_000_000 + 1) * 1_000_000), dir_fd=dfd)
+
+
 def misplaced(read: Callable[[str], bytes | None], items: list[Item], n: int, part: str) -> bool:
     """Whether ``part`` (number ``n``) is a batch misplaced under a segment of ``items``:
     one whose range holds ``n`` does not hold its bytes. The one test of the commit

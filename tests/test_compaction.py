@@ -27,6 +27,7 @@ from fsstore import (
     _autocompact,
     _commit,
     _compact,
+    _fsio,
     _layout,
     _read,
     _summaries,
@@ -79,6 +80,41 @@ def test_an_append_waits_for_no_compactions_reads_and_keeps_its_mtime(
     assert store.load(KEY) == [entry(i) for i in range(6)]
     [after] = store.list_sessions(KEY["project_key"])
     assert after["mtime"] >= committed["mtime"]
+
+
+@pytest.mark.parametrize("where", ["before its lease check", "inside its move"])
+def test_a_compaction_overtaken_in_its_hold_never_takes_back_a_commits_mtime(
+    root: Path, monkeypatch: pytest.MonkeyPatch, where: str
+) -> None:
+    """Review (helper-58, real processes and strace): a compaction whose lock another
+    writer took over (past its lease) while it held it put the directory's mtime back
+    to what it was before that writer's commit, whether it then failed LOCK_EXPIRED
+    (nothing published) or had passed its lease check and published: a summary made
+    before the commit then looked current."""
+    store = SyncStore(root, create=True, stale_lock_seconds=1.0, compact_every=0)
+    for i in range(4):
+        store.append(KEY, [entry(i)])
+    other = SyncStore(root, stale_lock_seconds=1.0, compact_every=0)
+    committed: list[int] = []
+    module, name = (_compact, "_publish") if where == "before its lease check" else (_fsio, "move_noreplace")
+    real = getattr(module, name)
+
+    def overtaken(*args: Any, **kwargs: Any) -> Any:
+        if not committed:
+            other.append(KEY, [entry(9)])  # waits out the 1 s lock, takes it over, commits
+            committed.extend(s["mtime"] for s in other.list_sessions(KEY["project_key"]))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(module, name, overtaken)
+    if where == "before its lease check":
+        with pytest.raises(FsStoreError) as failed:
+            store.compact(KEY)
+        assert failed.value.code == "LOCK_EXPIRED"
+    else:
+        assert store.compact(KEY) == 4
+    [after] = store.list_sessions(KEY["project_key"])
+    assert after["mtime"] >= committed[0]
+    assert store.load(KEY) == [*(entry(i) for i in range(4)), entry(9)]
 
 
 def test_a_slow_first_import_of_the_claude_sdk_is_not_under_the_lock(
@@ -1057,7 +1093,7 @@ def test_a_commit_whose_segment_is_merged_again_before_its_check_reads_it_is_the
         other._compact(parse_key(KEY, "compact"), everything=True)  # 1-4 and 5 into 1-5
 
     monkeypatch.setattr(_commit, "check", check)
-    overtaken = types.SimpleNamespace(check=lambda operation: None)  # its lock: the writer's, overtaken
+    overtaken = types.SimpleNamespace(check=lambda operation: None, since=0.0, budget=math.inf)  # its lock: the writer's, overtaken
     monkeypatch.setattr(other._locks, "hold", lambda path, op, *a: contextlib.nullcontext(overtaken))
     read = _when_the_check_reads_the_segment(monkeypatch, merge_again)
     store.append(KEY, [entry(3), {"type": "no-uuid"}])
@@ -1095,7 +1131,7 @@ def test_a_commit_whose_covering_segment_its_compaction_removed_keeps_its_part(
         other.append(KEY, [entry(9)])  # its lock overtaken too: at 6
 
     monkeypatch.setattr(_commit, "check", check)
-    overtaken = types.SimpleNamespace(check=lambda operation: None)
+    overtaken = types.SimpleNamespace(check=lambda operation: None, since=0.0, budget=math.inf)
     monkeypatch.setattr(other._locks, "hold", lambda path, op, *a: contextlib.nullcontext(overtaken))
     read = _when_the_check_reads_the_segment(monkeypatch, lost)
     store.append(KEY, [entry(4)])

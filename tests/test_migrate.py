@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import subprocess
 import sys
@@ -176,6 +177,8 @@ def test_a_misplaced_batch_repair_committed_after_gc_took_its_temp_file_is_not_c
     steps: list[str] = []
 
     class Unfenced:  # a compactor's lock, overtaken from the stalled writer
+        since, budget = 0.0, math.inf
+
         def check(self, _op: str) -> None:
             pass
 
