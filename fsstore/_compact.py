@@ -118,7 +118,8 @@ def compact(
     summary: Summary | None = None,
 ) -> int:
     """Merge (see the module docstring); return how many files were merged (0: none).
-    ``hold()`` takes the transcript lock: only for step 4 and the mtime."""
+    ``hold()`` takes the transcript lock: for steps 3-4 (the look after the reads, the
+    move, its check) and again for steps 5-6 (the sidecar, the unlinks)."""
     for _attempt in range(READ_ATTEMPTS):
         try:
             return _merge(fs, dir_fd, path, hold, everything=everything, operation=operation,
@@ -243,6 +244,8 @@ def _mtime_kept(dir_fd: int, held: Held) -> Iterator[None]:
                     os.utime(".", ns=(st.st_atime_ns, before), dir_fd=dir_fd)
             else:
                 tick_mtime(dir_fd, max(before, st.st_mtime_ns))
+
+
 def _segment_made_over(dir_fd: int, listed: list[Item], first: int, last: int) -> bool:
     """Whether a segment that ``listed`` lacks holds a number of ``first..last``, or the
     transcript is being deleted: step 3's look, under the lock, after the reads. A name
