@@ -173,12 +173,13 @@ def _merge(
     first, last = merge[0][0], merge[-1][1]
     segment, data = _layout.segment_name(first, last), b"".join(blobs.values())
     with hold() as held:
-        if _segment_made_over(dir_fd, items, first, last):
+        now = _look_again(dir_fd, items, first, last)
+        if now is None:
             # Found by review: a name read here can be one another compaction freed (its
             # segment over it published first) and a stale writer linked again since:
             # copied, that batch would take the merged one's place. Looked at again.
             raise Vanished(path)
-        with _mtime_kept(dir_fd, held):
+        with _mtime_kept(dir_fd, held, top(now)):
             # The segment carries the newest merged mtime: retention goes by file age.
             if not _publish(fs, dir_fd, segment, data, newest, lambda: held.check(operation)):
                 return 0  # the same segment exists already: another compaction made it
@@ -187,53 +188,48 @@ def _merge(
                    for f, l, name in after):
                 _fsio.unlink_quiet(dir_fd, segment)  # overlapped another compaction: its files stay
                 return 0
-    state = None
-    if summary is not None:
+
+    def write_summary() -> None:
+        assert summary is not None
         try:
-            state = _summary_state(dir_fd, path, summary, [it for it in chain if it[1] <= last], blobs)
+            chain_to = [it for it in chain if it[1] <= last]
+            write_state(fs, dir_fd, _summary_state(dir_fd, path, summary, chain_to, blobs))
         except (OSError, FsStoreError) as exc:
-            _summary_behind(exc, operation, path)
+            # A hint: list_session_summaries folds what the sidecar lacks.
+            log.warning("summary sidecar not written: %s", exc, extra={
+                "code": "SUMMARY_BEHIND", "operation": operation, "path": path})
+
     doomed = _covered(dir_fd, after, [(first, last, segment)], {segment: data})
-    _tidy(dir_fd, hold, doomed, None if state is None else (
-        lambda: write_state(fs, dir_fd, state), lambda exc: _summary_behind(exc, operation, path)))
+    _tidy(dir_fd, hold, doomed, write_summary if summary is not None else None)
     return len(merge)
 
 
-def _summary_behind(exc: Exception, operation: str, path: str) -> None:
-    # A hint: list_session_summaries folds what the sidecar lacks.
-    log.warning("summary sidecar not written: %s", exc, extra={
-        "code": "SUMMARY_BEHIND", "operation": operation, "path": path})
-
-
 def _tidy(dir_fd: int, hold: Callable[[], contextlib.AbstractContextManager[Held]], doomed: list[str],
-          summary: tuple[Callable[[], None], Callable[[Exception], None]] | None = None) -> None:
-    """Steps 5-6 under the lock again: the summary sidecar (its write, and what to do
-    if that fails), and the unlinks of ``doomed``. A busy lock leaves both to the next
-    compaction (readers skip leftovers, and fold what the sidecar lacks)."""
-    if not doomed and summary is None:
+          write_summary: Callable[[], None] | None = None) -> None:
+    """Steps 5-6 under the lock again: the summary sidecar, and the unlinks of
+    ``doomed``. A busy lock leaves both to the next compaction (readers skip
+    leftovers, and fold what the sidecar lacks)."""
+    if not doomed and write_summary is None:
         return
-    with contextlib.suppress(OSError, FsStoreError), hold() as held, _mtime_kept(dir_fd, held):
-        if summary is not None:
-            try:
-                summary[0]()
-            except (OSError, FsStoreError) as exc:
-                summary[1](exc)
+    with contextlib.suppress(OSError, FsStoreError), hold() as held, \
+            _mtime_kept(dir_fd, held, top(scan(dir_fd)[0])):
+        if write_summary is not None:
+            write_summary()
         for name in doomed:
             _fsio.unlink_quiet(dir_fd, name)
 
 
 @contextlib.contextmanager
-def _mtime_kept(dir_fd: int, held: Held) -> Iterator[None]:
+def _mtime_kept(dir_fd: int, held: Held, highest: int) -> Iterator[None]:
     """Put the directory's mtime (the session's, which the SDK compares summaries with)
     back to what it was as the hold began: compaction never makes an old session new.
-    Unless the hold may have been overlapped (its lease ran out, or a part above the
-    highest number it saw appeared: a writer that took the lock over committed): then
+    Unless the hold may have been overlapped (its lease ran out, or a part above
+    ``highest``, the highest number it saw as it began, appeared: a writer that took the lock over committed): then
     it only moves the mtime forward, past what it was and past any commit's (see
     :func:`fsstore._transcript.tick_mtime`), so no summary made before that commit
     looks current (found by review: put back, it hid the commit's). Also when the hold
     ends in an error: a temp file it made and removed moved the mtime too."""
     before = os.fstat(dir_fd).st_mtime_ns
-    highest = top(scan(dir_fd)[0])
     try:
         yield
     finally:
@@ -246,19 +242,20 @@ def _mtime_kept(dir_fd: int, held: Held) -> Iterator[None]:
                 tick_mtime(dir_fd, max(before, st.st_mtime_ns))
 
 
-def _segment_made_over(dir_fd: int, listed: list[Item], first: int, last: int) -> bool:
-    """Whether a segment that ``listed`` lacks holds a number of ``first..last``, or the
-    transcript is being deleted: step 3's look, under the lock, after the reads. A name
-    is free again only once a segment over it exists, and one such segment exists from
-    then on (the one replacing it is made first), so a file read after its name was
-    freed leaves one here. Two listings, as a commit's check: one can be torn by a
-    compaction."""
+def _look_again(dir_fd: int, listed: list[Item], first: int, last: int) -> list[Item] | None:
+    """Step 3's look, under the lock, after the reads: the listing, or None where a
+    segment that ``listed`` lacks holds a number of ``first..last`` or the transcript
+    is being deleted. A name is free again only once a segment over it exists, and one
+    such segment exists from then on (the one replacing it is made first), so a file
+    read after its name was freed leaves one here. Two listings, as a commit's check:
+    one can be torn by a compaction."""
     known = {name for _f, _l, name in listed}
+    items: list[Item] = []
     for _look in range(2):
         items, deleted = scan(dir_fd)
         if deleted or any(f != l and name not in known and f <= last and first <= l for f, l, name in items):
-            return True
-    return False
+            return None
+    return items
 
 
 def _publish(fs: _fsio.Fs, dir_fd: int, segment: str, data: bytes, mtime_ns: int | None,
