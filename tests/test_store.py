@@ -457,9 +457,12 @@ print("claude_agent_sdk" in sys.modules)
 store.append(key, [{{"type": "user", "uuid": "u2"}}])  # the third part: a compaction
 store._compactions.done()
 print("claude_agent_sdk" in sys.modules)
+import glob, json
+[state] = glob.glob({str(root)!r} + "/projects/*/sessions/*/main/state.json")
+print(json.load(open(state))["summary"] is not None)
 """
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
-    assert out.stdout.split() == ["False", "True"], out.stdout + out.stderr
+    assert out.stdout.split() == ["False", "True", "True"], out.stdout + out.stderr
 
 
 # -- listings ---------------------------------------------------------------------
