@@ -98,6 +98,10 @@ def _scan_children(pfd: int) -> tuple[list[tuple[str, str]], list[str]]:
     return children, moving
 
 
+# A directory opened only to stat a name in it: O_PATH needs no read permission.
+_CHILD_FLAGS = getattr(os, "O_PATH", os.O_RDONLY) | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
 class SyncStore:
     """Blocking twin of :class:`fsstore.FsSessionStore` (same methods, same errors)."""
 
@@ -430,20 +434,27 @@ class SyncStore:
     # -- listing -------------------------------------------------------------------
 
     def _transcript_mtimes(
-        self, parent_fd: int, children: list[tuple[str, str]], below: str, where: str, op: str
+        self, parent_fd: int, children: list[tuple[str, str]], below: str | None, where: str, op: str
     ) -> Iterator[tuple[str, int]]:
-        """``(key part, mtime in epoch ms)`` of each child's transcript directory
-        ``parent/name+below``.
+        """``(key part, mtime in epoch ms)`` of each child's transcript directory:
+        ``parent/name``, or ``parent/name/below``.
 
         A commit links a file into that directory, so its mtime is the time of the
         last commit (or compaction) by the storage's own clock; the summary uses
-        the same stat. One symlink-proof probe per transcript: this runs over every
-        session of a project each time the SDK lists them (names are ASCII: names
-        :func:`decode_entry` accepted).
+        the same stat. Two or three plain system calls per transcript, none of which
+        follows a symlink (``O_NOFOLLOW`` on the child, ``AT_SYMLINK_NOFOLLOW`` on the
+        stat): this runs over every session of a project each time the SDK lists them.
         """
         for name, part in children:
             try:
-                st = self._fs.stat_beneath(parent_fd, name + below)
+                if below is None:
+                    st = os.stat(name, dir_fd=parent_fd, follow_symlinks=False)
+                else:
+                    fd = os.open(name, _CHILD_FLAGS, dir_fd=parent_fd)
+                    try:
+                        st = os.stat(below, dir_fd=fd, follow_symlinks=False)
+                    finally:
+                        os.close(fd)
             except OSError as exc:
                 err = exc.errno or errno.EIO
                 if err not in (errno.ELOOP, errno.EXDEV, errno.ENOENT, errno.ENOTDIR):
@@ -484,7 +495,7 @@ class SyncStore:
         with translating(op, self._path(comps)), self._children(comps, op) as (pfd, children):
             return [{"session_id": session_id, "mtime": mtime}
                     for session_id, mtime in self._transcript_mtimes(
-                        pfd, children, f"/{_layout.MAIN}", self._path(comps), op)]
+                        pfd, children, _layout.MAIN, self._path(comps), op)]
 
     def list_subkeys(self, key: Mapping[str, Any]) -> list[str]:
         """The ``subpath`` of every subagent transcript of the session ``key``."""
@@ -500,7 +511,7 @@ class SyncStore:
                     continue  # a name no valid key encodes to: not ours to report
                 valid.append((name, subpath))
             return [subpath for subpath, _mtime
-                    in self._transcript_mtimes(pfd, valid, "", self._path(comps), op)]
+                    in self._transcript_mtimes(pfd, valid, None, self._path(comps), op)]
 
     def list_session_summaries(self, project_key: str) -> list[dict[str, Any]]:
         """The Claude SDK's summaries of the project's sessions, each current as of its

@@ -265,7 +265,7 @@ def exchange(a: str, b: str) -> None:
 
 
 @pytest.mark.parametrize("where", [
-    "project dir", "main transcript dir",
+    "project dir", "session dir", "main transcript dir",
     "locks dir",
 ])
 def test_directory_flipping_to_a_symlink_at_random_moments_is_never_followed(
