@@ -478,9 +478,16 @@ class SyncStore:
                 yield -1, []
                 return
             try:
-                children, moving = _scan_children(pfd)
-                if moving and _delete.restore_named(self, rfd, pfd, comps, moving):
-                    children, moving = _scan_children(pfd)  # with what a delete hid by mistake
+                try:
+                    children, moving = _scan_children(pfd)
+                    if moving and _delete.restore_named(self, rfd, pfd, comps, moving):
+                        children, moving = _scan_children(pfd)  # with what a delete hid by mistake
+                except OSError as exc:
+                    if exc.errno not in (errno.ENOENT, errno.ESTALE):
+                        raise
+                    # Removed since it was opened (a delete): a FUSE or NFS client says
+                    # so where a local disk reads an empty directory (found by review).
+                    children = []
                 yield pfd, children
             finally:
                 os.close(pfd)

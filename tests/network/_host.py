@@ -15,8 +15,11 @@ Roles:
   is; a shorter one after a longer one is counted as ``went_back``) (or be None
   where ``deletes`` says a key may vanish: then it must be None or ``full``
   entries long, never a part). Reports loads, problems, codes, last snapshots.
-* ``lister``: ``list_sessions`` (``summaries``: ``list_session_summaries``) in a
-  loop; counts codes, and listings that lack a session id of ``expect``.
+* ``lister``: ``list_sessions`` (``summaries``: ``list_session_summaries``;
+  ``subkeys``: ``list_subkeys`` of that key) in a loop; counts codes, and listings
+  that lack an id of ``expect``.
+* ``churner``: make ``key``'s session (one batch to its main transcript and to each
+  of ``subpaths``) and delete it, again and again, for ``seconds``.
 * ``deleter``: delete ``keys`` one by one, ``pause`` seconds apart.
 * ``compactor``: append and ``compact`` ``key`` in turn.
 * ``stall``: append one batch (or delete ``key``: ``op``), stopping at a named point of the commit (the
@@ -127,14 +130,20 @@ def reader(spec: dict[str, Any]) -> dict[str, Any]:
 
 def lister(spec: dict[str, Any]) -> dict[str, Any]:
     store = FsSessionStore(spec["root"], create=True, **spec.get("opts", {})).sync
-    listing = store.list_session_summaries if spec.get("summaries") else store.list_sessions
+
+    def listing() -> set[str]:
+        if spec.get("subkeys"):
+            return set(store.list_subkeys(spec["subkeys"]))
+        listed = store.list_session_summaries if spec.get("summaries") else store.list_sessions
+        return {s["session_id"] for s in listed(spec["project"])}
+
     codes: collections.Counter[str] = collections.Counter()
     lists = missing = 0
     _wait_start(spec)
     deadline = time.monotonic() + spec.get("seconds", 600)
     while not _stopped(spec) and time.monotonic() < deadline:
         try:
-            listed = {s["session_id"] for s in listing(spec["project"])}
+            listed = listing()
             lists += 1
             missing += not set(spec.get("expect", [])) <= listed
         except FsStoreError as exc:
@@ -155,6 +164,26 @@ def deleter(spec: dict[str, Any]) -> dict[str, Any]:
     ended = time.time()
     time.sleep(spec.get("linger", 0))  # the others go on this long after the last delete
     return {"deleted": len(spec["keys"]), "codes": dict(codes), "ended": ended}
+
+
+def churner(spec: dict[str, Any]) -> dict[str, Any]:
+    store = FsSessionStore(spec["root"], create=True, **spec.get("opts", {})).sync
+    key = spec["key"]
+    codes: collections.Counter[str] = collections.Counter()
+    errors: list[str] = []
+    rounds = 0
+    _wait_start(spec)
+    deadline = time.monotonic() + spec.get("seconds", 600)
+    while not _stopped(spec) and time.monotonic() < deadline:
+        try:
+            for sub in [None, *spec.get("subpaths", [])]:
+                store.append(key if sub is None else {**key, "subpath": sub}, batch("c", rounds, 1))
+            store.delete(key)
+            rounds += 1
+        except FsStoreError as exc:
+            codes[exc.code] += 1
+            errors.append(f"{exc.operation}: {exc}"[:300])
+    return {"rounds": rounds, "codes": dict(codes), "errors": errors[:5]}
 
 
 def compactor(spec: dict[str, Any]) -> dict[str, Any]:
@@ -206,7 +235,8 @@ def stall(spec: dict[str, Any]) -> dict[str, Any]:
     return {"acked": [[0, 3]], "codes": {}}
 
 
-ROLES = {"stall": stall, "writer": writer, "reader": reader, "lister": lister, "deleter": deleter, "compactor": compactor}
+ROLES = {"stall": stall, "writer": writer, "reader": reader, "lister": lister, "deleter": deleter,
+         "churner": churner, "compactor": compactor}
 
 
 def main(argv: list[str]) -> None:

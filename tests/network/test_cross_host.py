@@ -480,6 +480,40 @@ def test_a_load_while_the_other_host_deletes_is_whole_or_none(
 
 
 @pytest.mark.parametrize("kind", params())
+def test_listings_on_one_host_while_the_other_deletes_sessions_never_fail(
+    request: pytest.FixtureRequest, kind: str, tmp_path: Path
+) -> None:
+    """Review (stop 27): host 2's ``list_subkeys`` of a session host 1 kept making and
+    deleting raised ``ENOENT`` (sshfs with caches: about 1 call in 8; bindfs: most): the
+    ``subkeys/`` directory it had opened was removed before it read it, which a FUSE
+    client answers with ``ENOENT`` (a local disk reads it as empty). A listing racing a
+    delete returns what it saw or nothing, like a load; ``list_sessions`` and
+    ``list_session_summaries`` of the project, which share that path, likewise, and
+    they always list the session nobody deletes."""
+    pair = pair_of(request, kind)
+    r1, r2 = pair.fresh("listings")
+    root1, root2 = str(r1 / "store"), str(r2 / "store")
+    (kept,) = _sessions(root1, 1, batches=1)
+    churned = {"project_key": kept["project_key"], "session_id": "churned"}
+    time.sleep(pair.cache_window)  # host 2 sees the kept session
+    churner, *listers = run_roles([
+        Role(1, "churner", {"root": root1, "key": churned, "subpaths": ["agents/a", "agents/b"],
+                            "seconds": 4}),
+        Role(2, "lister", {"root": root2, "subkeys": churned}),
+        Role(2, "lister", {"root": root2, "project": kept["project_key"], "expect": [kept["session_id"]]}),
+        Role(2, "lister", {"root": root2, "project": kept["project_key"], "summaries": True,
+                           "expect": [kept["session_id"]]}),
+    ], tmp_path, timeout=90, stop_after=[0])
+    assert churner["rounds"] > 3, churner
+    # Open defect (docs/reliability.md, stop 27): on GlusterFS, host 1's own delete (or
+    # append) of the session it keeps remaking fails now and then with ESTALE while
+    # host 2 lists it (1 or 2 of 3-40 rounds in about half the runs); nothing else may.
+    assert set(churner["codes"]) <= ({"ESTALE"} if kind == "gluster" else set()), churner
+    for out in listers:
+        assert out["codes"] == {} and out["lists"] > 10 and out["missing"] == 0, listers
+
+
+@pytest.mark.parametrize("kind", params())
 def test_summaries_on_one_host_while_the_other_appends_and_compacts_list_the_session(
     request: pytest.FixtureRequest, kind: str, tmp_path: Path
 ) -> None:
