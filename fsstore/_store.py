@@ -441,9 +441,10 @@ class SyncStore:
 
         A commit links a file into that directory, so its mtime is the time of the
         last commit (or compaction) by the storage's own clock; the summary uses
-        the same stat. Two or three plain system calls per transcript, none of which
-        follows a symlink (``O_NOFOLLOW`` on the child, ``AT_SYMLINK_NOFOLLOW`` on the
-        stat): this runs over every session of a project each time the SDK lists them.
+        the same stat. Plain system calls, none of which follows a symlink: one
+        ``stat`` of the child (``AT_SYMLINK_NOFOLLOW``), or an ``O_PATH`` open of the
+        child (``O_NOFOLLOW``), a ``stat`` of ``below`` in it and a ``close``: this runs
+        over every session of a project each time the SDK lists them.
         """
         for name, part in children:
             try:
@@ -471,7 +472,8 @@ class SyncStore:
     @contextlib.contextmanager
     def _children(self, comps: list[Component], op: str) -> Iterator[tuple[int, list[tuple[str, str]]]]:
         """The directory under ``comps`` (fd) and ``(name, decoded key part)`` of each
-        directory in it; no children if it does not exist."""
+        directory in it; no children if it does not exist (or no longer: removed after
+        it was opened)."""
         with self._open_root(create=False) as rfd:
             pfd = self._open(rfd, comps, op) if rfd is not None else None
             if rfd is None or pfd is None:

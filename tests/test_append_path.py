@@ -63,8 +63,8 @@ def traced_lines(root: Path, n: int, marks: tuple[int, ...], compact_every: int)
 
 def test_an_append_lists_its_directory_twice_and_its_syscalls_do_not_grow(root: Path) -> None:
     """The check lists the transcript directory twice per append; compaction keeps it
-    small, so append 300 (after 37 compactions, every 8 appends: five tiers of
-    segments) makes exactly the calls append 10 makes."""
+    small, so append 300 (after 37 compactions, one every 8 appends, which left
+    segments 1-256, 257-288 and 289-296) makes exactly the calls append 10 makes."""
     calls = traced_appends(root, 300, (10, 300), compact_every=8)
     assert calls[10]["getdents64"] == calls[300]["getdents64"] == 4  # two listings, each then its end
     assert calls[300] == calls[10]  # same calls, same counts: no O(parts) work
