@@ -98,10 +98,6 @@ def _scan_children(pfd: int) -> tuple[list[tuple[str, str]], list[str]]:
     return children, moving
 
 
-# A directory opened only to stat a name in it: O_PATH needs no read permission.
-_CHILD_FLAGS = getattr(os, "O_PATH", os.O_RDONLY) | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
-
-
 class SyncStore:
     """Blocking twin of :class:`fsstore.FsSessionStore` (same methods, same errors)."""
 
@@ -451,7 +447,7 @@ class SyncStore:
                 if below is None:
                     st = os.stat(name, dir_fd=parent_fd, follow_symlinks=False)
                 else:
-                    fd = os.open(name, _CHILD_FLAGS, dir_fd=parent_fd)
+                    fd = os.open(name, _fsio.PATH_FLAGS, dir_fd=parent_fd)
                     try:
                         st = os.stat(below, dir_fd=fd, follow_symlinks=False)
                     finally:
