@@ -108,6 +108,18 @@ def _has_silly(parent_fd: int, name: str, depth: int = 0) -> str | None:
     return None
 
 
+def _subdirs_off_their_names(parent_fd: int, name: str) -> None:
+    fd = os.open(name, _fsio.DIR_FLAGS, dir_fd=parent_fd)
+    try:
+        with os.scandir(fd) as it:
+            subdirs = [e.name for e in it if _fsio.is_dir_entry(e)]
+        for sub in subdirs:
+            with contextlib.suppress(FileNotFoundError):  # published meanwhile: not ours
+                os.rename(sub, _fsio.temp_name("-dir"), src_dir_fd=fd, dst_dir_fd=fd)
+    finally:
+        os.close(fd)
+
+
 def _remove_garbage(w: Walker, g: Garbage, older_than: float, dry_run: bool) -> Action:
     verb = f"remove-{g.kind}"
     what = {"temp": "orphaned temp " + ("directory" if g.is_dir else "file"),
@@ -139,11 +151,14 @@ def _remove_garbage(w: Walker, g: Garbage, older_than: float, dry_run: bool) -> 
                 # host's clock ahead) may be about to publish it (_fsio.Fs.new_dir); its
                 # rename then fails and it starts over (found by review: emptied in place,
                 # the directory was published empty and the append acknowledged).
+                # So is the directory inside it that the writer renames into place (by
+                # its handle of this one, which the first rename does not stop).
                 name = _fsio.temp_name("-dir")
                 try:
                     os.rename(g.name, name, src_dir_fd=pfd, dst_dir_fd=pfd)
                 except FileNotFoundError:
                     return Action("keep", g.path, "published by its writer meanwhile", False, g.age)
+                _subdirs_off_their_names(pfd, name)
             _fsio.remove_marked_tree(pfd, name, _layout.DELETED)  # cut short: never an orphan
         else:
             _fsio.unlink_quiet(pfd, g.name)

@@ -103,18 +103,16 @@ def remove(
                             return False
                         finishing = True  # committed: finished as anyone's (what is at the
                         # name now is another session if not marked)
-                    for _round in range(3 if claiming else 1):
-                        if parent is not None:
-                            orphan = _move_to_trash(store, rfd, parent, name, path, mark,
-                                                    "-".join(tags), finishing=finishing, wait=wait)
-                        if not claiming or orphan is not None:
+                    for attempt in range(2):
+                        try:
+                            orphan = _move_and_claim(store, rfd, parent, name, path, mark, tags,
+                                                     ticket if claiming else None,
+                                                     finishing=finishing, wait=wait)
                             break
-                        _claim_moved(store, rfd, tags, ticket, path)
-                        if parent is None or not _holds(store, parent, name, mark,
-                                                        path.rsplit("/", 1)[0], ticket):
-                            break
-                        # One of ours, moved back meanwhile (by its stalled deleter, or a load
-                        # that found it missing) before this delete could claim it: again.
+                        except OSError as exc:
+                            if exc.errno != errno.ESTALE or attempt or parent is None:
+                                raise
+                            _forget_old_name(parent, name)
                 finally:
                     if claiming:
                         with contextlib.suppress(OSError, FsStoreError):  # else gc's, once old
@@ -125,6 +123,37 @@ def remove(
     if orphan is not None:  # not under the lock: appending takes the locks it needs
         _merge.merge_back(store, orphan, comps, mark, path)
     return True
+
+
+def _move_and_claim(
+    store: SyncStore, rfd: int, parent: int | None, name: str, path: str, mark: str,
+    tags: list[str], ticket: str | None, *, finishing: bool, wait: bool,
+) -> str | None:
+    """Steps 1 to 5 for ``parent/name``, and, for a plain delete (its ``ticket``), the
+    claim of what other deletes moved by mistake: the orphan to merge, if any."""
+    orphan = None
+    for _round in range(1 if ticket is None else 3):
+        if parent is not None:
+            orphan = _move_to_trash(store, rfd, parent, name, path, mark, "-".join(tags),
+                                    finishing=finishing, wait=wait)
+        if ticket is None or orphan is not None:
+            break
+        _claim_moved(store, rfd, tags, ticket, path)
+        if parent is None or not _holds(store, parent, name, mark, path.rsplit("/", 1)[0], ticket):
+            break
+        # One of ours, moved back meanwhile (by its stalled deleter, or a load that
+        # found it missing) before this delete could claim it: again.
+    return orphan
+
+
+def _forget_old_name(parent: int, name: str) -> None:
+    """After ESTALE on what this delete moved into ``.trash``: a GlusterFS brick that
+    handled another client's listing of ``parent`` after the move links the directory
+    under its old ``name`` again, and answers ESTALE for it until that name is looked
+    up and found gone (gluster#1411); this looks it up. The delete then goes on from
+    where it is (every step can be taken again)."""
+    with contextlib.suppress(OSError):
+        _views.looked_up_ino(parent, name)
 
 
 def _prune(store: SyncStore, parent: int, name: str, path: str, mark: str,

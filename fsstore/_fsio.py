@@ -276,36 +276,49 @@ class Fs:
         self, parent_fd: int, name: str, original: str | None,
         fill: Callable[[int], object] | None = None,
     ) -> bool:
-        """Publish ``parent/name`` with its content: made under a temp name, given its
-        ``.key`` (hashed names) and whatever ``fill`` writes into it, then renamed
-        into place. False (nothing left behind) if ``name`` exists already.
+        """Publish ``parent/name`` with its content: made as ``tmp/tmp`` (``tmp`` a temp
+        name in ``parent``), given its ``.key`` (hashed names) and whatever ``fill`` writes
+        into it, then renamed into place. False (nothing left behind) if ``name`` exists
+        already.
 
         rename() would replace an *empty* directory, but a directory published this
         way is never empty, so a racing creator gets EEXIST/ENOTEMPTY and uses the
-        winner's directory.
+        winner's directory. It is never under a name a listing of ``parent`` shows: a
+        GlusterFS brick that handles another client's listing (READDIRP) after the
+        rename links the directory under the name the listing showed, and then answers
+        ESTALE for it to every client until that gone name is looked up (gluster#1411).
+        ``fsstore gc`` takes both names of an old one off before emptying it: this
+        writer, stalled, then fails its rename and starts over.
         """
         tmp = temp_name("-dir")
         os.mkdir(tmp, self.dir_mode, dir_fd=parent_fd)
         try:
-            self._fix_dir_mode(parent_fd, tmp)
-            tfd = os.open(tmp, DIR_FLAGS, dir_fd=parent_fd)
+            sfd = os.open(tmp, DIR_FLAGS, dir_fd=parent_fd)
             try:
-                if original is not None:
-                    self.write_new(tfd, KEY_FILE, original.encode("utf-8"))
-                if fill is not None:
-                    fill(tfd)
-                self.sync_dir(tfd)
+                os.mkdir(tmp, self.dir_mode, dir_fd=sfd)
+                self._fix_dir_mode(sfd, tmp)
+                tfd = os.open(tmp, DIR_FLAGS, dir_fd=sfd)
+                try:
+                    if original is not None:
+                        self.write_new(tfd, KEY_FILE, original.encode("utf-8"))
+                    if fill is not None:
+                        fill(tfd)
+                    self.sync_dir(tfd)
+                finally:
+                    os.close(tfd)
+                os.rename(tmp, name, src_dir_fd=sfd, dst_dir_fd=parent_fd)
             finally:
-                os.close(tfd)
-            os.rename(tmp, name, src_dir_fd=parent_fd, dst_dir_fd=parent_fd)
-            tmp = ""
+                os.close(sfd)
         except OSError as exc:
             if not lost_race(exc, parent_fd, name):
                 raise
             return False
         finally:
-            if tmp:
-                remove_tree(parent_fd, tmp)
+            with contextlib.suppress(OSError):  # else an orphaned temp directory: gc's
+                try:
+                    os.rmdir(tmp, dir_fd=parent_fd)  # empty once published
+                except OSError:
+                    remove_tree(parent_fd, tmp)
         self.sync_dir(parent_fd)
         return True
 

@@ -505,10 +505,7 @@ def test_listings_on_one_host_while_the_other_deletes_sessions_never_fail(
                            "expect": [kept["session_id"]]}),
     ], tmp_path, timeout=90, stop_after=[0])
     assert churner["rounds"] > 3, churner
-    # Open defect (docs/reliability.md, stop 27): on GlusterFS, host 1's own delete (or
-    # append) of the session it keeps remaking fails now and then with ESTALE while
-    # host 2 lists it (1 or 2 of 3-40 rounds in about half the runs); nothing else may.
-    assert set(churner["codes"]) <= ({"ESTALE"} if kind == "gluster" else set()), churner
+    assert churner["codes"] == {}, churner
     for out in listers:
         assert out["codes"] == {} and out["lists"] > 10 and out["missing"] == 0, listers
 
