@@ -28,6 +28,7 @@ from . import (
     _fsio,
     _keys,
     _layout,
+    _listing,
     _read,
     _summaries,
     _views,
@@ -75,27 +76,6 @@ class _Retries:
 
 # Transcripts an appending process remembers (validated key, paths, next number).
 _APPENDING = 64
-
-
-def _scan_children(pfd: int) -> tuple[list[tuple[str, str]], list[str]]:
-    """``(name, decoded key part)`` of each directory in ``pfd``, and the records deletes
-    in flight left there (:func:`_delete.moving_record`)."""
-    children: list[tuple[str, str]] = []
-    moving: list[str] = []
-    # decode_entry's common case inline: this loop runs once per session each time
-    # the SDK lists a project.
-    own, is_dir, add = _keys.is_own_name, _fsio.is_dir_entry, children.append
-    with os.scandir(pfd) as it:
-        for entry in it:
-            name = entry.name
-            if own(name):
-                if is_dir(entry):
-                    add((name, name))
-            elif name.startswith(_fsio.TEMP_PREFIX) and name.endswith(_delete.MOVING_TAG):
-                moving.append(name)  # (a key's name never starts with ".")
-            elif (part := _layout.decode_entry(pfd, entry)) is not None:
-                add((name, part))
-    return children, moving
 
 
 class SyncStore:
@@ -429,42 +409,6 @@ class SyncStore:
 
     # -- listing -------------------------------------------------------------------
 
-    def _transcript_mtimes(
-        self, parent_fd: int, children: list[tuple[str, str]], below: str | None, where: str, op: str
-    ) -> Iterator[tuple[str, int]]:
-        """``(key part, mtime in epoch ms)`` of each child's transcript directory:
-        ``parent/name``, or ``parent/name/below``.
-
-        A commit links a file into that directory, so its mtime is the time of the
-        last commit (or compaction) by the storage's own clock; the summary uses
-        the same stat. Plain system calls, none of which follows a symlink: one
-        ``stat`` of the child (``AT_SYMLINK_NOFOLLOW``), or an ``O_PATH`` open of the
-        child (``O_NOFOLLOW``), a ``stat`` of ``below`` in it and a ``close``: this runs
-        over every session of a project each time the SDK lists them.
-        """
-        for name, part in children:
-            try:
-                if below is None:
-                    st = os.stat(name, dir_fd=parent_fd, follow_symlinks=False)
-                else:
-                    fd = os.open(name, _fsio.PATH_FLAGS, dir_fd=parent_fd)
-                    try:
-                        st = os.stat(below, dir_fd=fd, follow_symlinks=False)
-                    finally:
-                        os.close(fd)
-            except OSError as exc:
-                err = exc.errno or errno.EIO
-                if err not in (errno.ELOOP, errno.EXDEV, errno.ENOENT, errno.ENOTDIR):
-                    # One transcript this process may not read must not hide the others.
-                    log.warning("left out of the listing: %s", os.strerror(err), extra={
-                        "code": errno.errorcode.get(err, "EIO"), "operation": op,
-                        "path": f"{where}/{name}", "errno": err})
-                # A symlink inside the transcript path is not ours to report; a session
-                # without a main transcript (only subagents, or removed) has no mtime.
-                continue
-            if stat.S_ISDIR(st.st_mode):
-                yield part, st.st_mtime_ns // 1_000_000
-
     @contextlib.contextmanager
     def _children(self, comps: list[Component], op: str) -> Iterator[tuple[int, list[tuple[str, str]]]]:
         """The directory under ``comps`` (fd) and ``(name, decoded key part)`` of each
@@ -477,9 +421,9 @@ class SyncStore:
                 return
             try:
                 try:
-                    children, moving = _scan_children(pfd)
+                    children, moving = _listing.scan_children(pfd)
                     if moving and _delete.restore_named(self, rfd, pfd, comps, moving):
-                        children, moving = _scan_children(pfd)  # with what a delete hid by mistake
+                        children, moving = _listing.scan_children(pfd)  # with what a delete hid by mistake
                 except OSError as exc:
                     if exc.errno not in (errno.ENOENT, errno.ESTALE):
                         raise
@@ -499,7 +443,7 @@ class SyncStore:
         comps = _layout.project_dirs(project_key)
         with translating(op, self._path(comps)), self._children(comps, op) as (pfd, children):
             return [{"session_id": session_id, "mtime": mtime}
-                    for session_id, mtime in self._transcript_mtimes(
+                    for session_id, mtime in _listing.transcript_mtimes(
                         pfd, children, _layout.MAIN, self._path(comps), op)]
 
     def list_subkeys(self, key: Mapping[str, Any]) -> list[str]:
@@ -516,7 +460,7 @@ class SyncStore:
                     continue  # a name no valid key encodes to: not ours to report
                 valid.append((name, subpath))
             return [subpath for subpath, _mtime
-                    in self._transcript_mtimes(pfd, valid, None, self._path(comps), op)]
+                    in _listing.transcript_mtimes(pfd, valid, None, self._path(comps), op)]
 
     def list_session_summaries(self, project_key: str) -> list[dict[str, Any]]:
         """The Claude SDK's summaries of the project's sessions, each current as of its

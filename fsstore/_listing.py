@@ -1,0 +1,72 @@
+"""Listing a project's sessions or a session's subagent transcripts: the children of
+one directory that are keys' names, and the mtime of each one's transcript directory
+(the time of its last commit). Used by ``list_sessions``, ``list_subkeys`` and
+``list_session_summaries`` (``_store.SyncStore._children``)."""
+
+from __future__ import annotations
+
+import errno
+import os
+import stat
+from collections.abc import Iterator
+
+from . import _delete, _fsio, _keys, _layout
+from ._errors import log
+
+
+def scan_children(pfd: int) -> tuple[list[tuple[str, str]], list[str]]:
+    """``(name, decoded key part)`` of each directory in ``pfd``, and the records deletes
+    in flight left there (:func:`_delete.moving_record`)."""
+    children: list[tuple[str, str]] = []
+    moving: list[str] = []
+    # decode_entry's common case inline: this loop runs once per session each time
+    # the SDK lists a project.
+    own, is_dir, add = _keys.is_own_name, _fsio.is_dir_entry, children.append
+    with os.scandir(pfd) as it:
+        for entry in it:
+            name = entry.name
+            if own(name):
+                if is_dir(entry):
+                    add((name, name))
+            elif name.startswith(_fsio.TEMP_PREFIX) and name.endswith(_delete.MOVING_TAG):
+                moving.append(name)  # (a key's name never starts with ".")
+            elif (part := _layout.decode_entry(pfd, entry)) is not None:
+                add((name, part))
+    return children, moving
+
+
+def transcript_mtimes(
+    parent_fd: int, children: list[tuple[str, str]], below: str | None, where: str, op: str
+) -> Iterator[tuple[str, int]]:
+    """``(key part, mtime in epoch ms)`` of each child's transcript directory:
+    ``parent/name``, or ``parent/name/below``.
+
+    A commit links a file into that directory, so its mtime is the time of the
+    last commit (or compaction) by the storage's own clock; the summary uses
+    the same stat. Plain system calls, none of which follows a symlink: one
+    ``stat`` of the child (``AT_SYMLINK_NOFOLLOW``), or an ``O_PATH`` open of the
+    child (``O_NOFOLLOW``), a ``stat`` of ``below`` in it and a ``close``: this runs
+    over every session of a project each time the SDK lists them.
+    """
+    for name, part in children:
+        try:
+            if below is None:
+                st = os.stat(name, dir_fd=parent_fd, follow_symlinks=False)
+            else:
+                fd = os.open(name, _fsio.PATH_FLAGS, dir_fd=parent_fd)
+                try:
+                    st = os.stat(below, dir_fd=fd, follow_symlinks=False)
+                finally:
+                    os.close(fd)
+        except OSError as exc:
+            err = exc.errno or errno.EIO
+            if err not in (errno.ELOOP, errno.EXDEV, errno.ENOENT, errno.ENOTDIR):
+                # One transcript this process may not read must not hide the others.
+                log.warning("left out of the listing: %s", os.strerror(err), extra={
+                    "code": errno.errorcode.get(err, "EIO"), "operation": op,
+                    "path": f"{where}/{name}", "errno": err})
+            # A symlink inside the transcript path is not ours to report; a session
+            # without a main transcript (only subagents, or removed) has no mtime.
+            continue
+        if stat.S_ISDIR(st.st_mode):
+            yield part, st.st_mtime_ns // 1_000_000
