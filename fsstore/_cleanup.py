@@ -109,6 +109,10 @@ def _has_silly(parent_fd: int, name: str, depth: int = 0) -> str | None:
 
 
 def _subdirs_off_their_names(parent_fd: int, name: str) -> None:
+    """Rename each directory in ``parent/name`` to a temp name of its own, in place: a
+    writer renames a new directory into place from inside its temp directory by a
+    handle of that one (``_fsio.Fs.new_dir``), which renaming the temp directory does
+    not stop; a rename of a name that is gone fails."""
     fd = os.open(name, _fsio.DIR_FLAGS, dir_fd=parent_fd)
     try:
         with os.scandir(fd) as it:
