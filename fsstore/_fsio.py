@@ -293,7 +293,7 @@ class Fs:
         tmp = temp_name("-dir")
         os.mkdir(tmp, self.dir_mode, dir_fd=parent_fd)
         try:
-            sfd = os.open(tmp, DIR_FLAGS, dir_fd=parent_fd)
+            sfd = os.open(tmp, PATH_FLAGS, dir_fd=parent_fd)
             try:
                 os.mkdir(tmp, self.dir_mode, dir_fd=sfd)
                 self._fix_dir_mode(sfd, tmp)
