@@ -151,8 +151,9 @@ def test_writers_on_two_hosts_lose_nothing(request: pytest.FixtureRequest, kind:
     Every acknowledged batch is there exactly once and whole through both mounts,
     immediately and after the mounts' cache window; every failed one is absent;
     every reader snapshot is a prefix of the final order. Then: no append failed.
-    (GlusterFS's ESTALE shows here too, a few in a thousand appends, too rarely to
-    fail reliably: test_alternating_hosts_append_without_error shows it every time.)
+    (In format 1, GlusterFS's ESTALE on the state.json the other host replaced showed
+    here, a few in a thousand appends, and was allowed; format 2 replaces no file on
+    the append path, and none is allowed.)
     """
     pair = pair_of(request, kind)
     r1, r2 = pair.fresh("writers")
@@ -199,9 +200,7 @@ def test_writers_on_two_hosts_lose_nothing(request: pytest.FixtureRequest, kind:
             defects.append(f"check: {findings[:3]}")  # FUSE_HIDDEN: a reader had a compacted part open
         else:
             assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
-    if kind == "gluster":  # only the known ESTALE (see the docstring)
-        assert set(failed) <= {"ESTALE"}, failed
-    elif failed:
+    if failed:
         first = next(f for o in wouts for f in o["failed"])  # [batch, code, message + traceback]
         defects.append(f"{sum(failed.values())} of {len(acked) + sum(failed.values())} appends failed: "
                        f"{dict(failed)}; the first: {first[2]}")
