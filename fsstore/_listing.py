@@ -59,14 +59,19 @@ def transcript_mtimes(
                 finally:
                     os.close(fd)
         except OSError as exc:
-            err = exc.errno or errno.EIO
-            if err not in (errno.ELOOP, errno.EXDEV, errno.ENOENT, errno.ENOTDIR):
-                # One transcript this process may not read must not hide the others.
-                log.warning("left out of the listing: %s", os.strerror(err), extra={
-                    "code": errno.errorcode.get(err, "EIO"), "operation": op,
-                    "path": f"{where}/{name}", "errno": err})
-            # A symlink inside the transcript path is not ours to report; a session
-            # without a main transcript (only subagents, or removed) has no mtime.
+            left_out(exc, op, f"{where}/{name}")
             continue
         if stat.S_ISDIR(st.st_mode):
             yield part, st.st_mtime_ns // 1_000_000
+
+
+def left_out(exc: OSError, op: str, path: str) -> None:
+    """A child a listing leaves out, for ``exc``: one transcript this process may not
+    read must not hide the others. Logged, except where nothing is wrong: a symlink
+    inside the transcript path is not ours to report (ELOOP, ENOTDIR; EXDEV: a rename
+    racing the open), and a session without a main transcript (only subagents, or
+    removed meanwhile) has none (ENOENT)."""
+    err = exc.errno or errno.EIO
+    if err not in (errno.ELOOP, errno.EXDEV, errno.ENOENT, errno.ENOTDIR):
+        log.warning("left out of the listing: %s", os.strerror(err), extra={
+            "code": errno.errorcode.get(err, "EIO"), "operation": op, "path": path, "errno": err})

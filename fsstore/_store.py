@@ -211,6 +211,12 @@ class SyncStore:
             rfd, comps, create=create, base_path=self.root, operation=operation, path_only=path_only
         )
 
+    def _exists(self, rfd: int, comps: list[Component]) -> bool:
+        fd = self._open(rfd, comps, "load", path_only=True)
+        if fd is not None:
+            os.close(fd)
+        return fd is not None
+
     def _path(self, comps: list[Component]) -> str:
         return f"{self.root}/{_layout.rel(comps)}"
 
@@ -416,6 +422,11 @@ class SyncStore:
         it was opened)."""
         with self._open_root(create=False) as rfd:
             pfd = self._open(rfd, comps, op) if rfd is not None else None
+            if (pfd is None and rfd is not None and len(comps) > 4 and not self._exists(rfd, comps[:4])
+                    and _delete.restore(self, rfd, [*comps[:4], (_layout.MAIN, None)])):
+                # The session, moved into .trash by a delete that stalled or died: back, as a
+                # load would move it (its record is in sessions/, which this does not list).
+                pfd = self._open(rfd, comps, op)
             if rfd is None or pfd is None:
                 yield -1, []
                 return
@@ -423,7 +434,13 @@ class SyncStore:
                 try:
                     children, moving = _listing.scan_children(pfd)
                     if moving and _delete.restore_named(self, rfd, pfd, comps, moving):
-                        children, moving = _listing.scan_children(pfd)  # with what a delete hid by mistake
+                        # With what a delete hid by mistake; through a handle of its own
+                        # (sshfs lists nothing through a handle that listed to its end).
+                        fd = os.open(".", _fsio.DIR_FLAGS, dir_fd=pfd)
+                        try:
+                            children, moving = _listing.scan_children(fd)
+                        finally:
+                            os.close(fd)
                 except OSError as exc:
                     if exc.errno not in (errno.ENOENT, errno.ESTALE):
                         raise
@@ -472,9 +489,14 @@ class SyncStore:
         fold = self._fold  # the SDK's first import, if it comes now: never under a lock
         with translating(op, self._path(comps)), self._children(comps, op) as (pfd, children):
             for name, session_id in children:
-                mfd = self._fs.open_dir(pfd, [(name, None), (_layout.MAIN, None)], create=False,
-                                        base_path=self._path(comps), operation=op)
-                if mfd is None:
+                try:  # opened as list_sessions probes it, with the same errors left out
+                    sfd = os.open(name, _fsio.PATH_FLAGS, dir_fd=pfd)
+                    try:
+                        mfd = os.open(_layout.MAIN, _fsio.DIR_FLAGS, dir_fd=sfd)
+                    finally:
+                        os.close(sfd)
+                except OSError as exc:
+                    _listing.left_out(exc, op, f"{self._path(comps)}/{name}")
                     continue
                 try:
                     path = f"{self._path(comps)}/{name}/{_layout.MAIN}"

@@ -811,6 +811,18 @@ def test_a_transcript_a_stalled_delete_moved_by_mistake_is_in_the_next_listing(
     assert not [p for p in root.rglob(f"*{_delete.MOVING_TAG}")], "the delete's record is left"
 
 
+def test_subkeys_of_a_session_a_dead_deleter_moved_by_mistake_are_listed(root: Path, store: SyncStore) -> None:
+    """Review (stop 28, every mount, 3 of 3): a session a delete moved by mistake into
+    .trash and died there (before moving it back) had no subagent transcripts for
+    ``list_subkeys`` until a load moved it back; its record is in ``sessions/``, which
+    that listing does not read. It moves the session back, as a load would."""
+    store.append(KEY, [entry(0)])
+    store.append(SUB, [entry(1)])
+    moved = moved_by_a_dead_deleter(root, KEY)
+    assert SyncStore(root).list_subkeys(KEY) == [SUB["subpath"]]
+    assert not moved.exists() and SyncStore(root).load(SUB) == [entry(1)]
+
+
 def test_gc_keeps_the_record_of_an_orphan_it_could_not_move_back(
     root: Path, store: SyncStore, monkeypatch: pytest.MonkeyPatch
 ) -> None:
