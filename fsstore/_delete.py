@@ -353,10 +353,15 @@ def _put_back(trash: int, aside: str, parent: int, name: str, path: str) -> str 
     return None
 
 
-def restore(store: SyncStore, rfd: int, comps: list[Component]) -> bool:
+def restore(store: SyncStore, rfd: int, comps: list[Component], *, listing: bool = False) -> bool:
     """Move back an unmarked directory in ``.trash`` of the session of transcript
     ``comps``, or of the transcript, that a delete moved by mistake (its deleter stalled
-    or died between its two renames): for whoever finds it missing. True if one was."""
+    or died between its two renames): for whoever finds it missing. True if one was.
+
+    ``listing``: for a listing, which holds no lock and reads no mark, a directory found
+    marked once moved back is a committed delete, finished here (a load or append that
+    moved it finds the mark itself): a GlusterFS client can find no mark in what a
+    delete has just moved (review, stop 28: deleted sessions listed again, 4 of 4 runs)."""
     session = comps[:4]
     sub = comps[-1][0] != _layout.MAIN
     trash = store._open(rfd, [(_layout.TRASH, None)], "load")
@@ -380,6 +385,10 @@ def restore(store: SyncStore, rfd: int, comps: list[Component]) -> bool:
                     continue  # moved back by its deleter, claimed, or a new one is there
                 finally:
                     os.close(parent)
+                if listing and marked_at(store, rfd, target, mark):
+                    finish(store, [*target, (_layout.MAIN, None)] if mark else target,
+                           store._path(target), session=False)
+                    continue
                 restored = True
                 log.warning("moved back a transcript a delete had moved by mistake (its deleter "
                             "stalled or died)", extra={"code": "DELETE_RACED", "operation": "load",
@@ -387,6 +396,17 @@ def restore(store: SyncStore, rfd: int, comps: list[Component]) -> bool:
     finally:
         os.close(trash)
     return restored
+
+
+def marked_at(store: SyncStore, rfd: int, comps: list[Component], mark: str) -> bool:
+    """Whether the directory at ``comps`` holds a ``.deleted`` mark (``mark``: in its ``main``)."""
+    parent = store._open(rfd, comps[:-1], "load")
+    if parent is None:
+        return False
+    try:
+        return marked(parent, comps[-1][0], mark)
+    finally:
+        os.close(parent)
 
 
 def _rename_back(trash: int, name: str, parent: int, to: str) -> None:
@@ -415,7 +435,7 @@ def restore_named(store: SyncStore, rfd: int, parent: int, comps: list[Component
         # restore() moves back only a directory whose tags are this name's.
         target = [*comps, (name, None)]
         restored |= restore(store, rfd, [*target, (_layout.MAIN, None)] if comps[-1][0] == _layout.SESSIONS
-                            else target)
+                            else target, listing=True)
     return restored
 
 

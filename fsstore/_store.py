@@ -423,7 +423,7 @@ class SyncStore:
         with self._open_root(create=False) as rfd:
             pfd = self._open(rfd, comps, op) if rfd is not None else None
             if (pfd is None and rfd is not None and len(comps) > 4 and not self._exists(rfd, comps[:4])
-                    and _delete.restore(self, rfd, [*comps[:4], (_layout.MAIN, None)])):
+                    and _delete.restore(self, rfd, [*comps[:4], (_layout.MAIN, None)], listing=True)):
                 # The session, moved into .trash by a delete that stalled or died: back, as a
                 # load would move it (its record is in sessions/, which this does not list).
                 pfd = self._open(rfd, comps, op)
