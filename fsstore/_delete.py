@@ -381,11 +381,12 @@ def restore(store: SyncStore, rfd: int, comps: list[Component], *, listing: bool
                 try:
                     _rename_back(trash, name, parent, target[-1][0])
                     _fsio.unlink_quiet(parent, moving_record(name))
+                    deleted = listing and marked(parent, target[-1][0], mark)
                 except OSError:
                     continue  # moved back by its deleter, claimed, or a new one is there
                 finally:
                     os.close(parent)
-                if listing and marked_at(store, rfd, target, mark):
+                if deleted:
                     finish(store, [*target, (_layout.MAIN, None)] if mark else target,
                            store._path(target), session=False)
                     continue
@@ -396,17 +397,6 @@ def restore(store: SyncStore, rfd: int, comps: list[Component], *, listing: bool
     finally:
         os.close(trash)
     return restored
-
-
-def marked_at(store: SyncStore, rfd: int, comps: list[Component], mark: str) -> bool:
-    """Whether the directory at ``comps`` holds a ``.deleted`` mark (``mark``: in its ``main``)."""
-    parent = store._open(rfd, comps[:-1], "load")
-    if parent is None:
-        return False
-    try:
-        return marked(parent, comps[-1][0], mark)
-    finally:
-        os.close(parent)
 
 
 def _rename_back(trash: int, name: str, parent: int, to: str) -> None:
