@@ -12,11 +12,14 @@ transcript directory, so a delete that moves a transcript away never moves or
 recreates a lock.
 
 fsstore reclaims a marker (:func:`reclaim_if_stale`: rename it aside, check it is the
-one judged stale, remove it) when the recorded holder is on this host and dead, when
+one judged stale, remove it) when the recorded holder is on this host and dead; when
 it is older than ``stale_lock_seconds`` whoever holds it (a holder on another host is
-judged by age only, never by a local pid check), or when it has no record and the
-waiter saw it unchanged for half a second (a file left by an older fsstore, or made
-by hand).
+judged by age only, never by a local pid check) and the waiter has seen it unchanged
+for half of that (a holder's lease), or for the whole of it whatever its mtime says;
+or when it has no record and the waiter saw it unchanged for half a second (a file
+left by an older fsstore, or made by hand). What the waiter saw is timed by its own
+monotonic clock: a waiter whose clock runs ahead of the storage's (every marker looks
+old) or behind it (none ever does) waits as long as one whose clock is right.
 
 Age-based expiry can admit a second holder while a stalled first one still runs.
 fsstore is built so that this costs ordering at worst, never data: commits use a
@@ -52,6 +55,7 @@ from ._errors import FsStoreError, log
 from ._interrupts import HeldOff
 
 _IDLE_LOCKS = 256
+_WATCHED_MARKERS = 1024
 # The locks held by SyncStore.locked in this context, by lock path (see Locks.held_here).
 _HELD_HERE: contextvars.ContextVar[Mapping[str, Held]] = contextvars.ContextVar(
     "fsstore_held_here", default=types.MappingProxyType({})
@@ -115,22 +119,25 @@ RECORDLESS_SECONDS = 0.5
 
 def reclaim_if_stale(
     lock_path: str, *, older_than: float, operation: str,
-    recordless: dict[tuple[int, int, int], float] | None = None, mine: bytes | None = None,
+    watched: dict[tuple[str, int, int, int, bytes], float] | None = None, mine: bytes | None = None,
 ) -> bool:
-    """Remove the marker at ``lock_path`` if it is older than ``older_than`` seconds, its
-    holder is provably dead on this host, it has no record and ``recordless`` (the
-    caller's memory of such markers, by identity: when first seen) shows it unchanged
-    for :data:`RECORDLESS_SECONDS`, or it is the waiter's own record ``mine`` (a waiter
-    holds no marker: one linked to its record was put back by a reclaim after it was
-    released, and its own touches before each try keep it young); True if the marker
-    judged stale is gone.
+    """Remove the marker at ``lock_path`` if its holder is provably dead on this host,
+    if it is the waiter's own record ``mine`` (a waiter holds no marker: one linked to
+    its record was put back by a reclaim after it was released, and its own touches
+    before each try keep it young), or if it is stale by ``watched``, the waiter's
+    memory of markers (by path and identity: when first seen, on the monotonic clock):
+    seen unchanged for :data:`RECORDLESS_SECONDS` where it has no record; else older
+    than ``older_than`` seconds by its mtime and seen unchanged for half of that (the
+    holder's lease: an honest holder has released by then, whatever the clocks say),
+    or seen unchanged for ``older_than`` (a clock behind the storage's). Without
+    ``watched`` (one look: ``fsstore gc``) its mtime alone. True if the marker judged
+    stale is gone.
 
     Rename it aside, check that what was moved is the marker judged stale (same inode
     and mtime), remove it. A marker that a new holder took meanwhile is put back
     (``link`` refuses to replace a newer one still). A live holder here is never
     broken before ``older_than``; a holder on another host is judged by age only.
-    A recordless marker is judged by how long the waiter saw it so, not by its mtime:
-    clocks of other hosts do not enter. Breaking a live holder that stalled between
+    Breaking a live holder that stalled between
     creating and writing it costs ordering at worst (see the module docstring).
     """
     try:
@@ -140,16 +147,23 @@ def reclaim_if_stale(
     if marker is None:
         return False
     ours = mine is not None and marker.text == mine
+    recorded = marker.pid is not None and marker.host is not None
+    st = marker.stat
+    now = time.monotonic()
+    seen_for = 0.0 if watched is None else now - watched.setdefault(
+        (lock_path, st.st_ino, st.st_size, st.st_mtime_ns, marker.text), now)
     if ours:
         why = "this waiter's own record, left at the lock name"
-    elif recordless is not None and (marker.pid is None or marker.host is None):
-        st = marker.stat
-        first = recordless.setdefault((st.st_ino, st.st_size, st.st_mtime_ns), time.monotonic())
-        if time.monotonic() - first < RECORDLESS_SECONDS:
+    elif marker.dead_here:
+        why = f"holder pid {marker.pid} on this host is gone"
+    elif watched is not None and not recorded:
+        if seen_for < RECORDLESS_SECONDS:
             return False
         why = f"no holder recorded, unchanged for {RECORDLESS_SECONDS:g}s"
-    elif marker.age >= older_than or marker.dead_here:
-        why = f"holder pid {marker.pid} on {marker.host}, {marker.age:.0f}s old"
+    elif (marker.age >= older_than and (watched is None or seen_for >= older_than / 2)) or (
+            seen_for >= older_than):
+        why = (f"holder pid {marker.pid} on {marker.host}, {marker.age:.0f}s old by its mtime, "
+               f"seen unchanged for {seen_for:.1f}s")
     else:
         return False
     before = marker.stat
@@ -379,12 +393,14 @@ class Held:
     """The transcript lock, held as a context manager (:meth:`Locks.hold`), and how
     long we may act on it.
 
-    Another host may reclaim our lock once its marker looks ``stale_lock_seconds``
-    old *by that host's clock*; with clock skew that can come early. So before each
-    step that publishes something (a commit move, a segment move) the holder checks
-    that it has held the lock for less than half the lifetime, and otherwise gives
-    up with LOCK_EXPIRED (retryable: nothing was published). This is lease-style
-    fencing: an overlap then needs a stall inside the publishing syscall itself.
+    Another process may reclaim our lock once it has seen the marker unchanged for
+    half of ``stale_lock_seconds`` (and the marker looks ``stale_lock_seconds`` old by
+    its clock; see :func:`reclaim_if_stale`). So before each step that publishes
+    something (a commit move, a segment move) the holder checks that it has held the
+    lock for less than half the lifetime, and otherwise gives up with LOCK_EXPIRED
+    (retryable: nothing was published). This is lease-style fencing: an overlap then
+    needs a stall between the check and the publishing system call, which format 2
+    makes cost ordering only.
 
     A class rather than a generator context manager: it is on every append's path.
     """
@@ -484,6 +500,10 @@ class Locks:
         # SoftFileLock resolves its path and registers it (~150 us), so a writer that
         # keeps appending reuses its own. At most _IDLE_LOCKS unused ones are kept.
         self._local: collections.OrderedDict[str, _Local] = collections.OrderedDict()
+        # Markers waited on, by path and identity: when first seen (reclaim_if_stale).
+        # Kept across acquires, so that a waiter that timed out and is retried goes on
+        # watching; forgotten wholesale when it grows large.
+        self._watched: dict[tuple[str, int, int, int, bytes], float] = {}
 
     @staticmethod
     def held_here(lock_path: str) -> bool:
@@ -556,7 +576,8 @@ class Locks:
         """
         poll = min(_RECLAIM_POLL, max(self.stale / 4, 0.05))
         wait = 0.0  # the first try does not wait: a dead holder's marker is judged at once
-        recordless: dict[tuple[int, int, int], float] = {}
+        if len(self._watched) > _WATCHED_MARKERS:
+            self._watched.clear()
         while True:
             started = time.monotonic()
             remaining = deadline - started
@@ -572,7 +593,7 @@ class Locks:
                     raise
                 # .locks is not a real directory (swapped for a symlink): never followed
                 raise _fsio.unsafe(os.path.dirname(lock_path), operation) from exc
-            reclaim_if_stale(lock_path, older_than=self.stale, operation=operation, recordless=recordless,
+            reclaim_if_stale(lock_path, older_than=self.stale, operation=operation, watched=self._watched,
                              mine=self._record.text)
             wait = poll
 

@@ -5,6 +5,9 @@
 * A holder recorded on another host (a real process in its own UTS namespace with
   another hostname, then killed): by age only, never because its pid is not
   running here.
+* A waiter's clock does not enter (libfaketime): one running ahead, which sees every
+  marker as old, waits for a holder within its lease; one running behind, which sees
+  every marker as new, still breaks a dead holder's once it has watched it that long.
 
 "When" is measured on the marker itself: a thread polls the lock file's inode,
 and the last time it still saw the holder's marker bounds from below the moment
@@ -33,7 +36,7 @@ import pytest
 from fsstore import FsStoreError
 from fsstore._store import SyncStore
 
-from . import _children, _mounts
+from . import _children, _mounts, _overlap
 from ._check import (
     assert_summaries_consistent,
     assert_transcript,
@@ -848,3 +851,73 @@ def test_summaries_of_a_transcript_with_a_missing_part_do_not_wait_for_its_lock(
     finally:
         holder.kill()
         holder.wait(10)
+
+
+needs_faketime = pytest.mark.skipif(not os.path.exists(_overlap.FAKETIME_LIB),
+                                    reason="needs libfaketime (apt-get install faketime)")
+
+SKEWED_APPEND = """
+import logging, sys, time
+sys.path.insert(0, {repo!r})
+from fsstore._store import SyncStore
+logging.basicConfig(stream=sys.stderr, format="%(message)s")
+store = SyncStore({root!r}, stale_lock_seconds={stale}, lock_timeout_seconds=10)
+print("ready", flush=True)
+t0 = time.monotonic()
+store.append({key!r}, [{{"w": "skewed", "b": 1, "i": 0, "n": 1}}])
+print("appended %.3f" % (time.monotonic() - t0), flush=True)
+"""
+
+
+def _skewed_append(root: Path, offset: str, stale: float) -> subprocess.Popen[str]:
+    code = SKEWED_APPEND.format(repo=str(REPO), root=str(root), stale=stale, key=KEY)
+    proc = subprocess.Popen([sys.executable, "-c", code], env=_overlap.faketime_env(offset), text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert proc.stdout is not None
+    assert proc.stdout.readline() == "ready\n", proc.stderr.read() if proc.stderr else ""
+    return proc
+
+
+def _finished(proc: subprocess.Popen[str]) -> tuple[float, str]:
+    out, err = proc.communicate(timeout=30)
+    assert proc.returncode == 0, err
+    return float(out.split()[-1]), err
+
+
+@needs_faketime
+def test_a_waiter_whose_clock_runs_ahead_waits_for_a_holder_within_its_lease(tmp_path: Path) -> None:
+    """A writer whose clock is 10 min ahead sees every marker as 10 min old. It waits for
+    a live holder that holds within its lease (half of ``stale_lock_seconds``) instead
+    of breaking its lock: it counts its own watching, not the marker's age (before, it
+    broke the lock at once, and the two held it together; a reader holding it to read
+    a transcript a compaction kept changing then failed with EAGAIN)."""
+    stale, hold = 4.0, 1.0  # the holder's lease is 2 s
+    root = tmp_path / "store"
+    store = SyncStore(root, create=True, stale_lock_seconds=stale)
+    store.append(KEY, batch("first", 0, 1))
+    with store.locked(KEY):
+        marker = lock_file(str(root))
+        mine = marker.read_bytes()
+        proc = _skewed_append(root, "+10m", stale)
+        time.sleep(hold)
+        assert marker.read_bytes() == mine, "the skewed waiter took the lock from its live holder"
+    waited, err = _finished(proc)
+    assert waited >= hold * 0.9 and "reclaimed" not in err, (waited, err)
+    assert [e["w"] for e in store.load(KEY) or []] == ["first", "skewed"]
+
+
+@needs_faketime
+def test_a_waiter_whose_clock_runs_behind_breaks_a_dead_holders_lock_once_it_watched_it(
+        tmp_path: Path) -> None:
+    """A writer whose clock is 10 min behind sees every marker as made in its future. A
+    holder on another host died: its marker is broken once the waiter has seen it
+    unchanged for ``stale_lock_seconds`` (before, only once the marker was 10 min old:
+    the append failed with LOCK_TIMEOUT)."""
+    root = tmp_path / "store"
+    SyncStore(root, create=True).append(KEY, batch("first", 0, 1))
+    with SyncStore(root, stale_lock_seconds=STALE).locked(KEY):
+        lock = lock_file(str(root))
+    lock.write_text("4242\nsome-other-host\n1\n")  # fresh: a holder on another host, dead
+    proc = _skewed_append(root, "-10m", STALE)
+    waited, err = _finished(proc)
+    assert STALE * 0.9 <= waited < STALE + MARGIN and "reclaimed" in err, (waited, err)

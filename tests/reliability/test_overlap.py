@@ -1,9 +1,10 @@
 """Format 2's promise with lock holders that overlap, in real processes.
 
 The lock is for order and cheap contention; nothing may depend on it being
-exclusive. Here it is not: a writer whose clock runs ahead (libfaketime) judges
-every held lock stale, a writer stalled inside one system call (``strace -e
-inject=SYSCALL:delay_enter``) outlives its lease, a pruner stalls inside its move.
+exclusive. Here it is not: a writer stalled inside one system call (``strace -e
+inject=SYSCALL:delay_enter``) outlives its lease, a pruner stalls inside its move;
+and a writer's clock is off (libfaketime: until stop 29 one running ahead judged
+every held lock stale; it now times its waiting by its own clock, like the others).
 In every run: every acknowledged batch exactly once and whole, every reader
 snapshot a prefix of the final order, no CORRUPT, no failed append's batch present.
 """
@@ -59,9 +60,10 @@ def _campaign(tmp_path: Path, figures: Any, odd: dict[str, dict[str, Any]], *, n
 def test_a_writer_with_a_skewed_clock_loses_nothing(
     tmp_path: Path, figures: Any, offset: str, run: int
 ) -> None:
-    """One writer's clock is off (ahead: it takes every held lock as stale; behind:
-    it keeps locks others take), three normal writers, a compactor, two readers.
-    (Format 1 failed this about one run in two at +10m: CORRUPT for every reader.)"""
+    """One writer's clock is off (ahead: every marker looks old to it; behind: every
+    marker looks new), three normal writers, a compactor, two readers. (Format 1
+    failed this about one run in two at +10m: CORRUPT for every reader; until stop 29
+    the writer ahead broke every held lock, its readers' too.)"""
     got = _campaign(tmp_path, figures, {"skewed": {"env": _overlap.faketime_env(offset)}}, n=100)
     assert got["acked"] + got["failed"] == 4 * 100
 
