@@ -8,7 +8,8 @@ from __future__ import annotations
 import errno
 import os
 import stat
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import TypeVar
 
 from . import _delete, _fsio, _keys, _layout
 from ._errors import log
@@ -36,10 +37,12 @@ def scan_children(pfd: int) -> tuple[list[tuple[str, str]], list[str]]:
 
 
 def transcript_mtimes(
-    parent_fd: int, children: list[tuple[str, str]], below: str | None, where: str, op: str
+    parent_fd: int, children: list[tuple[str, str]], below: str | None, where: str, op: str,
+    moved_back: Callable[[], None],
 ) -> Iterator[tuple[str, int]]:
     """``(key part, mtime in epoch ms)`` of each child's transcript directory:
-    ``parent/name``, or ``parent/name/below``.
+    ``parent/name``, or ``parent/name/below``; a child gone since the listing is looked
+    at again after ``moved_back`` (see :func:`probe`).
 
     A commit links a file into that directory, so its mtime is the time of the
     last commit (or compaction) by the storage's own clock; the summary uses
@@ -48,21 +51,48 @@ def transcript_mtimes(
     child (``O_NOFOLLOW``), a ``stat`` of ``below`` in it and a ``close``: this runs
     over every session of a project each time the SDK lists them.
     """
-    for name, part in children:
+    def stat_of(name: str) -> os.stat_result | None:
+        if below is None:
+            return os.stat(name, dir_fd=parent_fd, follow_symlinks=False)
+        fd = os.open(name, _fsio.PATH_FLAGS, dir_fd=parent_fd)
         try:
-            if below is None:
-                st = os.stat(name, dir_fd=parent_fd, follow_symlinks=False)
-            else:
-                fd = os.open(name, _fsio.PATH_FLAGS, dir_fd=parent_fd)
-                try:
-                    st = os.stat(below, dir_fd=fd, follow_symlinks=False)
-                finally:
-                    os.close(fd)
-        except OSError as exc:
-            left_out(exc, op, f"{where}/{name}")
-            continue
-        if stat.S_ISDIR(st.st_mode):
+            return os.stat(below, dir_fd=fd, follow_symlinks=False)
+        except FileNotFoundError:
+            return None  # a session without a main transcript (subagents only)
+        finally:
+            os.close(fd)
+
+    for name, part in children:
+        st = probe(stat_of, name, op, f"{where}/{name}", moved_back)
+        if st is not None and stat.S_ISDIR(st.st_mode):
             yield part, st.st_mtime_ns // 1_000_000
+
+
+_T = TypeVar("_T")
+
+
+def probe(look: Callable[[str], _T | None], name: str, op: str, path: str,
+          moved_back: Callable[[], None]) -> _T | None:
+    """``look(name)`` for a child of a listing; None where it says so, or where it
+    fails (logged where :func:`left_out` says). FileNotFoundError from ``look`` means
+    the child is gone: a delete whose lock was overtaken (stalled past its lease) may
+    have moved it into ``.trash`` by mistake after the listing, its record in the
+    parent only since. So ``moved_back`` is called (it reads the parent again and moves
+    back what records there name) and the child looked at once more: moved back by
+    this call or, first, by another listing, a load or the deleter (found by review:
+    a session made anew left out of listings while a stalled delete had it)."""
+    try:
+        return look(name)
+    except FileNotFoundError:
+        moved_back()
+    except OSError as exc:
+        left_out(exc, op, path)
+        return None
+    try:
+        return look(name)
+    except OSError as exc:
+        left_out(exc, op, path)
+        return None
 
 
 def left_out(exc: OSError, op: str, path: str) -> None:

@@ -416,10 +416,13 @@ class SyncStore:
     # -- listing -------------------------------------------------------------------
 
     @contextlib.contextmanager
-    def _children(self, comps: list[Component], op: str) -> Iterator[tuple[int, list[tuple[str, str]]]]:
-        """The directory under ``comps`` (fd) and ``(name, decoded key part)`` of each
-        directory in it; no children if it does not exist (or no longer: removed after
-        it was opened)."""
+    def _children(self, comps: list[Component], op: str
+                  ) -> Iterator[tuple[int, list[tuple[str, str]], Callable[[], None]]]:
+        """The directory under ``comps`` (fd), ``(name, decoded key part)`` of each
+        directory in it (none if it does not exist, or no longer: removed after it was
+        opened), and what to call where a child is gone when looked at
+        (:func:`_listing.probe`): it reads the directory again and moves back what
+        records of deletes in flight there name."""
         with self._open_root(create=False) as rfd:
             pfd = self._open(rfd, comps, op) if rfd is not None else None
             if (pfd is None and rfd is not None and len(comps) > 4 and not self._exists(rfd, comps[:4])
@@ -428,26 +431,36 @@ class SyncStore:
                 # load would move it (its record is in sessions/, which this does not list).
                 pfd = self._open(rfd, comps, op)
             if rfd is None or pfd is None:
-                yield -1, []
+                yield -1, [], lambda: None
                 return
+            def rescan() -> tuple[list[tuple[str, str]], list[str]]:
+                # Through a handle of its own (sshfs lists nothing through a handle that
+                # listed to its end).
+                fd = os.open(".", _fsio.DIR_FLAGS, dir_fd=pfd)
+                try:
+                    return _listing.scan_children(fd)
+                finally:
+                    os.close(fd)
+
             try:
                 try:
                     children, moving = _listing.scan_children(pfd)
-                    if moving and _delete.restore_named(self, rfd, pfd, comps, moving):
-                        # With what a delete hid by mistake; through a handle of its own
-                        # (sshfs lists nothing through a handle that listed to its end).
-                        fd = os.open(".", _fsio.DIR_FLAGS, dir_fd=pfd)
-                        try:
-                            children, moving = _listing.scan_children(fd)
-                        finally:
-                            os.close(fd)
+                    if moving:  # with what a delete hid by mistake, moved back by us or another
+                        _delete.restore_named(self, rfd, pfd, comps, moving)
+                        children, moving = rescan()
                 except OSError as exc:
                     if exc.errno not in (errno.ENOENT, errno.ESTALE):
                         raise
                     # Removed since it was opened (a delete): a FUSE or NFS client says
                     # so where a local disk reads an empty directory (found by review).
                     children = []
-                yield pfd, children
+
+                def moved_back() -> None:
+                    with contextlib.suppress(OSError):
+                        if records := rescan()[1]:
+                            _delete.restore_named(self, rfd, pfd, comps, records)
+
+                yield pfd, children, moved_back
             finally:
                 os.close(pfd)
 
@@ -458,17 +471,17 @@ class SyncStore:
         op = "list_sessions"
         _keys.check_part(project_key, "project_key", op)
         comps = _layout.project_dirs(project_key)
-        with translating(op, self._path(comps)), self._children(comps, op) as (pfd, children):
+        with translating(op, self._path(comps)), self._children(comps, op) as (pfd, children, moved_back):
             return [{"session_id": session_id, "mtime": mtime}
                     for session_id, mtime in _listing.transcript_mtimes(
-                        pfd, children, _layout.MAIN, self._path(comps), op)]
+                        pfd, children, _layout.MAIN, self._path(comps), op, moved_back)]
 
     def list_subkeys(self, key: Mapping[str, Any]) -> list[str]:
         """The ``subpath`` of every subagent transcript of the session ``key``."""
         op = "list_subkeys"
         tk = _keys.parse_key(key, op, allow_subpath=False)
         comps = [*_layout.session_dirs(tk.project_key, tk.session_id), (_layout.SUBKEYS, None)]
-        with translating(op, self._path(comps)), self._children(comps, op) as (pfd, children):
+        with translating(op, self._path(comps)), self._children(comps, op) as (pfd, children, moved_back):
             valid = []
             for name, subpath in children:
                 try:
@@ -477,7 +490,7 @@ class SyncStore:
                     continue  # a name no valid key encodes to: not ours to report
                 valid.append((name, subpath))
             return [subpath for subpath, _mtime
-                    in _listing.transcript_mtimes(pfd, valid, None, self._path(comps), op)]
+                    in _listing.transcript_mtimes(pfd, valid, None, self._path(comps), op, moved_back)]
 
     def list_session_summaries(self, project_key: str) -> list[dict[str, Any]]:
         """The Claude SDK's summaries of the project's sessions, each current as of its
@@ -487,16 +500,20 @@ class SyncStore:
         comps = _layout.project_dirs(project_key)
         out: list[dict[str, Any]] = []
         fold = self._fold  # the SDK's first import, if it comes now: never under a lock
-        with translating(op, self._path(comps)), self._children(comps, op) as (pfd, children):
+        with translating(op, self._path(comps)), self._children(comps, op) as (pfd, children, moved_back):
+
+            def open_main(name: str) -> int | None:  # as list_sessions probes a session
+                sfd = os.open(name, _fsio.PATH_FLAGS, dir_fd=pfd)
+                try:
+                    return os.open(_layout.MAIN, _fsio.DIR_FLAGS, dir_fd=sfd)
+                except FileNotFoundError:
+                    return None  # subagent transcripts only
+                finally:
+                    os.close(sfd)
+
             for name, session_id in children:
-                try:  # opened as list_sessions probes it, with the same errors left out
-                    sfd = os.open(name, _fsio.PATH_FLAGS, dir_fd=pfd)
-                    try:
-                        mfd = os.open(_layout.MAIN, _fsio.DIR_FLAGS, dir_fd=sfd)
-                    finally:
-                        os.close(sfd)
-                except OSError as exc:
-                    _listing.left_out(exc, op, f"{self._path(comps)}/{name}")
+                mfd = _listing.probe(open_main, name, op, f"{self._path(comps)}/{name}", moved_back)
+                if mfd is None:
                     continue
                 try:
                     path = f"{self._path(comps)}/{name}/{_layout.MAIN}"

@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 
-from fsstore import FsStoreError, _cleanup, _delete, _layout, _merge
+from fsstore import FsStoreError, _cleanup, _delete, _layout, _listing, _merge
 from fsstore._keys import parse_key
 from fsstore._store import SyncStore
 
@@ -809,6 +809,35 @@ def test_a_transcript_a_stalled_delete_moved_by_mistake_is_in_the_next_listing(
         assert seen == [[KEY["session_id"]]] and SyncStore(root).load(KEY) == [entry(1)]
     assert _orphans(root) == []
     assert not [p for p in root.rglob(f"*{_delete.MOVING_TAG}")], "the delete's record is left"
+
+
+@pytest.mark.parametrize("listing", ["list_sessions", "list_session_summaries", "list_subkeys"])
+def test_a_transcript_a_delete_moved_by_mistake_after_the_listing_began_is_listed(
+    root: Path, store: SyncStore, monkeypatch: pytest.MonkeyPatch, listing: str
+) -> None:
+    """Review (stop 28, local disk, 2 of 3 runs): a delete whose lock was overtaken moved
+    a session made anew into .trash after a listing had read the project and before it
+    looked at that session; the listing left it out (its record came after the read).
+    A listing that finds a child gone reads the directory again for such records."""
+    key = SUB if listing == "list_subkeys" else KEY
+    store.append(KEY, [entry(0)])
+    store.append(key, [entry(1)])
+    real, staged = _listing.scan_children, []
+
+    def scan_then_move(pfd: int) -> Any:
+        found = real(pfd)
+        if not staged:
+            staged.append(moved_by_a_dead_deleter(root, key))
+        return found
+
+    monkeypatch.setattr(_listing, "scan_children", scan_then_move)
+    other = SyncStore(root)
+    if listing == "list_subkeys":
+        assert other.list_subkeys(KEY) == [SUB["subpath"]]
+    else:
+        assert [s["session_id"] for s in getattr(other, listing)(KEY["project_key"])] == [KEY["session_id"]]
+    assert staged and not staged[0].exists()
+    assert SyncStore(root).load(key) == ([entry(1)] if key is SUB else [entry(0), entry(1)])
 
 
 def test_subkeys_of_a_session_a_dead_deleter_moved_by_mistake_are_listed(root: Path, store: SyncStore) -> None:
