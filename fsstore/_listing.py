@@ -74,20 +74,21 @@ _T = TypeVar("_T")
 def probe(look: Callable[[str], _T | None], name: str, op: str, path: str,
           moved_back: Callable[[], None]) -> _T | None:
     """``look(name)`` for a child of a listing; None where it says so, or where it
-    fails (logged where :func:`left_out` says). FileNotFoundError from ``look`` means
-    the child is gone: a delete whose lock was overtaken (stalled past its lease) may
-    have moved it into ``.trash`` by mistake after the listing, its record in the
-    parent only since. So ``moved_back`` is called (it reads the parent again and moves
-    back what records there name) and the child looked at once more: moved back by
-    this call or, first, by another listing, a load or the deleter (found by review:
-    a session made anew left out of listings while a stalled delete had it)."""
+    fails (logged where :func:`left_out` says). ENOENT (ESTALE on a network mount) from
+    ``look`` means the child is gone: a delete whose lock was overtaken (stalled past
+    its lease) may have moved it into ``.trash`` by mistake after the listing, its
+    record in the parent only since. So ``moved_back`` is called (it reads the parent
+    again, which also refreshes a GlusterFS client's view of it, and moves back what
+    records there name) and the child looked at once more: moved back by this call
+    or, first, by another listing, a load or the deleter (found by review: a session
+    made anew left out of listings while a stalled delete had it)."""
     try:
         return look(name)
-    except FileNotFoundError:
-        moved_back()
     except OSError as exc:
-        left_out(exc, op, path)
-        return None
+        if exc.errno not in (errno.ENOENT, errno.ESTALE):
+            left_out(exc, op, path)
+            return None
+    moved_back()
     try:
         return look(name)
     except OSError as exc:
