@@ -72,7 +72,7 @@ def test_a_writer_with_a_skewed_clock_loses_nothing(
 # holds the lock, with where the sweep stalls it (strace's when=first+step), and
 # whether the main suite runs it (the rest are soak runs).
 WRITER_SWEEP = {
-    "linkat": ("5+7", True), "getdents64": ("5+7", True), "newfstatat": ("5+25", False),
+    "linkat": ("5+7", True), "getdents64": ("5+15", True), "newfstatat": ("5+25", False),
     "renameat2": ("1+2", False), "openat": ("5+7", False), "unlinkat": ("5+7", False),
     "close": ("9+7", False), "read": ("5+7", False), "write": ("5+7", False),
     "utimensat": ("1+2", False), "renameat": ("1+1", False), "mkdirat": ("1", False),
