@@ -38,7 +38,7 @@ def scan_children(pfd: int) -> tuple[list[tuple[str, str]], list[str]]:
 
 def transcript_mtimes(
     parent_fd: int, children: list[tuple[str, str]], below: str | None, where: str, op: str,
-    moved_back: Callable[[], None],
+    moved_back: Callable[[], bool],
 ) -> Iterator[tuple[str, int]]:
     """``(key part, mtime in epoch ms)`` of each child's transcript directory:
     ``parent/name``, or ``parent/name/below``; a child gone since the listing is looked
@@ -71,29 +71,33 @@ def transcript_mtimes(
 _T = TypeVar("_T")
 
 
+#: How many times a listing moves back what records of deletes in flight name and
+#: reads the directory (or looks at a child) again while records remain: a stalled
+#: delete's move can come between its move-back attempt and its next read.
+MOVE_BACK_ROUNDS = 3
+
+
 def probe(look: Callable[[str], _T | None], name: str, op: str, path: str,
-          moved_back: Callable[[], None]) -> _T | None:
+          moved_back: Callable[[], bool]) -> _T | None:
     """``look(name)`` for a child of a listing; None where it says so, or where it
     fails (logged where :func:`left_out` says). ENOENT (ESTALE on a network mount) from
     ``look`` means the child is gone: a delete whose lock was overtaken (stalled past
     its lease) may have moved it into ``.trash`` by mistake after the listing, its
     record in the parent only since. So ``moved_back`` is called (it reads the parent
-    again, which also refreshes a GlusterFS client's view of it, and moves back what
-    records there name) and the child looked at once more: moved back by this call
-    or, first, by another listing, a load or the deleter (found by review: a session
-    made anew left out of listings while a stalled delete had it)."""
-    try:
-        return look(name)
-    except OSError as exc:
-        if exc.errno not in (errno.ENOENT, errno.ESTALE):
-            left_out(exc, op, path)
-            return None
-    moved_back()
-    try:
-        return look(name)
-    except OSError as exc:
-        left_out(exc, op, path)
-        return None
+    again, which also refreshes a GlusterFS client's view of it, moves back what
+    records there name, and says whether there were any) and, where there were, the
+    child is looked at again, up to :data:`MOVE_BACK_ROUNDS` times: moved back by this
+    call or, first, by another listing, a load or the deleter (found by review: a
+    session made anew left out of listings while a stalled delete had it)."""
+    for look_no in range(MOVE_BACK_ROUNDS + 1):
+        try:
+            return look(name)
+        except OSError as exc:
+            if (exc.errno not in (errno.ENOENT, errno.ESTALE) or look_no == MOVE_BACK_ROUNDS
+                    or not moved_back()):
+                left_out(exc, op, path)
+                return None
+    return None  # (not reached: the last look returns above)
 
 
 def left_out(exc: OSError, op: str, path: str) -> None:

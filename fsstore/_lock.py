@@ -56,6 +56,7 @@ from ._interrupts import HeldOff
 
 _IDLE_LOCKS = 256
 _WATCHED_MARKERS = 1024
+Identity = tuple[int, int, int, bytes]  # a marker as a waiter sees it: inode, size, mtime (ns), content
 # The locks held by SyncStore.locked in this context, by lock path (see Locks.held_here).
 _HELD_HERE: contextvars.ContextVar[Mapping[str, Held]] = contextvars.ContextVar(
     "fsstore_held_here", default=types.MappingProxyType({})
@@ -119,19 +120,21 @@ RECORDLESS_SECONDS = 0.5
 
 def reclaim_if_stale(
     lock_path: str, *, older_than: float, operation: str,
-    watched: dict[tuple[str, int, int, int, bytes], float] | None = None, mine: bytes | None = None,
+    watched: dict[str, tuple[Identity, float]] | None = None, mine: bytes | None = None,
 ) -> bool:
     """Remove the marker at ``lock_path`` if its holder is provably dead on this host,
     if it is the waiter's own record ``mine`` (a waiter holds no marker: one linked to
     its record was put back by a reclaim after it was released, and its own touches
     before each try keep it young), or if it is stale by ``watched``, the waiter's
-    memory of markers (by path and identity: when first seen, on the monotonic clock):
-    seen unchanged for :data:`RECORDLESS_SECONDS` where it has no record; else older
-    than ``older_than`` seconds by its mtime and seen unchanged for half of that (the
-    holder's lease: an honest holder has released by then, whatever the clocks say),
-    or seen unchanged for ``older_than`` (a clock behind the storage's). Without
-    ``watched`` (one look: ``fsstore gc``) its mtime alone. True if the marker judged
-    stale is gone.
+    memory of the marker at each lock path (its identity: inode, size, mtime, content;
+    since when seen so, on the monotonic clock): seen unchanged for
+    :data:`RECORDLESS_SECONDS` where it has no record; else older than ``older_than``
+    seconds by its mtime and seen unchanged for half of that (the holder's lease: an
+    honest holder has released by then, whatever the clocks say), or seen unchanged
+    for ``older_than`` (a clock behind the storage's). Where mtimes are whole seconds
+    (sshfs), holds of one store object begun within one second look the same: a
+    second more. Without ``watched`` (one look: ``fsstore gc``) its mtime alone. True
+    if the marker judged stale is gone.
 
     Rename it aside, check that what was moved is the marker judged stale (same inode
     and mtime), remove it. A marker that a new holder took meanwhile is put back
@@ -150,8 +153,15 @@ def reclaim_if_stale(
     recorded = marker.pid is not None and marker.host is not None
     st = marker.stat
     now = time.monotonic()
-    seen_for = 0.0 if watched is None else now - watched.setdefault(
-        (lock_path, st.st_ino, st.st_size, st.st_mtime_ns, marker.text), now)
+    seen_for = 0.0
+    if watched is not None:
+        ident: Identity = (st.st_ino, st.st_size, st.st_mtime_ns, marker.text)
+        before_ident, since = watched.get(lock_path, (None, now))
+        if before_ident != ident:
+            watched[lock_path] = (ident, since := now)
+        seen_for = now - since
+    # Whole-second mtimes (sshfs): the holds of one record begun within a second look alike.
+    grain = 1.0 if st.st_mtime_ns % 1_000_000_000 == 0 else 0.0
     if ours:
         why = "this waiter's own record, left at the lock name"
     elif marker.dead_here:
@@ -160,8 +170,8 @@ def reclaim_if_stale(
         if seen_for < RECORDLESS_SECONDS:
             return False
         why = f"no holder recorded, unchanged for {RECORDLESS_SECONDS:g}s"
-    elif (marker.age >= older_than and (watched is None or seen_for >= older_than / 2)) or (
-            seen_for >= older_than):
+    elif (marker.age >= older_than and (watched is None or seen_for >= older_than / 2 + grain)) or (
+            seen_for >= older_than + grain):
         why = (f"holder pid {marker.pid} on {marker.host}, {marker.age:.0f}s old by its mtime, "
                f"seen unchanged for {seen_for:.1f}s")
     else:
@@ -500,10 +510,10 @@ class Locks:
         # SoftFileLock resolves its path and registers it (~150 us), so a writer that
         # keeps appending reuses its own. At most _IDLE_LOCKS unused ones are kept.
         self._local: collections.OrderedDict[str, _Local] = collections.OrderedDict()
-        # Markers waited on, by path and identity: when first seen (reclaim_if_stale).
+        # The marker seen at each lock path waited on, and since when (reclaim_if_stale).
         # Kept across acquires, so that a waiter that timed out and is retried goes on
-        # watching; forgotten wholesale when it grows large.
-        self._watched: dict[tuple[str, int, int, int, bytes], float] = {}
+        # watching; paths not looked at for a while are forgotten once it grows large.
+        self._watched: dict[str, tuple[Identity, float]] = {}
 
     @staticmethod
     def held_here(lock_path: str) -> bool:
@@ -577,7 +587,9 @@ class Locks:
         poll = min(_RECLAIM_POLL, max(self.stale / 4, 0.05))
         wait = 0.0  # the first try does not wait: a dead holder's marker is judged at once
         if len(self._watched) > _WATCHED_MARKERS:
-            self._watched.clear()
+            now = time.monotonic()
+            for path in [p for p, (_i, since) in self._watched.items() if now - since > 2 * self.stale + 60]:
+                del self._watched[path]
         while True:
             started = time.monotonic()
             remaining = deadline - started

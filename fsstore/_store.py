@@ -417,12 +417,12 @@ class SyncStore:
 
     @contextlib.contextmanager
     def _children(self, comps: list[Component], op: str
-                  ) -> Iterator[tuple[int, list[tuple[str, str]], Callable[[], None]]]:
+                  ) -> Iterator[tuple[int, list[tuple[str, str]], Callable[[], bool]]]:
         """The directory under ``comps`` (fd), ``(name, decoded key part)`` of each
         directory in it (none if it does not exist, or no longer: removed after it was
         opened), and what to call where a child is gone when looked at
-        (:func:`_listing.probe`): it reads the directory again and moves back what
-        records of deletes in flight there name."""
+        (:func:`_listing.probe`): it reads the directory again, moves back what records
+        of deletes in flight there name, and says whether there were any."""
         with self._open_root(create=False) as rfd:
             pfd = self._open(rfd, comps, op) if rfd is not None else None
             if (pfd is None and rfd is not None and len(comps) > 4 and not self._exists(rfd, comps[:4])
@@ -431,7 +431,7 @@ class SyncStore:
                 # load would move it (its record is in sessions/, which this does not list).
                 pfd = self._open(rfd, comps, op)
             if rfd is None or pfd is None:
-                yield -1, [], lambda: None
+                yield -1, [], lambda: False
                 return
             def rescan() -> tuple[list[tuple[str, str]], list[str]]:
                 # Through a handle of its own (sshfs lists nothing through a handle that
@@ -445,7 +445,11 @@ class SyncStore:
             try:
                 try:
                     children, moving = _listing.scan_children(pfd)
-                    if moving:  # with what a delete hid by mistake, moved back by us or another
+                    for _round in range(_listing.MOVE_BACK_ROUNDS):
+                        if not moving:
+                            break
+                        # With what a delete hid by mistake, moved back by us or another;
+                        # again while records remain: its move can come in between.
                         _delete.restore_named(self, rfd, pfd, comps, moving)
                         children, moving = rescan()
                 except OSError as exc:
@@ -455,10 +459,14 @@ class SyncStore:
                     # so where a local disk reads an empty directory (found by review).
                     children = []
 
-                def moved_back() -> None:
-                    with contextlib.suppress(OSError):
-                        if records := rescan()[1]:
-                            _delete.restore_named(self, rfd, pfd, comps, records)
+                def moved_back() -> bool:
+                    try:
+                        records = rescan()[1]
+                    except OSError:
+                        return False
+                    if records:
+                        _delete.restore_named(self, rfd, pfd, comps, records)
+                    return bool(records)
 
                 yield pfd, children, moved_back
             finally:
