@@ -588,8 +588,10 @@ class Locks:
         wait = 0.0  # the first try does not wait: a dead holder's marker is judged at once
         if len(self._watched) > _WATCHED_MARKERS:
             now = time.monotonic()
-            for path in [p for p, (_i, since) in self._watched.items() if now - since > 2 * self.stale + 60]:
-                del self._watched[path]
+            # A copy: threads of this store waiting on other locks add to it meanwhile.
+            for path, (_ident, since) in self._watched.copy().items():
+                if now - since > 2 * self.stale + 60:
+                    self._watched.pop(path, None)
         while True:
             started = time.monotonic()
             remaining = deadline - started
