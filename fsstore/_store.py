@@ -425,10 +425,11 @@ class SyncStore:
         of deletes in flight there name, and says whether there were any."""
         with self._open_root(create=False) as rfd:
             pfd = self._open(rfd, comps, op) if rfd is not None else None
-            if (pfd is None and rfd is not None and len(comps) > 4 and not self._exists(rfd, comps[:4])
-                    and _delete.restore(self, rfd, [*comps[:4], (_layout.MAIN, None)], listing=True)):
+            if pfd is None and rfd is not None and len(comps) > 4 and not self._exists(rfd, comps[:4]):
                 # The session, moved into .trash by a delete that stalled or died: back, as a
-                # load would move it (its record is in sessions/, which this does not list).
+                # load would move it (its record is in sessions/, which this does not list),
+                # here or by whoever got there first (review: another listing).
+                _delete.restore(self, rfd, [*comps[:4], (_layout.MAIN, None)], listing=True)
                 pfd = self._open(rfd, comps, op)
             if rfd is None or pfd is None:
                 yield -1, [], lambda: False
@@ -449,9 +450,13 @@ class SyncStore:
                         if not moving:
                             break
                         # With what a delete hid by mistake, moved back by us or another;
-                        # again while records remain: its move can come in between.
+                        # again while records remain: its move can come in between. Every
+                        # read's children are kept: one gone when looked at is moved back
+                        # then (probe), where the rounds ran out before the move landed.
                         _delete.restore_named(self, rfd, pfd, comps, moving)
-                        children, moving = rescan()
+                        again, moving = rescan()
+                        known = {name for name, _part in children}
+                        children += [child for child in again if child[0] not in known]
                 except OSError as exc:
                     if exc.errno not in (errno.ENOENT, errno.ESTALE):
                         raise
