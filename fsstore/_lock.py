@@ -4,9 +4,9 @@ filelock's lock machinery.
 The lock file is ``<root>/.locks/<hash of the transcript path>.lock`` (see
 :func:`fsstore._layout.lock_name`): a hard link to the holder's record
 ``<root>/.locks/owner-<pid>-<random>`` (``pid\nhost\nstart-token\nits name\n``, written whole
-once per store object, touched before each acquire so the marker's mtime is the
-acquire time). ``link`` never replaces, so the lock is taken by whoever links first,
-and a lock file is never seen without its holder's record (:class:`_Record`,
+once, serving one hold at a time, touched before each acquire so the marker's mtime
+is the acquire time). ``link`` never replaces, so the lock is taken by whoever links first,
+and a lock file is never seen without its holder's record (:class:`_Records`,
 :class:`_MarkerLock`). It lives in one flat directory right under root, not in the
 transcript directory, so a delete that moves a transcript away never moves or
 recreates a lock.
@@ -46,7 +46,7 @@ import time
 import types
 import typing
 import weakref
-from collections.abc import Iterator, Mapping
+from collections.abc import Collection, Iterator, Mapping
 
 import filelock
 
@@ -120,19 +120,19 @@ RECORDLESS_SECONDS = 0.5
 
 def reclaim_if_stale(
     lock_path: str, *, older_than: float, operation: str,
-    watched: dict[str, tuple[Identity, float]] | None = None, mine: bytes | None = None,
+    watched: dict[str, tuple[Identity, float]] | None = None, mine: Collection[bytes] = (),
 ) -> bool:
     """Remove the marker at ``lock_path`` if its holder is provably dead on this host,
-    if it is the waiter's own record ``mine`` (a waiter holds no marker: one linked to
-    its record was put back by a reclaim after it was released, and its own touches
-    before each try keep it young), or if it is stale by ``watched``, the waiter's
+    if it is one of the waiter's own records ``mine`` (a waiter holds no marker: one
+    linked to its record was put back by a reclaim after it was released, and its own
+    touches before each try keep it young), or if it is stale by ``watched``, the waiter's
     memory of the marker at each lock path (its identity: inode, size, mtime, content;
     since when seen so, on the monotonic clock): seen unchanged for
     :data:`RECORDLESS_SECONDS` where it has no record; else older than ``older_than``
     seconds by its mtime and seen unchanged for half of that (the holder's lease: an
     honest holder has released by then, whatever the clocks say), or seen unchanged
     for ``older_than`` (a clock behind the storage's). Where mtimes are whole seconds
-    (sshfs), holds of one store object begun within one second look the same: a
+    (sshfs), holds of one record begun within one second look the same: a
     second more. Without ``watched`` (one look: ``fsstore gc``) its mtime alone. True
     if the marker judged stale is gone.
 
@@ -149,7 +149,7 @@ def reclaim_if_stale(
         return False
     if marker is None:
         return False
-    ours = mine is not None and marker.text == mine
+    ours = marker.text in mine
     recorded = marker.pid is not None and marker.host is not None
     st = marker.stat
     now = time.monotonic()
@@ -183,7 +183,7 @@ def reclaim_if_stale(
     except OSError:  # someone else reclaimed or released it first
         return False
     if ours:  # by content: where inode numbers go by name (sshfs), the moved one has another
-        judged = _content(aside) == mine
+        judged = _content(aside) == marker.text
     else:
         after = os.lstat(aside)
         judged = (after.st_ino, after.st_mtime_ns) == (before.st_ino, before.st_mtime_ns)
@@ -232,12 +232,15 @@ _RECORD_PREFIX = "owner-"
 _PATH_FILE_FLAGS = getattr(os, "O_PATH", os.O_RDONLY) | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
 
 
-def _remove_record(path: str, pid: int) -> None:
-    """A store object's record, when it goes: only in the process that wrote it (a
-    forked child inherits the finalizer, not the record)."""
+def _remove_records(directory: str, names: dict[str, bytes], pid: int) -> None:
+    """A store object's records, when it goes: only in the process that wrote them (a
+    forked child inherits the finalizer, not the records)."""
     if os.getpid() == pid:
-        with contextlib.suppress(OSError):
-            os.unlink(path)
+        for name in list(names):
+            with contextlib.suppress(OSError):
+                os.unlink(f"{directory}/{name}")
+
+
 # How often a waiter looks at the marker for a stale holder (filelock polls the
 # lock itself every 50 ms in between).
 _RECLAIM_POLL = 0.25
@@ -256,66 +259,83 @@ def _record_text(name: str) -> bytes:
     return f"{os.getpid()}\n{_host_name()}\n{'' if token is None else token}\n{name}\n".encode()
 
 
-class _Record:
-    """One store object's holder record in ``.locks``: ``owner-<pid>-<random>``,
-    written whole once, then hard-linked to each lock name it takes.
+class _Records:
+    """One store object's holder records in ``.locks``: ``owner-<pid>-<random>``, each
+    written whole once, then hard-linked to the lock name of one hold at a time.
 
     A lock file is never seen without its record (filelock's own marker is created
     empty, then written: a holder killed in between leaves a marker that names
-    nobody). Each acquire first touches the record, so the marker's mtime is the
-    acquire time that others age it by (the storage's clock). On a mount without
-    hard links the record is moved to the lock name instead, and written anew for
-    the next acquire. Removed when the store object goes (or the process exits);
-    one a killed process left is removed by ``fsstore gc``.
+    nobody). Each acquire first touches the record it links, so the marker's mtime is
+    the acquire time that others age it by (the storage's clock). A record serves one
+    hold at a time and is reused by the next: a hold that stalls keeps its record, and
+    its marker then ages, however many locks the store's other threads take meanwhile
+    (with one record per store object, their touches kept a stuck thread's marker new
+    for ever: review, stop 29). So a store object has as many records as it ever held
+    locks at once. On a mount without hard links a record is moved to the lock name
+    instead, and a new one written for the next acquire. Removed when the store object
+    goes (or the process exits); one a killed process left is removed by ``fsstore gc``.
     """
 
     def __init__(self, fs: _fsio.Fs) -> None:
         self._fs = fs
-        self._guard = threading.Lock()  # threads of one store share the record
-        self._name: str | None = None
-        self._text = b""
-        self._finalizer: weakref.finalize[[str, int], _Record] | None = None
+        self._guard = threading.Lock()  # threads of one store share the pool
+        self._free: list[tuple[str, bytes]] = []  # records no hold is using
+        self._texts: dict[str, bytes] = {}  # every record written and still ours
+        self._finalizer: weakref.finalize[[str, dict[str, bytes], int], _Records] | None = None
 
     def publish(self, directory: str, dir_fd: int, lock_name: str) -> tuple[str, bytes] | None:
-        """Make ``lock_name`` (in ``directory``, open as ``dir_fd``) this record, unless it
-        exists. Returns, if the lock is ours now, a name of the file it is (to pin) and
-        its content; None if it is held."""
+        """Make ``lock_name`` (in ``directory``, open as ``dir_fd``) a record of ours not in
+        use, unless it exists. Returns, if the lock is ours now, the name of the record
+        it is (to pin, and to give back with :meth:`give_back` once released; the lock
+        name itself where the record was moved there) and its content; None if it is
+        held."""
         while True:
-            name, text = self._current(directory, dir_fd)
+            name, text = self._take(directory, dir_fd)
             try:
                 os.utime(name, dir_fd=dir_fd, follow_symlinks=False)
                 linked = _fsio.link_noreplace(self._fs, dir_fd, name, lock_name)
-            except FileNotFoundError:  # removed by someone's gc, or moved by a thread: anew
+            except FileNotFoundError:  # removed by someone's gc: anew
                 self._forget(name)
                 continue
+            except BaseException:
+                self.give_back(name)
+                raise
             if linked is None:
+                self.give_back(name)
                 return None
             if linked is False:  # moved there (a mount without hard links): anew next time
                 self._forget(name)
                 return lock_name, text
             return name, text
 
-    @property
-    def text(self) -> bytes | None:
-        """This record's content, once written (what a marker linked to it reads)."""
-        return self._text or None
-
-    def _current(self, directory: str, dir_fd: int) -> tuple[str, bytes]:
+    def texts(self) -> frozenset[bytes]:
+        """The content of each record of ours (what a marker linked to it reads)."""
         with self._guard:
-            if self._name is None:
-                name = f"{_RECORD_PREFIX}{os.getpid()}-{secrets.token_hex(6)}"
-                text = _record_text(name)
-                self._fs.write_new(dir_fd, name, text, sync=False)
-                self._name, self._text = name, text
-                if self._finalizer is not None:
-                    self._finalizer.detach()
-                self._finalizer = weakref.finalize(self, _remove_record, f"{directory}/{name}", os.getpid())
-            return self._name, self._text
+            return frozenset(self._texts.values())
+
+    def give_back(self, name: str) -> None:
+        """Record ``name`` serves no hold now (a name it was moved to is not ours)."""
+        with self._guard:
+            text = self._texts.get(name)
+            if text is not None:
+                self._free.append((name, text))
+
+    def _take(self, directory: str, dir_fd: int) -> tuple[str, bytes]:
+        with self._guard:
+            if self._free:
+                return self._free.pop()
+            name = f"{_RECORD_PREFIX}{os.getpid()}-{secrets.token_hex(6)}"
+            text = _record_text(name)
+            self._fs.write_new(dir_fd, name, text, sync=False)
+            self._texts[name] = text
+            if self._finalizer is None:
+                self._finalizer = weakref.finalize(
+                    self, _remove_records, directory, self._texts, os.getpid())
+            return name, text
 
     def _forget(self, name: str) -> None:
         with self._guard:
-            if self._name == name:
-                self._name = None
+            self._texts.pop(name, None)
 
 
 class _MarkerLock(filelock.BaseFileLock):
@@ -329,8 +349,9 @@ class _MarkerLock(filelock.BaseFileLock):
     on local disk). Stale markers are judged by :func:`reclaim_if_stale`.
     """
 
-    record: _Record
-    _text = b""  # the content of the record this lock was taken with
+    record: _Records
+    _mine = ""  # the record this lock was taken with (the lock name where it was moved there)
+    _text = b""  # and its content
     _poll_backoff_cap = 0.05  # waiters poll from 2 ms, backing off to 50 ms, with jitter
     _refused = 0  # permission errors in a row with no marker there
 
@@ -353,9 +374,9 @@ class _MarkerLock(filelock.BaseFileLock):
                     raise
                 return
             self._refused = 0
-            mine, self._text = published
+            self._mine, self._text = published
             # Our record, pinned (not the lock name: by now it may be another's marker)
-            fd = os.open(mine, _PATH_FILE_FLAGS, dir_fd=dfd)
+            fd = os.open(self._mine, _PATH_FILE_FLAGS, dir_fd=dfd)
         finally:
             os.close(dfd)
         st = os.fstat(fd)
@@ -377,6 +398,7 @@ class _MarkerLock(filelock.BaseFileLock):
         finally:
             self._mark_descriptor_released()
             os.close(fd)
+        self.record.give_back(self._mine)  # not after a failed unlink: still linked
 
 
 def _content(path: str) -> bytes:
@@ -451,7 +473,7 @@ class Held:
                 soft = entry.soft
                 if soft is None:
                     soft = entry.soft = _MarkerLock(path, thread_local=False, poll_interval=0.002)
-                    soft.record = locks._record
+                    soft.record = locks._records
                 self.since = locks._acquire(soft, path, operation, deadline, interrupts)
             except BaseException:
                 entry.lock.release()
@@ -505,7 +527,7 @@ class Locks:
         """Start with no lock objects (also in a forked child: filelock refuses to use
         a parent's, and a thread that held the guard does not exist there)."""
         self._guard = threading.Lock()
-        self._record = _Record(self._fs)
+        self._records = _Records(self._fs)
         # Every lock path lately used, least recent first, with its _Local: building a
         # SoftFileLock resolves its path and registers it (~150 us), so a writer that
         # keeps appending reuses its own. At most _IDLE_LOCKS unused ones are kept.
@@ -608,7 +630,7 @@ class Locks:
                 # .locks is not a real directory (swapped for a symlink): never followed
                 raise _fsio.unsafe(os.path.dirname(lock_path), operation) from exc
             reclaim_if_stale(lock_path, older_than=self.stale, operation=operation, watched=self._watched,
-                             mine=self._record.text)
+                             mine=self._records.texts())
             wait = poll
 
     def _timeout(self, path: str, operation: str, exc: filelock.Timeout | None) -> FsStoreError:
