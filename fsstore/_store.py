@@ -422,7 +422,8 @@ class SyncStore:
         directory in it (none if it does not exist, or no longer: removed after it was
         opened), and what to call where a child is gone when looked at
         (:func:`_listing.probe`): it reads the directory again, moves back what records
-        of deletes in flight there name, and says whether there were any."""
+        of deletes in flight there name, and says whether there were any (a session's
+        ``subkeys/`` itself gone: it moves the session back and opens it again)."""
         with self._open_root(create=False) as rfd:
             pfd = self._open(rfd, comps, op) if rfd is not None else None
             if pfd is None and rfd is not None and len(comps) > 4 and not self._exists(rfd, comps[:4]):
@@ -467,11 +468,29 @@ class SyncStore:
                 def moved_back() -> bool:
                     try:
                         records = rescan()[1]
-                    except OSError:
-                        return False
+                    except OSError as exc:
+                        if exc.errno not in (errno.ENOENT, errno.ESTALE) or len(comps) <= 4:
+                            return False
+                        return session_back()
                     if records:
                         _delete.restore_named(self, rfd, pfd, comps, records)
                     return bool(records)
+
+                def session_back() -> bool:
+                    # A session's subkeys/ gone where handles go by path (sshfs, bindfs):
+                    # the session may have been moved since it was read, and such a handle
+                    # stays dead once it is back. Moved back (here, or first by another
+                    # listing, a load) and opened again at its name, as pfd.
+                    try:
+                        _delete.restore(self, rfd, [*comps[:4], (_layout.MAIN, None)], listing=True)
+                        fd = self._open(rfd, comps, op)
+                    except OSError:
+                        return False
+                    if fd is None:
+                        return False
+                    os.dup2(fd, pfd, inheritable=False)
+                    os.close(fd)
+                    return True
 
                 yield pfd, children, moved_back
             finally:

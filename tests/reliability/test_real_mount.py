@@ -94,3 +94,40 @@ def test_soak_whole_suite_on_bindfs(bindfs_mount: Path) -> None:
     ]
     r = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=1800, check=False)
     assert r.returncode == 0, r.stdout[-6000:] + r.stderr[-2000:]
+
+
+def test_subkeys_of_a_session_another_host_moved_after_the_listing_read_them_are_listed(
+    bindfs_mount: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Review (stop 29, sshfs): a delete whose lock was overtaken, on another host, moved
+    a session made anew into .trash after ``list_subkeys`` had read its ``subkeys/``.
+    Where a directory handle goes by path (sshfs, bindfs: FUSE's path-based API, which
+    does not see a rename made on the server), the look at each subagent transcript
+    then failed, and the listing's re-read of ``subkeys/`` failed too (the record of
+    that delete is in ``sessions/``): nothing listed. It moves the session back, as it
+    does where it finds it gone when it opens it, and looks again."""
+    from fsstore import _listing
+    from tests._helpers import moved_by_a_dead_deleter
+
+    from ._check import batch
+
+    d = fresh(bindfs_mount, "subkeys")
+    root, server = d / "store", bindfs_mount.parent / "src" / d.name / "store"
+    key = {"project_key": "p", "session_id": "s"}
+    sub = {**key, "subpath": "agents/a1"}
+    store = SyncStore(root, create=True)
+    store.append(key, batch("m", 0, 1))
+    store.append(sub, batch("a", 0, 1))
+    real_scan, staged = _listing.scan_children, []
+
+    def scan_then_move(pfd: int) -> Any:
+        found = real_scan(pfd)
+        if not staged:  # on the "server", as the other host's rename is
+            staged.append(moved_by_a_dead_deleter(server, key))
+        return found
+
+    monkeypatch.setattr(_listing, "scan_children", scan_then_move)
+    assert SyncStore(root).list_subkeys(key) == [sub["subpath"]]
+    assert staged and not staged[0].exists()
+    monkeypatch.undo()
+    assert [e["w"] for e in SyncStore(root).load(sub) or []] == ["a"]
