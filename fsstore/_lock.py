@@ -122,19 +122,10 @@ def reclaim_if_stale(
     lock_path: str, *, older_than: float, operation: str,
     watched: dict[str, tuple[Identity, float]] | None = None, mine: Collection[bytes] = (),
 ) -> bool:
-    """Remove the marker at ``lock_path`` if its holder is provably dead on this host,
-    if it is one of the waiter's own records ``mine`` (a waiter holds no marker: one
-    linked to its record was put back by a reclaim after it was released, and its own
-    touches before each try keep it young), or if it is stale by ``watched``, the waiter's
-    memory of the marker at each lock path (its identity: inode, size, mtime, content;
-    since when seen so, on the monotonic clock): seen unchanged for
-    :data:`RECORDLESS_SECONDS` where it has no record; else older than ``older_than``
-    seconds by its mtime and seen unchanged for half of that (the holder's lease: an
-    honest holder has released by then, whatever the clocks say), or seen unchanged
-    for ``older_than`` (a clock behind the storage's). Where mtimes are whole seconds
-    (sshfs), holds of one record begun within one second look the same: a
-    second more. Without ``watched`` (one look: ``fsstore gc``) its mtime alone. True
-    if the marker judged stale is gone.
+    """Remove the marker at ``lock_path`` if :func:`_stale` judges it so, or if it is one
+    of the waiter's own records ``mine`` (a waiter holds no marker: one linked to its
+    record was put back by a reclaim after it was released, and its own touches before
+    each try keep it young). True if the marker judged stale is gone.
 
     Rename it aside, check that what was moved is the marker judged stale (same inode
     and mtime), remove it. A marker that a new holder took meanwhile is put back
@@ -150,31 +141,9 @@ def reclaim_if_stale(
     if marker is None:
         return False
     ours = marker.text in mine
-    recorded = marker.pid is not None and marker.host is not None
-    st = marker.stat
-    now = time.monotonic()
-    seen_for = 0.0
-    if watched is not None:
-        ident: Identity = (st.st_ino, st.st_size, st.st_mtime_ns, marker.text)
-        before_ident, since = watched.get(lock_path, (None, now))
-        if before_ident != ident:
-            watched[lock_path] = (ident, since := now)
-        seen_for = now - since
-    # Whole-second mtimes (sshfs): the holds of one record begun within a second look alike.
-    grain = 1.0 if st.st_mtime_ns % 1_000_000_000 == 0 else 0.0
-    if ours:
-        why = "this waiter's own record, left at the lock name"
-    elif marker.dead_here:
-        why = f"holder pid {marker.pid} on this host is gone"
-    elif watched is not None and not recorded:
-        if seen_for < RECORDLESS_SECONDS:
-            return False
-        why = f"no holder recorded, unchanged for {RECORDLESS_SECONDS:g}s"
-    elif (marker.age >= older_than and (watched is None or seen_for >= older_than / 2 + grain)) or (
-            seen_for >= older_than + grain):
-        why = (f"holder pid {marker.pid} on {marker.host}, {marker.age:.0f}s old by its mtime, "
-               f"seen unchanged for {seen_for:.1f}s")
-    else:
+    why = "this waiter's own record, left at the lock name" if ours else _stale(
+        marker, lock_path, older_than, watched)
+    if why is None:
         return False
     before = marker.stat
     aside = f"{lock_path}.stale-{os.getpid()}-{secrets.token_hex(8)}"
@@ -207,6 +176,41 @@ def reclaim_if_stale(
         extra={"code": "LOCK_RECLAIMED", "operation": operation, "path": lock_path},
     )
     return True
+
+
+def _stale(marker: Marker, lock_path: str, older_than: float,
+           watched: dict[str, tuple[Identity, float]] | None) -> str | None:
+    """Why the marker at ``lock_path`` is stale, or None: its holder is provably dead on
+    this host, or it is stale by ``watched``, the waiter's memory of the marker at each
+    lock path (its identity: inode, size, mtime, content; since when seen so, on the
+    monotonic clock, updated here): seen unchanged for :data:`RECORDLESS_SECONDS` where
+    it has no record; else older than ``older_than`` seconds by its mtime and seen
+    unchanged for half of that (the holder's lease: an honest holder has released by
+    then, whatever the clocks say), or seen unchanged for ``older_than`` (a clock
+    behind the storage's). Where mtimes are whole seconds (sshfs), holds of one record
+    begun within one second look the same: a second more. Without ``watched`` (one
+    look: ``fsstore gc``) its mtime alone."""
+    st = marker.stat
+    now = time.monotonic()
+    seen_for = 0.0
+    if watched is not None:
+        ident: Identity = (st.st_ino, st.st_size, st.st_mtime_ns, marker.text)
+        before_ident, since = watched.get(lock_path, (None, now))
+        if before_ident != ident:
+            watched[lock_path] = (ident, since := now)
+        seen_for = now - since
+    grain = 1.0 if st.st_mtime_ns % 1_000_000_000 == 0 else 0.0
+    if marker.dead_here:
+        return f"holder pid {marker.pid} on this host is gone"
+    if watched is not None and (marker.pid is None or marker.host is None):
+        if seen_for < RECORDLESS_SECONDS:
+            return None
+        return f"no holder recorded, unchanged for {RECORDLESS_SECONDS:g}s"
+    if (marker.age >= older_than and (watched is None or seen_for >= older_than / 2 + grain)) or (
+            seen_for >= older_than + grain):
+        return (f"holder pid {marker.pid} on {marker.host}, {marker.age:.0f}s old by its mtime, "
+                f"seen unchanged for {seen_for:.1f}s")
+    return None
 
 
 def _alive(pid: int) -> bool:
