@@ -484,7 +484,7 @@ class SyncStore:
                     try:
                         _delete.restore(self, rfd, [*comps[:4], (_layout.MAIN, None)], listing=True)
                         fd = self._open(rfd, comps, op)
-                    except OSError:
+                    except (OSError, FsStoreError):  # left out, as a look that fails
                         return False
                     if fd is None:
                         return False
