@@ -275,8 +275,9 @@ class _Records:
     its marker then ages, however many locks the store's other threads take meanwhile
     (with one record per store object, their touches kept a stuck thread's marker new
     for ever: review, stop 29). So a store object has as many records as it ever held
-    locks at once. On a mount without hard links a record is moved to the lock name
-    instead, and a new one written for the next acquire. Removed when the store object
+    locks at once; one whose marker was taken away (reclaimed) is retired, not used
+    again. On a mount without hard links a record is moved to the lock name instead,
+    and a new one written for the next acquire. Removed when the store object
     goes (or the process exits); one a killed process left is removed by ``fsstore gc``.
     """
 
@@ -285,6 +286,7 @@ class _Records:
         self._guard = threading.Lock()  # threads of one store share the pool
         self._free: list[tuple[str, bytes]] = []  # records no hold is using
         self._texts: dict[str, bytes] = {}  # every record written and still ours
+        self._directory = ""  # where they are (.locks)
         self._finalizer: weakref.finalize[[str, dict[str, bytes], int], _Records] | None = None
 
     def publish(self, directory: str, dir_fd: int, lock_name: str) -> tuple[str, bytes] | None:
@@ -324,6 +326,14 @@ class _Records:
             if text is not None:
                 self._free.append((name, text))
 
+    def retire(self, name: str) -> None:
+        """Record ``name`` is not to be linked again: removed, and no longer ours."""
+        with self._guard:
+            if self._texts.pop(name, None) is None:
+                return  # a name it was moved to, not a record
+        with contextlib.suppress(OSError):
+            os.unlink(f"{self._directory}/{name}")
+
     def _take(self, directory: str, dir_fd: int) -> tuple[str, bytes]:
         with self._guard:
             if self._free:
@@ -332,6 +342,7 @@ class _Records:
             text = _record_text(name)
             self._fs.write_new(dir_fd, name, text, sync=False)
             self._texts[name] = text
+            self._directory = directory
             if self._finalizer is None:
                 self._finalizer = weakref.finalize(
                     self, _remove_records, directory, self._texts, os.getpid())
@@ -390,19 +401,24 @@ class _MarkerLock(filelock.BaseFileLock):
         fd = self._context.lock_file_fd
         assert fd is not None
         identity = self._context.lock_file_fd_identity
+        ours = False
         try:
             st = os.lstat(self.lock_file)
             # Ours unless reclaimed and taken by another. sshfs numbers each name's
             # inode on its own (a hard link has another st_ino): there, the content
             # says whose it is.
-            if (st.st_dev, st.st_ino) == identity or _content(self.lock_file) == self._text:
+            ours = (st.st_dev, st.st_ino) == identity or _content(self.lock_file) == self._text
+            if ours:
                 os.unlink(self.lock_file)
         except FileNotFoundError:
             pass  # reclaimed: nothing of ours is there
         finally:
             self._mark_descriptor_released()
             os.close(fd)
-        self.record.give_back(self._mine)  # not after a failed unlink: still linked
+        # Not after a failed unlink (still linked). A record whose marker was taken
+        # away is not used again: a reclaimer may yet put that marker back (it found it
+        # touched), and the touches of the record's next holds would keep it young.
+        (self.record.give_back if ours else self.record.retire)(self._mine)
 
 
 def _content(path: str) -> bytes:
@@ -416,12 +432,13 @@ def _content(path: str) -> bytes:
 class _Local:
     """The in-process lock of one lock path, and its SoftFileLock (made on first use)."""
 
-    __slots__ = ("lock", "soft", "users")
+    __slots__ = ("lock", "soft", "taken", "users")
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.users = 0  # holders and waiters: an entry in use is never dropped
         self.soft: _MarkerLock | None = None
+        self.taken = 0.0  # when its holder took the marker (monotonic), while held
 
 
 @typing.final
@@ -473,12 +490,13 @@ class Held:
                 interrupts.deliver()
                 if time.monotonic() >= deadline:
                     raise locks._timeout(path, operation, None)
+                entry = self._entry = locks._past_stuck(path, entry)
             try:
                 soft = entry.soft
                 if soft is None:
                     soft = entry.soft = _MarkerLock(path, thread_local=False, poll_interval=0.002)
                     soft.record = locks._records
-                self.since = locks._acquire(soft, path, operation, deadline, interrupts)
+                self.since = entry.taken = locks._acquire(soft, path, operation, deadline, interrupts)
             except BaseException:
                 entry.lock.release()
                 raise
@@ -499,6 +517,7 @@ class Held:
                 log.warning("lock release failed: %s", exc, extra={
                     "code": "LOCK_RELEASE_FAILED", "operation": self._operation, "path": self.path})
             finally:
+                entry.taken = 0.0
                 entry.lock.release()
                 self._locks._done(entry)
         finally:
@@ -595,6 +614,24 @@ class Locks:
         excess = len(self._local) - _IDLE_LOCKS
         for path in [path for path, entry in self._local.items() if entry.users == 0][:excess]:
             del self._local[path]
+
+    def _past_stuck(self, path: str, entry: _Local) -> _Local:
+        """The entry of ``path`` to wait on: ``entry``, unless its holder (a thread or
+        task of this store) has held the marker for ``stale`` seconds. That holder is
+        stuck, as another process judges by the marker; its siblings, waiting here,
+        never look at the marker, so without this they waited for it for ever (review,
+        stop 30). The stuck holder keeps its entry; the path gets a new one, whose
+        first holder reclaims the marker as this store's own (``mine``: the holder is
+        long past its lease, and publishes nothing)."""
+        with self._guard:
+            current = self._local.get(path)
+            if current is entry and (not entry.taken or time.monotonic() - entry.taken < self.stale):
+                return entry
+            if current is entry or current is None:  # (None: another's new one, trimmed since)
+                current = self._local[path] = _Local()
+            entry.users -= 1
+            current.users += 1
+            return current
 
     def _done(self, entry: _Local) -> None:
         with self._guard:

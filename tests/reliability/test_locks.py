@@ -983,3 +983,89 @@ def test_a_thread_stuck_holding_a_lock_is_reclaimed_while_its_siblings_take_othe
             t.join(10)
     assert waited < STALE + MARGIN and "reclaimed" in err, (waited, err)
     assert [e["w"] for e in store.load(KEY) or []] == ["first", "skewed"]
+
+
+def test_a_thread_stuck_holding_a_lock_is_reclaimed_by_a_sibling_thread_too(tmp_path: Path) -> None:
+    """A sibling thread of the same store object waits on the in-process lock, never on
+    the marker, so it waited for a stuck holder for ever (review, stop 30: LOCK_TIMEOUT,
+    the code before too), while another process got in after ``stale_lock_seconds``.
+    A holder of the marker for ``stale_lock_seconds`` is now left behind by its siblings
+    as by other processes; the stuck holder, long past its lease, publishes nothing."""
+    root = tmp_path / "store"
+    store = SyncStore(root, create=True, stale_lock_seconds=STALE, lock_timeout_seconds=STALE + 2 * MARGIN)
+    store.append(KEY, batch("first", 0, 1))
+    held, stop, late = threading.Event(), threading.Event(), []
+
+    def stuck() -> None:
+        with store.locked(KEY):
+            held.set()
+            stop.wait(30)
+            with pytest.raises(FsStoreError) as info:  # woken long past its lease
+                store.append(KEY, batch("stuck", 0, 1))
+            late.append(info.value.code)
+
+    thread = threading.Thread(target=stuck)
+    thread.start()
+    try:
+        assert held.wait(10)
+        started = time.monotonic()
+        store.append(KEY, batch("sibling", 0, 1))
+        waited = time.monotonic() - started
+    finally:
+        stop.set()
+        thread.join(10)
+    assert STALE * 0.9 <= waited < STALE + MARGIN, waited
+    assert late == ["LOCK_EXPIRED"]
+    assert [e["w"] for e in store.load(KEY) or []] == ["first", "sibling"]
+    assert not lock_files(str(root))
+
+
+@pytest.mark.skipif(shutil.which("strace") is None, reason="needs strace")
+def test_a_reclaim_that_puts_back_a_marker_whose_record_moved_on_leaves_no_lock_held_for_ever(
+    tmp_path: Path
+) -> None:
+    """A waiter moves a stuck holder's marker aside (strace holds its rename 1.5 s); the
+    holder then releases (finding nothing of its own there) and a sibling thread's next
+    acquire touches the record again, so the waiter finds the marker changed and puts it
+    back (as it must for a marker a new holder took). Nobody held it, and every touch
+    of that record kept it new: every other process timed out for as long as the store
+    kept appending (review, stop 30: 2 of 2, the code before too). A record whose
+    marker was taken away is not used again."""
+    root = tmp_path / "store"
+    store = SyncStore(root, create=True, stale_lock_seconds=STALE)
+    store.append(KEY, batch("first", 0, 1))
+    held, stop = threading.Event(), threading.Event()
+
+    def stuck_until_its_marker_goes() -> None:
+        with store.locked(KEY):
+            marker = lock_file(str(root))
+            held.set()
+            while marker.exists() and not stop.is_set():
+                time.sleep(0.005)
+
+    def busy() -> None:
+        i = 0
+        while not stop.is_set():
+            store.append({**KEY, "session_id": "other"}, [{"i": i}])
+            i += 1
+            time.sleep(0.05)
+
+    threads = [threading.Thread(target=stuck_until_its_marker_goes), threading.Thread(target=busy)]
+    threads[0].start()
+    assert held.wait(10)
+    threads[1].start()
+    code = SKEWED_APPEND.format(repo=str(REPO), root=str(root), stale=STALE, key=KEY)
+    try:
+        waiter = subprocess.run(
+            ["strace", "-f", "-qq", "-o", "/dev/null", "-e", "trace=rename,renameat,renameat2",
+             "-e", "inject=rename,renameat,renameat2:delay_exit=1500000",
+             sys.executable, "-c", code], check=False, capture_output=True, text=True, timeout=60)
+        second = _skewed_append(root, None, STALE)  # a plain waiter next, the store still busy
+        waited, err = _finished(second)
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(10)
+    assert waiter.returncode == 0, waiter.stderr
+    assert waited < MARGIN, (waited, err)
+    assert [e["w"] for e in store.load(KEY) or []] == ["first", "skewed", "skewed"]
