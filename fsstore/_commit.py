@@ -374,11 +374,12 @@ def link_and_check(
                     _removed(dir_fd, old)  # (left: a copy, which the next repair removes)
                 return seq, items
             holes += cover is None
-            # Not in the chain: inside a compacted range (two lock holders overlapped),
-            # or above a hole (a number taken from a stale view: a client cache that
+            # Not in the chain: inside a compacted range (two lock holders overlapped, or
+            # a client cache, sshfs's, still showed a compacted file), or above a hole (a number taken from a stale view: a client cache that
             # still shows a file of a directory deleted and made anew).
             log.warning("part %s landed %s; committing it again", name,
-                        "inside a compacted range (two lock holders overlapped)" if cover
+                        "inside a compacted range (a stale view: lock holders overlapped, or a "
+                        "client cache still showed a compacted file)" if cover
                         else "above a hole (a stale view of the directory)", extra={
                             "code": "RELOCATED", "operation": "append", "path": name})
             # Inside a segment's range no reader takes it: a repair links onward from it

@@ -55,8 +55,10 @@ STORE_CODES: dict[str, Code] = {
     "SUMMARY_BEHIND": Code("the session summary sidecar was not updated",
                            "none: readers fold it themselves"),
     "RELOCATED": Code("an append's number had been compacted away under it (two lock holders "
-                      "overlapped); the batch was committed again above",
-                      "alert if frequent: writers are overtaking each other's locks"),
+                      "overlapped, or a client cache still showed a compacted file), or was "
+                      "above a hole (a stale view of the directory); the batch was committed "
+                      "again above", "alert if frequent: writers are overtaking each other's "
+                      "locks, or the mount caches directories (sshfs: docs/operations.md)"),
     "COMPACT_FAILED": Code("automatic compaction failed; the append itself succeeded", "`fsstore check`"),
     "TRASH_LEFT": Code("a delete left files in .trash", "none: `fsstore gc` removes them"),
     "DELETE_RACED": Code("a delete whose lock was overtaken moved a session made anew after its "
