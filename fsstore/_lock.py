@@ -486,10 +486,15 @@ class Held:
         deadline = time.monotonic() + self.timeout
         entry = self._entry = locks._use(path)
         try:
-            while not entry.lock.acquire(timeout=max(min(deadline - time.monotonic(), _RECLAIM_POLL), 0)):
-                interrupts.deliver()
-                if time.monotonic() >= deadline:
-                    raise locks._timeout(path, operation, None)
+            while True:
+                if entry.lock.acquire(timeout=max(min(deadline - time.monotonic(), _RECLAIM_POLL), 0)):
+                    if locks._current(path, entry):
+                        break
+                    entry.lock.release()  # left behind for a stuck holder while queued
+                else:
+                    interrupts.deliver()
+                    if time.monotonic() >= deadline:
+                        raise locks._timeout(path, operation, None)
                 entry = self._entry = locks._past_stuck(path, entry)
             try:
                 soft = entry.soft
@@ -614,6 +619,15 @@ class Locks:
         excess = len(self._local) - _IDLE_LOCKS
         for path in [path for path, entry in self._local.items() if entry.users == 0][:excess]:
             del self._local[path]
+
+    def _current(self, path: str, entry: _Local) -> bool:
+        """Whether ``entry`` is still the one of ``path``: its in-process lock, just
+        taken, is the path's (a waiter that another left behind for a stuck holder
+        must follow to the new entry, or two threads of the store hold the path at once:
+        review, stop 30). Under the guard, so that :meth:`_past_stuck` cannot replace
+        it between this look and the taking of the marker."""
+        with self._guard:
+            return self._local.get(path) is entry
 
     def _past_stuck(self, path: str, entry: _Local) -> _Local:
         """The entry of ``path`` to wait on: ``entry``, unless its holder (a thread or

@@ -1069,3 +1069,32 @@ def test_a_reclaim_that_puts_back_a_marker_whose_record_moved_on_leaves_no_lock_
     assert waiter.returncode == 0, waiter.stderr
     assert waited < MARGIN, (waited, err)
     assert [e["w"] for e in store.load(KEY) or []] == ["first", "skewed", "skewed"]
+
+
+def test_siblings_that_leave_a_stuck_holder_behind_still_take_the_lock_one_at_a_time(tmp_path: Path) -> None:
+    """A holder overruns ``stale_lock_seconds`` (1 s) and then releases; two sibling
+    threads of its store waited for it. The first left it behind for a new in-process
+    entry; the second, still queued on the old one, got it at the release, and both
+    held the lock at once, each within its lease (review, stop 30: 5 of 5). A waiter
+    that gets a left-behind entry follows to the new one."""
+    store = SyncStore(tmp_path / "store", create=True, stale_lock_seconds=1, lock_timeout_seconds=10)
+    start, holds = time.monotonic(), {}
+
+    def hold(name: str, delay: float, for_: float) -> None:
+        time.sleep(delay)
+        with store.locked(KEY):
+            began = time.monotonic() - start
+            if name != "stuck":
+                store.append(KEY, batch(name, 0, 1))
+            time.sleep(for_)
+            holds[name] = (began, time.monotonic() - start)
+
+    threads = [threading.Thread(target=hold, args=args)
+               for args in [("stuck", 0.0, 1.1), ("a", 0.05, 0.4), ("b", 0.17, 0.4)]]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(20)
+    (a0, a1), (b0, b1) = holds["a"], holds["b"]
+    assert a1 <= b0 or b1 <= a0, holds
+    assert sorted(e["w"] for e in store.load(KEY) or []) == ["a", "b"]
