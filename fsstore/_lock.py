@@ -401,24 +401,24 @@ class _MarkerLock(filelock.BaseFileLock):
         fd = self._context.lock_file_fd
         assert fd is not None
         identity = self._context.lock_file_fd_identity
-        ours = False
+        released = False
         try:
             st = os.lstat(self.lock_file)
             # Ours unless reclaimed and taken by another. sshfs numbers each name's
             # inode on its own (a hard link has another st_ino): there, the content
             # says whose it is.
-            ours = (st.st_dev, st.st_ino) == identity or _content(self.lock_file) == self._text
-            if ours:
+            if (st.st_dev, st.st_ino) == identity or _content(self.lock_file) == self._text:
                 os.unlink(self.lock_file)
+                released = True
         except FileNotFoundError:
-            pass  # reclaimed: nothing of ours is there
+            pass  # reclaimed (also between the look and the unlink): nothing of ours is there
         finally:
             self._mark_descriptor_released()
             os.close(fd)
         # Not after a failed unlink (still linked). A record whose marker was taken
         # away is not used again: a reclaimer may yet put that marker back (it found it
         # touched), and the touches of the record's next holds would keep it young.
-        (self.record.give_back if ours else self.record.retire)(self._mine)
+        (self.record.give_back if released else self.record.retire)(self._mine)
 
 
 def _content(path: str) -> bytes:
