@@ -16,12 +16,13 @@ from __future__ import annotations
 
 import contextlib
 import os
+import threading
 from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
 from anyio import CancelScope, to_thread
 
-from ._lock import Locks
+from ._lock import Held, Locks
 from ._store import SyncStore
 
 
@@ -159,16 +160,55 @@ class FsSessionStore:
 
         Inside, this task's ``append``, ``compact`` and ``load`` of that transcript run
         under it instead of waiting for it. Taking and releasing are shielded from
-        cancellation: a cancelled task never leaves the lock behind.
+        cancellation: a cancelled task never leaves the lock behind (cancelled natively
+        on asyncio while it waits, its worker gives back what it then takes).
         """
+        taking = _Taking(self.sync, key)
         with CancelScope(shield=True):
-            hold, held = await to_thread.run_sync(self.sync._take_lock, key)
+            try:
+                hold, held = await to_thread.run_sync(taking.take)
+            except BaseException:
+                taking.abandon()
+                raise
         try:
             with Locks.marked_held(held):
                 yield
         finally:
             with CancelScope(shield=True):
                 await to_thread.run_sync(hold.__exit__, None, None, None)
+
+
+class _Taking:
+    """A transcript lock taken in a worker thread for a task that may stop waiting:
+    cancelled natively on asyncio (``task.cancel()``, ``asyncio.timeout``, Ctrl-C under
+    ``asyncio.run``), its await ends at once and the worker goes on, and the hold it
+    took was left to nobody (review, stop 30: the transcript blocked for the store's
+    other tasks and every other process). Whichever of the two comes second gives the
+    hold back."""
+
+    def __init__(self, store: SyncStore, key: Mapping[str, Any]) -> None:
+        self._store, self._key = store, key
+        self._guard = threading.Lock()
+        self._hold: contextlib.AbstractContextManager[Held] | None = None
+        self._abandoned = False
+
+    def take(self) -> tuple[contextlib.AbstractContextManager[Held], Held]:
+        hold, held = self._store._take_lock(self._key)
+        with self._guard:
+            if not self._abandoned:
+                self._hold = hold
+                return hold, held
+        hold.__exit__(None, None, None)  # nobody waits for it any more
+        return hold, held
+
+    def abandon(self) -> None:
+        """The task stopped waiting: give back a hold taken just before (in a thread:
+        no file I/O on the event loop), or have the worker give it back."""
+        with self._guard:
+            self._abandoned = True
+            hold, self._hold = self._hold, None
+        if hold is not None:
+            threading.Thread(target=hold.__exit__, args=(None, None, None), name="fsstore-release").start()
 
 
 __all__ = ["FsSessionStore"]

@@ -460,3 +460,38 @@ def test_a_store_made_before_the_marker_is_recognized_and_migrate_marks_it(tmp_p
     r = subprocess.run([sys.executable, "-m", "fsstore", "migrate", str(root)],
                        capture_output=True, text=True, timeout=60, check=False)
     assert r.returncode == 0 and (root / ".fsstore").exists(), r.stdout + r.stderr
+
+
+def test_a_task_that_stops_waiting_for_locked_leaves_no_lock_behind(root: Path) -> None:
+    """``asyncio.wait_for`` (a native cancel) around ``async with store.locked(key)``
+    ends the wait at once while the worker thread goes on waiting; the hold it took
+    when the holder released was left to nobody: every other task of the store and
+    every other process waited for it (review, stop 30: LOCK_TIMEOUT). The worker gives
+    it back."""
+    import asyncio
+
+    store = FsSessionStore(root, create=True, lock_timeout_seconds=5)
+
+    async def main() -> float:
+        async def holder() -> None:
+            async with store.locked(KEY):
+                await asyncio.sleep(0.6)
+
+        async def impatient() -> None:
+            async with store.locked(KEY):
+                raise AssertionError("not reached: the wait is cut at 0.2 s")
+
+        task = asyncio.create_task(holder())
+        await asyncio.sleep(0.1)
+        with pytest.raises(asyncio.TimeoutError):
+            await asyncio.wait_for(impatient(), 0.2)
+        await task
+        await asyncio.sleep(0.3)  # the impatient task's worker has taken the lock by now
+        started = time.monotonic()
+        await store.append(KEY, [entry(1)])
+        return time.monotonic() - started
+
+    waited = asyncio.run(main())
+    assert waited < 1.0, waited
+    assert not lock_file(root, KEY).exists()
+    assert store.sync.load(KEY) == [entry(1)]
