@@ -17,13 +17,16 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
-from collections.abc import AsyncIterator, Mapping
-from typing import Any
+from collections.abc import AsyncIterator, Callable, Mapping
+from typing import Any, TypeVar
 
-from anyio import CancelScope, to_thread
+from anyio import CancelScope, CapacityLimiter, to_thread
+from anyio.lowlevel import RunVar
 
 from ._lock import Held, Locks
 from ._store import SyncStore
+
+_T = TypeVar("_T")
 
 
 class FsSessionStore:
@@ -107,7 +110,7 @@ class FsSessionStore:
                 removed): a retry may then store it twice (entries with a ``uuid``
                 still load once).
         """
-        await to_thread.run_sync(self.sync.append, key, entries)
+        await _run(self.sync.append, key, entries)
 
     async def load(self, key: Mapping[str, Any]) -> list[Any] | None:
         """The transcript ``key``: its entries in commit order, or None if it has none.
@@ -122,20 +125,20 @@ class FsSessionStore:
                 ``EAGAIN`` (lost too many races with compactions; retry), or the
                 POSIX code of an I/O error.
         """
-        return await to_thread.run_sync(self.sync.load, key)
+        return await _run(self.sync.load, key)
 
     async def list_sessions(self, project_key: str) -> list[Any]:
         """``[{"session_id", "mtime"}]`` of the project's sessions that have a main
         transcript; ``mtime`` (epoch ms) is the storage's time of its last commit.
         A missing project (or store) lists nothing. A session this process may not
         read is left out and logged, not raised."""
-        return await to_thread.run_sync(self.sync.list_sessions, project_key)
+        return await _run(self.sync.list_sessions, project_key)
 
     async def list_session_summaries(self, project_key: str) -> list[Any]:
         """The Claude SDK's session summaries of the project (``session_id``,
         ``mtime`` and the folded fields), each current as of its ``mtime``; a
         session whose summary cannot be had now is left out (the SDK then loads it)."""
-        return await to_thread.run_sync(self.sync.list_session_summaries, project_key)
+        return await _run(self.sync.list_session_summaries, project_key)
 
     async def delete(self, key: Mapping[str, Any]) -> None:
         """Delete the transcript ``key`` (without ``subpath``: the whole session, its
@@ -143,15 +146,15 @@ class FsSessionStore:
         it returns the whole transcript or None. Deleting what does not exist is
         not an error. Raises :class:`~fsstore.FsStoreError` if it could not (one raised
         after its marks leaves it in effect: docs/format.md, "Deletes")."""
-        await to_thread.run_sync(self.sync.delete, key)
+        await _run(self.sync.delete, key)
 
     async def list_subkeys(self, key: Mapping[str, Any]) -> list[str]:
         """The ``subpath`` of every subagent transcript of the session ``key``."""
-        return await to_thread.run_sync(self.sync.list_subkeys, key)
+        return await _run(self.sync.list_subkeys, key)
 
     async def compact(self, key: Mapping[str, Any]) -> int:
         """Merge all of a transcript's files into one segment; return how many were merged."""
-        return await to_thread.run_sync(self.sync.compact, key)
+        return await _run(self.sync.compact, key)
 
     @contextlib.asynccontextmanager
     async def locked(self, key: Mapping[str, Any]) -> AsyncIterator[None]:
@@ -175,7 +178,29 @@ class FsSessionStore:
                 yield
         finally:
             with CancelScope(shield=True):
-                await to_thread.run_sync(hold.__exit__, None, None, None)
+                await to_thread.run_sync(hold.__exit__, None, None, None, limiter=_under_a_hold())
+
+
+# A task's calls while it holds a transcript lock (``locked``) run on worker threads
+# of their own: each task waiting for that lock occupies one of anyio's default ones
+# (40), and the holder's append waited behind them past its lease (review, stop 30:
+# 40 tasks appending to the transcript, LOCK_EXPIRED).
+_UNDER_A_HOLD: RunVar[CapacityLimiter] = RunVar("fsstore_under_a_hold")
+
+
+def _under_a_hold() -> CapacityLimiter:
+    try:
+        return _UNDER_A_HOLD.get()
+    except LookupError:
+        limiter = CapacityLimiter(40)
+        _UNDER_A_HOLD.set(limiter)
+        return limiter
+
+
+async def _run(fn: Callable[..., _T], *args: Any) -> _T:
+    """``fn(*args)`` in a worker thread (of the pool for holders, in a task that holds
+    a lock through :meth:`FsSessionStore.locked`)."""
+    return await to_thread.run_sync(fn, *args, limiter=_under_a_hold() if Locks.holds_any() else None)
 
 
 class _Taking:

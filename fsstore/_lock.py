@@ -576,6 +576,11 @@ class Locks:
         return held is not None and held._pid == os.getpid()
 
     @staticmethod
+    def holds_any() -> bool:
+        """Whether the caller's context holds a lock through :meth:`marked_held`."""
+        return bool(_HELD_HERE.get())
+
+    @staticmethod
     @contextlib.contextmanager
     def marked_held(held: Held) -> Iterator[None]:
         before = _HELD_HERE.get()

@@ -495,3 +495,27 @@ def test_a_task_that_stops_waiting_for_locked_leaves_no_lock_behind(root: Path) 
     assert waited < 1.0, waited
     assert not lock_file(root, KEY).exists()
     assert store.sync.load(KEY) == [entry(1)]
+
+
+def test_more_tasks_than_worker_threads_waiting_for_one_lock_let_its_holder_work(root: Path) -> None:
+    """45 tasks, each ``async with store.locked(key): await store.append(key, ...)``.
+    Those waiting for the lock each occupy one of anyio's default worker threads (40);
+    the holder's append needed one more and waited behind them past its lease (review,
+    stop 30: 5 appended, 38 LOCK_TIMEOUT, 2 LOCK_EXPIRED). A holder's calls run on
+    worker threads of their own."""
+    import asyncio
+
+    store = FsSessionStore(root, create=True, stale_lock_seconds=4, lock_timeout_seconds=10)
+
+    async def one(i: int) -> None:
+        async with store.locked(KEY):
+            await store.append(KEY, [entry(i)])
+
+    async def main() -> list[BaseException | None]:
+        return await asyncio.gather(*(one(i) for i in range(45)), return_exceptions=True)
+
+    started = time.monotonic()
+    results = asyncio.run(main())
+    assert [r for r in results if r is not None] == [], results
+    assert time.monotonic() - started < 5
+    assert sorted(e["uuid"] for e in store.sync.load(KEY) or []) == sorted(f"u-{i}" for i in range(45))
