@@ -169,16 +169,23 @@ class FsSessionStore:
         taking = _Taking(self.sync, key)
         with CancelScope(shield=True):
             try:
-                hold, held = await to_thread.run_sync(taking.take)
+                hold, held = await _run(taking.take)  # (nested in another hold: its pool)
             except BaseException:
                 taking.abandon()
                 raise
+        release = _Once(hold.__exit__)
         try:
             with Locks.marked_held(held):
                 yield
         finally:
-            with CancelScope(shield=True):
-                await to_thread.run_sync(hold.__exit__, None, None, None, limiter=_under_a_hold())
+            try:
+                with CancelScope(shield=True):
+                    await to_thread.run_sync(release, limiter=_under_a_hold())
+            finally:
+                # Cancelled natively on asyncio before a worker ran it (anyio's
+                # checkpoints come first): here, rather than leave the lock held by
+                # nobody (review, stop 30: Ctrl-C under asyncio.run with gather).
+                release()
 
 
 # A task's calls while it holds a transcript lock (``locked``) run on worker threads
@@ -201,6 +208,21 @@ async def _run(fn: Callable[..., _T], *args: Any) -> _T:
     """``fn(*args)`` in a worker thread (of the pool for holders, in a task that holds
     a lock through :meth:`FsSessionStore.locked`)."""
     return await to_thread.run_sync(fn, *args, limiter=_under_a_hold() if Locks.holds_any() else None)
+
+
+class _Once:
+    """``fn()`` the first time it is called, from any thread; later calls wait for that
+    one to be done and do nothing."""
+
+    def __init__(self, fn: Callable[[None, None, None], object]) -> None:
+        self._fn: Callable[[None, None, None], object] | None = fn
+        self._guard = threading.Lock()
+
+    def __call__(self) -> None:
+        with self._guard:
+            fn, self._fn = self._fn, None
+            if fn is not None:
+                fn(None, None, None)
 
 
 class _Taking:

@@ -458,7 +458,8 @@ class Held:
     A class rather than a generator context manager: it is on every append's path.
     """
 
-    __slots__ = ("_entry", "_interrupts", "_locks", "_operation", "_pid", "budget", "path", "since", "timeout")
+    __slots__ = ("_entry", "_interrupts", "_locks", "_operation", "_pid", "budget", "path", "released", "since",
+                 "timeout")
 
     def __init__(self, locks: Locks, path: str, operation: str, timeout: float | None = None) -> None:
         self._locks = locks
@@ -468,6 +469,7 @@ class Held:
         self._operation = operation
         self.since = 0.0
         self.budget = locks.stale / 2
+        self.released = False
 
     def __enter__(self) -> Held:
         # Ctrl-C is held off from here until the lock is given back (see _interrupts):
@@ -509,7 +511,14 @@ class Held:
             locks._done(entry)
             raise
 
+    def live(self) -> bool:
+        """Held in this process, not yet released: a task spawned inside the hold with
+        its context copied may outlive it (review, stop 30: it appended under the next
+        holder's hold)."""
+        return not self.released and self._pid == os.getpid()
+
     def __exit__(self, *exc_info: object) -> None:
+        self.released = True
         entry = self._entry
         try:
             try:
@@ -573,12 +582,12 @@ class Locks:
         variable, not the thread: the async API runs a load in a worker thread with
         the caller's context while the caller's task holds the lock."""
         held = _HELD_HERE.get().get(lock_path)
-        return held is not None and held._pid == os.getpid()
+        return held is not None and held.live()
 
     @staticmethod
     def holds_any() -> bool:
         """Whether the caller's context holds a lock through :meth:`marked_held`."""
-        return bool(_HELD_HERE.get())
+        return any(held.live() for held in _HELD_HERE.get().values())
 
     @staticmethod
     @contextlib.contextmanager
@@ -603,7 +612,7 @@ class Locks:
         outer holder's. Other contexts (threads, tasks) and other stores wait.
         """
         outer = _HELD_HERE.get().get(lock_path)
-        if outer is not None and outer._locks is self and outer._pid == os.getpid():
+        if outer is not None and outer._locks is self and outer.live():
             return contextlib.nullcontext(outer)
         return Held(self, lock_path, operation, timeout)
 

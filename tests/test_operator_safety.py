@@ -498,7 +498,8 @@ def test_a_task_that_stops_waiting_for_locked_leaves_no_lock_behind(root: Path) 
 
 
 def test_more_tasks_than_worker_threads_waiting_for_one_lock_let_its_holder_work(root: Path) -> None:
-    """45 tasks, each ``async with store.locked(key): await store.append(key, ...)``.
+    """45 tasks, each ``async with store.locked(key): await store.append(key, ...)``
+    (holding a second lock inside it too).
     Those waiting for the lock each occupy one of anyio's default worker threads (40);
     the holder's append needed one more and waited behind them past its lease (review,
     stop 30: 5 appended, 38 LOCK_TIMEOUT, 2 LOCK_EXPIRED). A holder's calls run on
@@ -506,9 +507,10 @@ def test_more_tasks_than_worker_threads_waiting_for_one_lock_let_its_holder_work
     import asyncio
 
     store = FsSessionStore(root, create=True, stale_lock_seconds=4, lock_timeout_seconds=10)
+    other = {**KEY, "session_id": "other"}
 
     async def one(i: int) -> None:
-        async with store.locked(KEY):
+        async with store.locked(KEY), store.locked(other):  # nested: its take too (review)
             await store.append(KEY, [entry(i)])
 
     async def main() -> list[BaseException | None]:
@@ -519,3 +521,61 @@ def test_more_tasks_than_worker_threads_waiting_for_one_lock_let_its_holder_work
     assert [r for r in results if r is not None] == [], results
     assert time.monotonic() - started < 5
     assert sorted(e["uuid"] for e in store.sync.load(KEY) or []) == sorted(f"u-{i}" for i in range(45))
+
+
+def test_a_task_cancelled_as_its_locked_block_ends_leaves_no_lock_behind(root: Path) -> None:
+    """A native asyncio cancel that lands as ``async with store.locked(key)`` starts its
+    release (anyio's checkpoints before the worker runs it) skipped the release: the
+    lock file stayed and the next append in the process failed LOCK_TIMEOUT (review,
+    stop 30; Ctrl-C under ``asyncio.run`` with ``gather`` did it every time)."""
+    import asyncio
+
+    store = FsSessionStore(root, create=True, lock_timeout_seconds=2)
+
+    async def body() -> None:
+        async with store.locked(KEY):
+            await store.append(KEY, [entry(1)])
+            task = asyncio.current_task()
+            assert task is not None
+            asyncio.get_running_loop().call_soon(task.cancel)  # at the release's first wait
+
+    async def main() -> None:
+        with pytest.raises(asyncio.CancelledError):
+            await asyncio.create_task(body())
+        await store.append(KEY, [entry(2)])
+
+    asyncio.run(main())
+    assert not lock_file(root, KEY).exists()
+    assert store.sync.load(KEY) == [entry(1), entry(2)]
+
+
+def test_a_task_spawned_inside_locked_that_outlives_it_waits_like_any_other(root: Path) -> None:
+    """A task created inside ``async with store.locked(key)`` carries its context: once
+    the block had ended, its ``locked(key)`` and appends still ran as the holder's,
+    inside the next holder's hold (review, stop 30). A released hold is nobody's."""
+    import asyncio
+
+    store = FsSessionStore(root, create=True, lock_timeout_seconds=5)
+    seen: dict[str, object] = {}
+
+    async def child() -> None:
+        await asyncio.sleep(0.2)  # the parent has released; the other task holds it
+        async with store.locked(KEY):
+            await store.append(KEY, [entry(1)])
+
+    async def other() -> None:
+        await asyncio.sleep(0.1)
+        async with store.locked(KEY):
+            before = await store.load(KEY)
+            await asyncio.sleep(0.4)
+            seen["changed under its hold"] = await store.load(KEY) != before
+
+    async def main() -> None:
+        async with store.locked(KEY):
+            spawned = asyncio.create_task(child())
+        await other()
+        await spawned
+
+    asyncio.run(main())
+    assert seen == {"changed under its hold": False}
+    assert store.sync.load(KEY) == [entry(1)]
