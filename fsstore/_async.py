@@ -15,6 +15,7 @@ entries with a ``uuid`` load once).
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import threading
 from collections.abc import AsyncIterator, Callable, Mapping
@@ -182,16 +183,19 @@ class FsSessionStore:
                 with CancelScope(shield=True):
                     await to_thread.run_sync(release, limiter=_under_a_hold())
             finally:
-                # Cancelled natively on asyncio before a worker ran it (anyio's
-                # checkpoints come first): here, rather than leave the lock held by
-                # nobody (review, stop 30: Ctrl-C under asyncio.run with gather).
-                release()
+                if not release.started:
+                    # Cancelled natively on asyncio before a worker ran it (anyio's
+                    # checkpoints come first): rather than leave the lock held by
+                    # nobody (review, stop 30: Ctrl-C under asyncio.run with gather).
+                    _in_a_thread(release)
 
 
-# A task's calls while it holds a transcript lock (``locked``) run on worker threads
-# of their own: each task waiting for that lock occupies one of anyio's default ones
-# (40), and the holder's append waited behind them past its lease (review, stop 30:
-# 40 tasks appending to the transcript, LOCK_EXPIRED).
+# A task's calls while it holds a transcript lock (``locked``), its release and the
+# takes nested in it, run on worker threads of their own, never waiting for one: each
+# task waiting for a lock occupies a worker thread, and the holder's append waited
+# behind them past its lease (review, stop 30: 40 tasks appending to the transcript
+# on anyio's 40 default threads; and 41 nested takes on a pool of 40 for holders).
+# As many as tasks hold locks at once.
 _UNDER_A_HOLD: RunVar[CapacityLimiter] = RunVar("fsstore_under_a_hold")
 
 
@@ -199,7 +203,7 @@ def _under_a_hold() -> CapacityLimiter:
     try:
         return _UNDER_A_HOLD.get()
     except LookupError:
-        limiter = CapacityLimiter(40)
+        limiter = CapacityLimiter(math.inf)
         _UNDER_A_HOLD.set(limiter)
         return limiter
 
@@ -210,13 +214,24 @@ async def _run(fn: Callable[..., _T], *args: Any) -> _T:
     return await to_thread.run_sync(fn, *args, limiter=_under_a_hold() if Locks.holds_any() else None)
 
 
+def _in_a_thread(fn: Callable[[], object]) -> None:
+    """``fn()`` in a thread of its own, not waited for: on a path where the task was
+    cancelled natively, with no file I/O on the event loop (not a daemon: the process
+    waits for it at exit)."""
+    threading.Thread(target=fn, name="fsstore-release").start()
+
+
 class _Once:
-    """``fn()`` the first time it is called, from any thread; later calls wait for that
-    one to be done and do nothing."""
+    """``hold.__exit__`` the first time it is called, from any thread; later calls wait
+    for that one to be done and do nothing."""
 
     def __init__(self, fn: Callable[[None, None, None], object]) -> None:
         self._fn: Callable[[None, None, None], object] | None = fn
         self._guard = threading.Lock()
+
+    @property
+    def started(self) -> bool:
+        return self._fn is None
 
     def __call__(self) -> None:
         with self._guard:
@@ -255,7 +270,7 @@ class _Taking:
             self._abandoned = True
             hold, self._hold = self._hold, None
         if hold is not None:
-            threading.Thread(target=hold.__exit__, args=(None, None, None), name="fsstore-release").start()
+            _in_a_thread(_Once(hold.__exit__))
 
 
 __all__ = ["FsSessionStore"]

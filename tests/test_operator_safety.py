@@ -497,9 +497,11 @@ def test_a_task_that_stops_waiting_for_locked_leaves_no_lock_behind(root: Path) 
     assert store.sync.load(KEY) == [entry(1)]
 
 
-def test_more_tasks_than_worker_threads_waiting_for_one_lock_let_its_holder_work(root: Path) -> None:
+@pytest.mark.parametrize("outer", ["one lock", "a lock each"])
+def test_more_tasks_than_worker_threads_waiting_for_one_lock_let_its_holder_work(root: Path, outer: str) -> None:
     """45 tasks, each ``async with store.locked(key): await store.append(key, ...)``
-    (holding a second lock inside it too).
+    (holding a second lock inside it too; or each holding a lock of its own, and then the
+    one they all wait for: 41 such nested takes on a pool of 40 for holders stalled).
     Those waiting for the lock each occupy one of anyio's default worker threads (40);
     the holder's append needed one more and waited behind them past its lease (review,
     stop 30: 5 appended, 38 LOCK_TIMEOUT, 2 LOCK_EXPIRED). A holder's calls run on
@@ -510,7 +512,8 @@ def test_more_tasks_than_worker_threads_waiting_for_one_lock_let_its_holder_work
     other = {**KEY, "session_id": "other"}
 
     async def one(i: int) -> None:
-        async with store.locked(KEY), store.locked(other):  # nested: its take too (review)
+        first = KEY if outer == "one lock" else {**KEY, "session_id": f"own-{i}"}
+        async with store.locked(first), store.locked(other):  # nested: its take too (review)
             await store.append(KEY, [entry(i)])
 
     async def main() -> list[BaseException | None]:
