@@ -6,7 +6,7 @@ The lock file is ``<root>/.locks/<hash of the transcript path>.lock`` (see
 ``<root>/.locks/owner-<pid>-<random>`` (``pid\nhost\nstart-token\nits name\n``, written whole
 once, serving one hold at a time, touched before each acquire so the marker's mtime
 is the acquire time). ``link`` never replaces, so the lock is taken by whoever links first,
-and a lock file is never seen without its holder's record (:class:`_Records`,
+and a lock file is never seen without its holder's record (:class:`~fsstore._records.Records`,
 :class:`_MarkerLock`). It lives in one flat directory right under root, not in the
 transcript directory, so a delete that moves a transcript away never moves or
 recreates a lock.
@@ -39,13 +39,11 @@ import dataclasses
 import errno
 import os
 import secrets
-import socket
 import stat
 import threading
 import time
 import types
 import typing
-import weakref
 from collections.abc import Collection, Iterator, Mapping
 
 import filelock
@@ -53,6 +51,7 @@ import filelock
 from . import _fsio
 from ._errors import FsStoreError, log
 from ._interrupts import HeldOff
+from ._records import Records, host_name
 
 _IDLE_LOCKS = 256
 _WATCHED_MARKERS = 1024
@@ -61,15 +60,6 @@ Identity = tuple[int, int, int, bytes]  # a marker as a waiter sees it: inode, s
 _HELD_HERE: contextvars.ContextVar[Mapping[str, Held]] = contextvars.ContextVar(
     "fsstore_held_here", default=types.MappingProxyType({})
 )
-
-
-def _host_name() -> str:
-    """This host as filelock records it (with a PID-namespace suffix inside containers)."""
-    try:
-        from filelock._identity import host_name
-    except ImportError:  # another filelock layout: the plain name is what older ones wrote
-        return socket.gethostname()
-    return str(host_name())
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,7 +75,7 @@ class Marker:
     @property
     def here(self) -> bool:
         """Recorded on this host (as filelock names it)."""
-        return self.host == _host_name()
+        return self.host == host_name()
 
     @property
     def dead_here(self) -> bool:
@@ -232,125 +222,12 @@ def _alive(pid: int) -> bool:
 # Permission errors creating a lock marker, with no marker there each time, before
 # fsstore takes them for what they say (see _SoftLock._acquire).
 _REFUSALS = 5
-_RECORD_PREFIX = "owner-"
 _PATH_FILE_FLAGS = getattr(os, "O_PATH", os.O_RDONLY) | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
-
-
-def _remove_records(directory: str, names: dict[str, bytes], pid: int) -> None:
-    """A store object's records, when it goes: only in the process that wrote them (a
-    forked child inherits the finalizer, not the records)."""
-    if os.getpid() == pid:
-        for name in list(names):
-            with contextlib.suppress(OSError):
-                os.unlink(f"{directory}/{name}")
 
 
 # How often a waiter looks at the marker for a stale holder (filelock polls the
 # lock itself every 50 ms in between).
 _RECLAIM_POLL = 0.25
-
-
-def _record_text(name: str) -> bytes:
-    """The holder record ``name``: pid, host, start token, as filelock writes its own,
-    and the record's own name (what makes two store objects' records differ)."""
-    token = None
-    try:
-        from filelock._identity import process_start_token
-    except ImportError:  # another filelock layout: the token is optional in the record
-        pass
-    else:
-        token = process_start_token(os.getpid())
-    return f"{os.getpid()}\n{_host_name()}\n{'' if token is None else token}\n{name}\n".encode()
-
-
-class _Records:
-    """One store object's holder records in ``.locks``: ``owner-<pid>-<random>``, each
-    written whole once, then hard-linked to the lock name of one hold at a time.
-
-    A lock file is never seen without its record (filelock's own marker is created
-    empty, then written: a holder killed in between leaves a marker that names
-    nobody). Each acquire first touches the record it links, so the marker's mtime is
-    the acquire time that others age it by (the storage's clock). A record serves one
-    hold at a time and is reused by the next: a hold that stalls keeps its record, and
-    its marker then ages, however many locks the store's other threads take meanwhile
-    (with one record per store object, their touches kept a stuck thread's marker new
-    for ever: review, stop 29). So a store object has as many records as it ever held
-    locks at once; one whose marker was taken away (reclaimed) is retired, not used
-    again. On a mount without hard links a record is moved to the lock name instead,
-    and a new one written for the next acquire. Removed when the store object
-    goes (or the process exits); one a killed process left is removed by ``fsstore gc``.
-    """
-
-    def __init__(self, fs: _fsio.Fs) -> None:
-        self._fs = fs
-        self._guard = threading.Lock()  # threads of one store share the pool
-        self._free: list[tuple[str, bytes]] = []  # records no hold is using
-        self._texts: dict[str, bytes] = {}  # every record written and still ours
-        self._directory = ""  # where they are (.locks)
-        self._finalizer: weakref.finalize[[str, dict[str, bytes], int], _Records] | None = None
-
-    def publish(self, directory: str, dir_fd: int, lock_name: str) -> tuple[str, bytes] | None:
-        """Make ``lock_name`` (in ``directory``, open as ``dir_fd``) a record of ours not in
-        use, unless it exists. Returns, if the lock is ours now, the name of the record
-        it is (to pin, and to give back with :meth:`give_back` once released; the lock
-        name itself where the record was moved there) and its content; None if it is
-        held."""
-        while True:
-            name, text = self._take(directory, dir_fd)
-            try:
-                os.utime(name, dir_fd=dir_fd, follow_symlinks=False)
-                linked = _fsio.link_noreplace(self._fs, dir_fd, name, lock_name)
-            except FileNotFoundError:  # removed by someone's gc: anew
-                self._forget(name)
-                continue
-            except BaseException:
-                self.give_back(name)
-                raise
-            if linked is None:
-                self.give_back(name)
-                return None
-            if linked is False:  # moved there (a mount without hard links): anew next time
-                self._forget(name)
-                return lock_name, text
-            return name, text
-
-    def texts(self) -> frozenset[bytes]:
-        """The content of each record of ours (what a marker linked to it reads)."""
-        with self._guard:
-            return frozenset(self._texts.values())
-
-    def give_back(self, name: str) -> None:
-        """Record ``name`` serves no hold now (a name it was moved to is not ours)."""
-        with self._guard:
-            text = self._texts.get(name)
-            if text is not None:
-                self._free.append((name, text))
-
-    def retire(self, name: str) -> None:
-        """Record ``name`` is not to be linked again: removed, and no longer ours."""
-        with self._guard:
-            if self._texts.pop(name, None) is None:
-                return  # a name it was moved to, not a record
-        with contextlib.suppress(OSError):
-            os.unlink(f"{self._directory}/{name}")
-
-    def _take(self, directory: str, dir_fd: int) -> tuple[str, bytes]:
-        with self._guard:
-            if self._free:
-                return self._free.pop()
-            name = f"{_RECORD_PREFIX}{os.getpid()}-{secrets.token_hex(6)}"
-            text = _record_text(name)
-            self._fs.write_new(dir_fd, name, text, sync=False)
-            self._texts[name] = text
-            self._directory = directory
-            if self._finalizer is None:
-                self._finalizer = weakref.finalize(
-                    self, _remove_records, directory, self._texts, os.getpid())
-            return name, text
-
-    def _forget(self, name: str) -> None:
-        with self._guard:
-            self._texts.pop(name, None)
 
 
 class _MarkerLock(filelock.BaseFileLock):
@@ -364,7 +241,7 @@ class _MarkerLock(filelock.BaseFileLock):
     on local disk). Stale markers are judged by :func:`reclaim_if_stale`.
     """
 
-    record: _Records
+    record: Records
     _mine = ""  # the record this lock was taken with (the lock name where it was moved there)
     _text = b""  # and its content
     _poll_backoff_cap = 0.05  # waiters poll from 2 ms, backing off to 50 ms, with jitter
@@ -564,7 +441,7 @@ class Locks:
         """Start with no lock objects (also in a forked child: filelock refuses to use
         a parent's, and a thread that held the guard does not exist there)."""
         self._guard = threading.Lock()
-        self._records = _Records(self._fs)
+        self._records = Records(self._fs)
         # Every lock path lately used, least recent first, with its _Local: building a
         # SoftFileLock resolves its path and registers it (~150 us), so a writer that
         # keeps appending reuses its own. At most _IDLE_LOCKS unused ones are kept.
