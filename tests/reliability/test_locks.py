@@ -947,6 +947,20 @@ def test_a_marker_with_whole_second_mtimes_is_watched_a_second_longer(tmp_path: 
     assert reclaimed is (mtime == "nanoseconds") and path.exists() is not reclaimed
 
 
+def _appending_elsewhere(store: SyncStore, stop: threading.Event, pause: float) -> threading.Thread:
+    """A thread (not started) of ``store`` appending to another session every ``pause``
+    seconds until ``stop``: each append takes a lock, so touches a record."""
+
+    def busy() -> None:
+        i = 0
+        while not stop.is_set():
+            store.append({**KEY, "session_id": "other"}, [{"i": i}])
+            i += 1
+            time.sleep(pause)
+
+    return threading.Thread(target=busy)
+
+
 def test_a_thread_stuck_holding_a_lock_is_reclaimed_while_its_siblings_take_others(tmp_path: Path) -> None:
     """A thread of a store object stuck while holding a transcript's lock (past its
     lease) is broken like any stalled holder, while other threads of the same store
@@ -964,14 +978,7 @@ def test_a_thread_stuck_holding_a_lock_is_reclaimed_while_its_siblings_take_othe
             held.set()
             stop.wait(30)
 
-    def busy() -> None:
-        i = 0
-        while not stop.is_set():
-            store.append({**KEY, "session_id": "other"}, [{"i": i}])
-            i += 1
-            time.sleep(0.02)
-
-    threads = [threading.Thread(target=stuck), threading.Thread(target=busy)]
+    threads = [threading.Thread(target=stuck), _appending_elsewhere(store, stop, 0.02)]
     threads[0].start()
     assert held.wait(10)
     threads[1].start()
@@ -1043,14 +1050,7 @@ def test_a_reclaim_that_puts_back_a_marker_whose_record_moved_on_leaves_no_lock_
             while marker.exists() and not stop.is_set():
                 time.sleep(0.005)
 
-    def busy() -> None:
-        i = 0
-        while not stop.is_set():
-            store.append({**KEY, "session_id": "other"}, [{"i": i}])
-            i += 1
-            time.sleep(0.05)
-
-    threads = [threading.Thread(target=stuck_until_its_marker_goes), threading.Thread(target=busy)]
+    threads = [threading.Thread(target=stuck_until_its_marker_goes), _appending_elsewhere(store, stop, 0.05)]
     threads[0].start()
     assert held.wait(10)
     threads[1].start()
