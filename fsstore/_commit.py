@@ -375,8 +375,9 @@ def link_and_check(
                 return seq, items
             holes += cover is None
             # Not in the chain: inside a compacted range (two lock holders overlapped, or
-            # a client cache, sshfs's, still showed a compacted file), or above a hole (a number taken from a stale view: a client cache that
-            # still shows a file of a directory deleted and made anew).
+            # a client cache, sshfs's, still showed a compacted file), or above a hole (a
+            # number taken from a stale view: a client cache that still shows a file of a
+            # directory deleted and made anew).
             log.warning("part %s landed %s; committing it again", name,
                         "inside a compacted range (a stale view: lock holders overlapped, or a "
                         "client cache still showed a compacted file)" if cover
