@@ -178,9 +178,14 @@ def _break(lk: LockInfo, older_than: float, stale_lock_seconds: float, dry_run: 
     """Break a lock older than ``older_than`` that the store's own waiters would break
     too (its holder dead on this host, older than ``stale_lock_seconds``, or no record),
     with the store's own reclaim (a marker someone re-took meanwhile is put back, never
-    removed). A live holder's lock is not garbage, however low the threshold."""
+    removed). A live holder's lock is not garbage, however low the threshold or far
+    ahead this host's clock: one here is kept (another host's is judged by age)."""
     if lk.age <= older_than or lk.status == "held":
         return None
+    if lk.local and lk.status == "expired":  # its holder runs here: see _lock._stale
+        return Action("keep", lk.path, f"lock of {lk.describe()} on {lk.transcript()}, "
+                      f"{age_text(lk.age)} old by this host's clock, held by a live process here: "
+                      "left to its waiters", False, lk.age)
     detail = f"stale lock of {lk.describe()} on {lk.transcript()}, {age_text(lk.age)} old"
     if dry_run:
         return Action("break-lock", lk.path, detail, False, lk.age)

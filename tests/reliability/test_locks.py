@@ -947,6 +947,33 @@ def test_a_marker_with_whole_second_mtimes_is_watched_a_second_longer(tmp_path: 
     assert reclaimed is (mtime == "nanoseconds") and path.exists() is not reclaimed
 
 
+@needs_faketime
+@pytest.mark.parametrize("offset, older_than", [("+2h", "1h"), ("+65s", "1m")])
+def test_gc_on_a_host_whose_clock_runs_ahead_leaves_a_live_holder_here_its_lock(
+        tmp_path: Path, offset: str, older_than: str) -> None:
+    """``fsstore gc`` looks once, so it ages a marker by its mtime against its own clock:
+    run at +2h with ``--older-than 1h`` it took a lock held for 0.2 s by a live process
+    on the same host for stale, broke it, and another process's append went in while
+    the holder was inside ``locked()`` (review, stop 31: 5 of 5 and 3 of 3 runs). A
+    holder alive on this host is left to its waiters, who time it by their own clock."""
+    root = tmp_path / "store"
+    store = SyncStore(root, create=True)
+    store.append(KEY, batch("first", 0, 1))
+    with store.locked(KEY):
+        marker = lock_file(str(root))
+        mine = marker.read_bytes()
+        env = {**_overlap.faketime_env(offset), "PYTHONPATH": str(REPO)}
+        gc = subprocess.run([sys.executable, "-m", "fsstore", "gc", str(root), "--older-than", older_than],
+                            env=env, capture_output=True, text=True, timeout=60)
+        assert "broke lock" not in gc.stdout and "held by a live process here" in gc.stdout, gc.stdout
+        assert marker.read_bytes() == mine, gc.stdout
+        other = SyncStore(root, lock_timeout_seconds=0.3)
+        with pytest.raises(FsStoreError) as info:
+            other.append(KEY, batch("other", 0, 1))
+        assert info.value.code == "LOCK_TIMEOUT"
+    assert gc.returncode == 0, gc.stdout + gc.stderr
+
+
 def _appending_elsewhere(store: SyncStore, stop: threading.Event, pause: float) -> threading.Thread:
     """A thread (not started) of ``store`` appending to another session every ``pause``
     seconds until ``stop``: each append takes a lock, so touches a record."""
