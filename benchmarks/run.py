@@ -4,7 +4,7 @@
     python benchmarks/run.py --quick        # smaller sizes, for a smoke run
     python benchmarks/run.py --only load    # one section: append, fsync, flat, load,
                                             # list, contention, syscalls, network
-    python benchmarks/run.py --network-delay-us 1000   # the GlusterFS section with delay-gen on
+    python benchmarks/run.py --network-rtt-us 500   # the GlusterFS section with a 0.5 ms round trip
     python benchmarks/run.py --postgres     # also the Postgres reference adapter side by side
     python benchmarks/run.py --only postgres   # only that (benchmarks/postgres.py)
 
@@ -590,10 +590,10 @@ def bench_syscalls(n: int) -> None:
             row(f"getdents64 calls per append, {label}", dirreads, 4, 1.0, unit="calls")
 
 
-def _network(quick: bool, delay_us: int) -> None:
+def _network(quick: bool, rtt_us: int) -> None:
     from network import bench_network  # benchmarks/network.py
 
-    bench_network(row, Floor, batch, quick=quick, delay_us=delay_us, extra=EXTRA)
+    bench_network(row, Floor, batch, quick=quick, rtt_us=rtt_us, extra=EXTRA)
 
 
 def main() -> None:
@@ -601,8 +601,8 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--only", action="append")
     ap.add_argument("--out", default=str(HERE / "results"))
-    ap.add_argument("--network-delay-us", type=int, default=0,
-                    help="network section: GlusterFS delay-gen per brick operation (0: none)")
+    ap.add_argument("--network-rtt-us", type=int, default=0,
+                    help="network section: an emulated round trip per brick request (0: loopback)")
     ap.add_argument("--disk-dir", "--fsync-dir", default=str(HERE.parent),
                     help="a directory on a real disk, for the fsync section and the disk run of append")
     ap.add_argument("--postgres", action="store_true",
@@ -622,7 +622,7 @@ def main() -> None:
         "list": lambda: bench_list(1000 if q else 10000),
         "contention": lambda: bench_contention(100 if q else 300),
         "syscalls": lambda: bench_syscalls(100 if q else 500),
-        "network": lambda: _network(q, args.network_delay_us),
+        "network": lambda: _network(q, args.network_rtt_us),
     }
     for name, fn in sections.items():
         if not args.only or name in args.only:

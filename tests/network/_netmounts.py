@@ -142,8 +142,9 @@ def _glusterd_running() -> bool:
 
 
 @contextlib.contextmanager
-def gluster_pair(base: Path) -> Iterator[Pair]:
-    """A one-brick volume (default options) mounted at ``base/m1`` and ``base/m2``."""
+def gluster_pair(base: Path, env: dict[str, str] | None = None) -> Iterator[Pair]:
+    """A one-brick volume (default options) mounted at ``base/m1`` and ``base/m2``;
+    ``env``: added to the clients' environment (benchmarks/network.py's round trip)."""
     started: subprocess.Popen[bytes] | None = None
     vol = f"fsstore{os.getpid()}"
     brick = Path(tempfile.mkdtemp(prefix="fsstore-brick-", dir="/var/tmp"))
@@ -185,7 +186,7 @@ def gluster_pair(base: Path) -> Iterator[Pair]:
         if r.returncode != 0:
             raise RuntimeError(f"gluster volume start: {r.stdout}{r.stderr}")
         for m in (m1, m2):
-            _mount_gluster(vol, m)
+            _mount_gluster(vol, m, env)
         # default volume options: the client caches metadata for 1 s (md-cache)
         yield Pair("gluster", m1, m2, cache_window=2.0, volume=vol)
     finally:
@@ -349,11 +350,16 @@ class ThirdMount:
         self.crash()
 
 
-def _mount_gluster(vol: str, mnt: Path) -> None:
+def _mount_gluster(vol: str, mnt: Path, env: dict[str, str] | None = None) -> None:
     """Mount the volume at ``mnt``, trying for ~10 s (a brick takes a moment to listen;
-    a loaded machine's mount can fail once)."""
+    a loaded machine's mount can fail once). With ``env``, by mount.glusterfs itself:
+    mount(8) drops ``LD_*`` variables."""
     for _attempt in range(20):
-        r = _run("mount", "-t", "glusterfs", f"127.0.0.1:/{vol}", str(mnt), timeout=60)
+        if env is None:
+            r = _run("mount", "-t", "glusterfs", f"127.0.0.1:/{vol}", str(mnt), timeout=60)
+        else:
+            r = subprocess.run(["mount.glusterfs", f"127.0.0.1:/{vol}", str(mnt)], capture_output=True,
+                               text=True, timeout=60, check=False, env={**os.environ, **env})
         if r.returncode == 0 and os.path.ismount(mnt):
             return
         time.sleep(0.5)
