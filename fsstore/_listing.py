@@ -1,18 +1,23 @@
 """Listing a project's sessions or a session's subagent transcripts: the children of
 one directory that are keys' names, and the mtime of each one's transcript directory
 (the time of its last commit). Used by ``list_sessions``, ``list_subkeys`` and
-``list_session_summaries`` (``_store.SyncStore._children``)."""
+``list_session_summaries`` (:func:`children`)."""
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import stat
 from collections.abc import Callable, Iterator
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 from . import _delete, _fsio, _keys, _layout
-from ._errors import log
+from ._errors import FsStoreError, log
+from ._layout import Component
+
+if TYPE_CHECKING:
+    from ._store import SyncStore
 
 
 def scan_children(pfd: int) -> tuple[list[tuple[str, str]], list[str]]:
@@ -110,3 +115,87 @@ def left_out(exc: OSError, op: str, path: str) -> None:
     if err not in (errno.ELOOP, errno.EXDEV, errno.ENOENT, errno.ENOTDIR):
         log.warning("left out of the listing: %s", os.strerror(err), extra={
             "code": errno.errorcode.get(err, "EIO"), "operation": op, "path": path, "errno": err})
+
+
+@contextlib.contextmanager
+def children(store: SyncStore, comps: list[Component], op: str
+             ) -> Iterator[tuple[int, list[tuple[str, str]], Callable[[], bool]]]:
+    """The directory under ``comps`` (fd), ``(name, decoded key part)`` of each
+    directory in it (none if it does not exist, or no longer: removed after it was
+    opened), and what to call where a child is gone when looked at
+    (:func:`probe`): it reads the directory again, moves back what records
+    of deletes in flight there name, and says whether there were any (a session's
+    ``subkeys/`` itself gone: it moves the session back and opens it again)."""
+    session_main = [*comps[:4], (_layout.MAIN, None)]  # (where comps is a session's subkeys/)
+    with store._open_root(create=False) as rfd:
+        pfd = store._open(rfd, comps, op) if rfd is not None else None
+        if pfd is None and rfd is not None and len(comps) > 4 and not store._exists(rfd, comps[:4]):
+            # The session, moved into .trash by a delete that stalled or died: back, as a
+            # load would move it (its record is in sessions/, which this does not list),
+            # here or by whoever got there first (review: another listing).
+            _delete.restore(store, rfd, session_main, listing=True)
+            pfd = store._open(rfd, comps, op)
+        if rfd is None or pfd is None:
+            yield -1, [], lambda: False
+            return
+
+        def rescan() -> tuple[list[tuple[str, str]], list[str]]:
+            # Through a handle of its own (sshfs lists nothing through a handle that
+            # listed to its end).
+            fd = os.open(".", _fsio.DIR_FLAGS, dir_fd=pfd)
+            try:
+                return scan_children(fd)
+            finally:
+                os.close(fd)
+
+        try:
+            try:
+                children, moving = scan_children(pfd)
+                for _round in range(MOVE_BACK_ROUNDS):
+                    if not moving:
+                        break
+                    # With what a delete hid by mistake, moved back by us or another;
+                    # again while records remain: its move can come in between. Every
+                    # read's children are kept: one gone when looked at is moved back
+                    # then (probe), where the rounds ran out before the move landed.
+                    _delete.restore_named(store, rfd, pfd, comps, moving)
+                    again, moving = rescan()
+                    known = {name for name, _part in children}
+                    children += [child for child in again if child[0] not in known]
+            except OSError as exc:
+                if exc.errno not in (errno.ENOENT, errno.ESTALE):
+                    raise
+                # Removed since it was opened (a delete): a FUSE or NFS client says
+                # so where a local disk reads an empty directory (found by review).
+                children = []
+
+            def moved_back() -> bool:
+                try:
+                    records = rescan()[1]
+                except OSError as exc:
+                    if exc.errno not in (errno.ENOENT, errno.ESTALE) or len(comps) <= 4:
+                        return False
+                    return session_back()
+                if records:
+                    _delete.restore_named(store, rfd, pfd, comps, records)
+                return bool(records)
+
+            def session_back() -> bool:
+                # A session's subkeys/ gone where handles go by path (sshfs, bindfs):
+                # the session may have been moved since it was read, and such a handle
+                # stays dead once it is back. Moved back (here, or first by another
+                # listing, a load) and opened again at its name, as pfd.
+                try:
+                    _delete.restore(store, rfd, session_main, listing=True)
+                    fd = store._open(rfd, comps, op)
+                except (OSError, FsStoreError):  # left out, as a look that fails
+                    return False
+                if fd is None:
+                    return False
+                os.dup2(fd, pfd, inheritable=False)
+                os.close(fd)
+                return True
+
+            yield pfd, children, moved_back
+        finally:
+            os.close(pfd)

@@ -415,87 +415,6 @@ class SyncStore:
 
     # -- listing -------------------------------------------------------------------
 
-    @contextlib.contextmanager
-    def _children(self, comps: list[Component], op: str
-                  ) -> Iterator[tuple[int, list[tuple[str, str]], Callable[[], bool]]]:
-        """The directory under ``comps`` (fd), ``(name, decoded key part)`` of each
-        directory in it (none if it does not exist, or no longer: removed after it was
-        opened), and what to call where a child is gone when looked at
-        (:func:`_listing.probe`): it reads the directory again, moves back what records
-        of deletes in flight there name, and says whether there were any (a session's
-        ``subkeys/`` itself gone: it moves the session back and opens it again)."""
-        with self._open_root(create=False) as rfd:
-            pfd = self._open(rfd, comps, op) if rfd is not None else None
-            if pfd is None and rfd is not None and len(comps) > 4 and not self._exists(rfd, comps[:4]):
-                # The session, moved into .trash by a delete that stalled or died: back, as a
-                # load would move it (its record is in sessions/, which this does not list),
-                # here or by whoever got there first (review: another listing).
-                _delete.restore(self, rfd, [*comps[:4], (_layout.MAIN, None)], listing=True)
-                pfd = self._open(rfd, comps, op)
-            if rfd is None or pfd is None:
-                yield -1, [], lambda: False
-                return
-            def rescan() -> tuple[list[tuple[str, str]], list[str]]:
-                # Through a handle of its own (sshfs lists nothing through a handle that
-                # listed to its end).
-                fd = os.open(".", _fsio.DIR_FLAGS, dir_fd=pfd)
-                try:
-                    return _listing.scan_children(fd)
-                finally:
-                    os.close(fd)
-
-            try:
-                try:
-                    children, moving = _listing.scan_children(pfd)
-                    for _round in range(_listing.MOVE_BACK_ROUNDS):
-                        if not moving:
-                            break
-                        # With what a delete hid by mistake, moved back by us or another;
-                        # again while records remain: its move can come in between. Every
-                        # read's children are kept: one gone when looked at is moved back
-                        # then (probe), where the rounds ran out before the move landed.
-                        _delete.restore_named(self, rfd, pfd, comps, moving)
-                        again, moving = rescan()
-                        known = {name for name, _part in children}
-                        children += [child for child in again if child[0] not in known]
-                except OSError as exc:
-                    if exc.errno not in (errno.ENOENT, errno.ESTALE):
-                        raise
-                    # Removed since it was opened (a delete): a FUSE or NFS client says
-                    # so where a local disk reads an empty directory (found by review).
-                    children = []
-
-                def moved_back() -> bool:
-                    try:
-                        records = rescan()[1]
-                    except OSError as exc:
-                        if exc.errno not in (errno.ENOENT, errno.ESTALE) or len(comps) <= 4:
-                            return False
-                        return session_back()
-                    if records:
-                        _delete.restore_named(self, rfd, pfd, comps, records)
-                    return bool(records)
-
-                def session_back() -> bool:
-                    # A session's subkeys/ gone where handles go by path (sshfs, bindfs):
-                    # the session may have been moved since it was read, and such a handle
-                    # stays dead once it is back. Moved back (here, or first by another
-                    # listing, a load) and opened again at its name, as pfd.
-                    try:
-                        _delete.restore(self, rfd, [*comps[:4], (_layout.MAIN, None)], listing=True)
-                        fd = self._open(rfd, comps, op)
-                    except (OSError, FsStoreError):  # left out, as a look that fails
-                        return False
-                    if fd is None:
-                        return False
-                    os.dup2(fd, pfd, inheritable=False)
-                    os.close(fd)
-                    return True
-
-                yield pfd, children, moved_back
-            finally:
-                os.close(pfd)
-
     def list_sessions(self, project_key: str) -> list[dict[str, Any]]:
         """``[{"session_id", "mtime"}]`` (epoch ms, the storage's time of the last commit)
         of the project's sessions with a main transcript; nothing for a missing project.
@@ -503,7 +422,7 @@ class SyncStore:
         op = "list_sessions"
         _keys.check_part(project_key, "project_key", op)
         comps = _layout.project_dirs(project_key)
-        with translating(op, self._path(comps)), self._children(comps, op) as (pfd, children, moved_back):
+        with translating(op, self._path(comps)), _listing.children(self, comps, op) as (pfd, children, moved_back):
             return [{"session_id": session_id, "mtime": mtime}
                     for session_id, mtime in _listing.transcript_mtimes(
                         pfd, children, _layout.MAIN, self._path(comps), op, moved_back)]
@@ -513,7 +432,7 @@ class SyncStore:
         op = "list_subkeys"
         tk = _keys.parse_key(key, op, allow_subpath=False)
         comps = [*_layout.session_dirs(tk.project_key, tk.session_id), (_layout.SUBKEYS, None)]
-        with translating(op, self._path(comps)), self._children(comps, op) as (pfd, children, moved_back):
+        with translating(op, self._path(comps)), _listing.children(self, comps, op) as (pfd, children, moved_back):
             valid = []
             for name, subpath in children:
                 try:
@@ -532,7 +451,7 @@ class SyncStore:
         comps = _layout.project_dirs(project_key)
         out: list[dict[str, Any]] = []
         fold = self._fold  # the SDK's first import, if it comes now: never under a lock
-        with translating(op, self._path(comps)), self._children(comps, op) as (pfd, children, moved_back):
+        with translating(op, self._path(comps)), _listing.children(self, comps, op) as (pfd, children, moved_back):
 
             def open_main(name: str) -> int | None:  # as list_sessions probes a session
                 sfd = os.open(name, _fsio.PATH_FLAGS, dir_fd=pfd)
