@@ -327,11 +327,10 @@ def link_and_check(
     fs: _fsio.Fs, dir_fd: int, tmp: str, seq: int, payload: bytes,
     session_marker: str | None = None,
 ) -> tuple[int, list[Item]]:
-    """Give the temp file ``tmp`` (holding ``payload``) a part name from ``seq`` on
-    (steps 5 and 6 of the module docstring); return its number and the listing that
-    checked it. Raises :class:`Deleted` when the directory is being deleted and
-    FileNotFoundError when it or the batch vanished (nothing committed: the caller
-    starts over), FsStoreError saying "may be committed" where it cannot tell."""
+    """Give the temp file ``tmp`` (holding ``payload``) a part name from ``seq`` on (steps
+    5 and 6); return its number and the listing that checked it. Raises :class:`Deleted`
+    (the directory is being deleted), FileNotFoundError (it or the batch vanished: nothing
+    committed, the caller starts over), FsStoreError "may be committed" (cannot tell)."""
     misplaced: list[str] = []  # linked by us, not committed: removed on the way out
     relinked: set[str] = set()  # ours, removed already (a cached listing may still show them)
     passed: list[str] = []  # a repair's misplaced links: removed once the batch is committed

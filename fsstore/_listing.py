@@ -122,10 +122,10 @@ def children(store: SyncStore, comps: list[Component], op: str
              ) -> Iterator[tuple[int, list[tuple[str, str]], Callable[[], bool]]]:
     """The directory under ``comps`` (fd), ``(name, decoded key part)`` of each
     directory in it (none if it does not exist, or no longer: removed after it was
-    opened), and what to call where a child is gone when looked at
-    (:func:`probe`): it reads the directory again, moves back what records
-    of deletes in flight there name, and says whether there were any (a session's
-    ``subkeys/`` itself gone: it moves the session back and opens it again)."""
+    opened), and what to call where a child is gone when looked at (:func:`probe`):
+    it reads the directory again, moves back what records of deletes in flight there
+    name, and says whether there were any (a session's ``subkeys/`` itself gone: it
+    moves the session back and opens it again)."""
     session_main = [*comps[:4], (_layout.MAIN, None)]  # (where comps is a session's subkeys/)
     with store._open_root(create=False) as rfd:
         pfd = store._open(rfd, comps, op) if rfd is not None else None
@@ -140,8 +140,7 @@ def children(store: SyncStore, comps: list[Component], op: str
             return
 
         def rescan() -> tuple[list[tuple[str, str]], list[str]]:
-            # Through a handle of its own (sshfs lists nothing through a handle that
-            # listed to its end).
+            # A handle of its own: sshfs lists nothing through one that listed to its end.
             fd = os.open(".", _fsio.DIR_FLAGS, dir_fd=pfd)
             try:
                 return scan_children(fd)
