@@ -419,7 +419,13 @@ class Held:
 
     def check(self, operation: str) -> None:
         """Before each step that publishes: a Ctrl-C that came while the lock was
-        held runs now (nothing published yet), and LOCK_EXPIRED past the lease."""
+        held runs now (nothing published yet), and LOCK_EXPIRED past the lease or
+        once the hold was given back under a call still running in it (its task,
+        inside ``locked()``, cancelled natively on asyncio: review, stop 30)."""
+        if self.released:
+            raise FsStoreError("LOCK_EXPIRED", "the lock was given back while this call ran "
+                               "under it (its caller stopped waiting), so nothing was published",
+                               operation=operation, path=self.path)
         self._interrupts.deliver()
         held = time.monotonic() - self.since
         if held > self.budget:

@@ -12,6 +12,7 @@ import json
 import logging
 import os
 import pickle
+import shutil
 import subprocess
 import sys
 import threading
@@ -582,3 +583,72 @@ def test_a_task_spawned_inside_locked_that_outlives_it_waits_like_any_other(root
     asyncio.run(main())
     assert seen == {"changed under its hold": False}
     assert store.sync.load(KEY) == [entry(1)]
+
+
+
+CANCELLED_HOLDER = """
+import asyncio, sys
+sys.path.insert(0, {repo!r})
+from fsstore import FsSessionStore
+store = FsSessionStore({root!r}, stale_lock_seconds=30)
+print("ready", flush=True)
+sys.stdin.readline()
+
+async def hold() -> None:
+    async with store.locked({key!r}):
+        await store.append({key!r}, [{{"n": "cancelled"}}])
+
+async def main() -> None:
+    try:
+        await asyncio.wait_for(hold(), 0.5)  # cancels the task natively
+    except (TimeoutError, asyncio.TimeoutError):
+        pass
+    print("released", flush=True)
+    await asyncio.sleep(4)  # the append's worker runs on, and ends
+
+asyncio.run(main())
+"""
+
+
+@pytest.mark.skipif(shutil.which("strace") is None, reason="needs strace")
+def test_an_append_cancelled_natively_inside_locked_publishes_nothing_once_the_lock_is_given_back(
+        root: Path) -> None:
+    """``async with store.locked(key): await store.append(...)`` cancelled natively on
+    asyncio (``wait_for``) ends the block at once and gives the lock back, while the
+    append's worker runs on. A worker stalled past its lease check (strace: 1.5 s on
+    a ``stat`` of the transcript directory) committed inside the next holder's hold
+    (review, stop 30; 3 of 3). It now finds its hold given back, and publishes
+    nothing (LOCK_EXPIRED, to nobody)."""
+    store = SyncStore(root, create=True)
+    store.append(KEY, [entry(1)])
+    code = CANCELLED_HOLDER.format(repo=str(Path(__file__).resolve().parents[1]), root=str(root), key=KEY)
+    proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            text=True)
+    tracer = None
+    try:
+        assert proc.stdout is not None and proc.stdin is not None
+        assert proc.stdout.readline().strip() == "ready"
+        # The second look at the transcript directory: the first is before the lock
+        # (the temp file's), the second the one after it, before the lease check.
+        tracer = subprocess.Popen(["strace", "-f", "-qq", "-o", "/dev/null", "-P", str(tdir(root, KEY)),
+                                   "-e", "trace=newfstatat", "-e", "inject=newfstatat:delay_enter=1500000:when=2",
+                                   "-p", str(proc.pid)])
+        deadline = time.monotonic() + 10
+        while "TracerPid:\t0" in Path(f"/proc/{proc.pid}/status").read_text():
+            assert time.monotonic() < deadline, "strace did not attach"
+            time.sleep(0.02)
+        proc.stdin.write("go\n")
+        proc.stdin.flush()
+        assert proc.stdout.readline().strip() == "released"
+        with store.locked(KEY):
+            before = store.load(KEY)
+            time.sleep(2.5)  # the stalled worker goes on meanwhile
+            assert store.load(KEY) == before
+        proc.wait(10)
+    finally:
+        for p in (proc, tracer):
+            if p is not None and p.poll() is None:
+                p.kill()
+                p.wait()
+    assert store.load(KEY) == [entry(1)]
+    assert not lock_file(root, KEY).exists()
