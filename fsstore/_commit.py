@@ -35,9 +35,12 @@ Commit (``append``), step by step, and what a crash at each step leaves:
    of every listing from now on (a segment made later over its number was made
    from a listing that held it): **the batch is committed**. Crash before the
    check passed: an unacknowledged part, in the chain or skipped; both fine.
-7. With ``fsync=True``, fsync the directory.
-8. Unlink the temp name (a second link to the part; crash: gc removes it), release
-   the lock. Compaction may follow (:mod:`fsstore._compact`).
+7. Unlink the temp name (a second link to the part; crash: gc removes it), tick
+   the directory's mtime where the storage's coarse clock did not move it
+   (:func:`_transcript.tick_mtime`), release the lock.
+8. With ``fsync=True``, fsync the directory: outside the lock, which orders the
+   links and their checks (a fsync under it made the next writer wait for this
+   one's journal commit). Compaction may follow (:mod:`fsstore._compact`).
 
 A failed append leaves no part: every name it linked is unlinked before it
 raises, or its error says "the batch may be committed" (a name that could not be
@@ -271,7 +274,13 @@ def _append_once(store: SyncStore, t: Appending, payload: bytes, into: Callable[
                 seq, items = link_and_check(store._fs, dfd, tmp, seq, payload, t.session_marker)
                 t.next_seq, t.last_name = _last_of(items)
                 tmp = _drop_temp(dfd, tmp, t.path)
-                _after_commit(store, t, dfd, max(before.st_mtime_ns, now.st_mtime_ns))
+                since_ns = max(before.st_mtime_ns, now.st_mtime_ns)  # (after the unlink: it stamps)
+                _after_commit(t, lambda: _transcript.tick_mtime(dfd, since_ns), "the directory's "
+                              "mtime tick failed (%s): a summary made just before may look current")
+            # Not the lock's to cover (it orders the links and their checks): a fsync under
+            # it made the next writer wait for this one's journal commit.
+            _after_commit(t, lambda: store._fs.sync_dir(dfd),
+                          "the directory fsync failed (%s): it may not survive a power loss")
         finally:
             if tmp:
                 _fsio.unlink_quiet(dfd, tmp)
@@ -544,25 +553,16 @@ def _drop_temp(dfd: int, tmp: str, path: str) -> str:
     return ""
 
 
-def _after_commit(
-    store: SyncStore, t: Appending, dfd: int, before_ns: int
-) -> None:
-    """After the commit point. Nothing here fails the append.
-
-    The batch is committed; raising now would make the SDK retry it, and a
-    retried batch is stored twice (entries without a uuid are not de-duplicated).
-    So failures are logged: a failed directory fsync is the operator's to see.
-    """
+def _after_commit(t: Appending, step: Callable[[], None], failed: str) -> None:
+    """``step()``, after the commit point: a failure is logged (``failed`` % the error),
+    never raised. The batch is committed; raising now would make the SDK retry it, and a
+    retried batch is stored twice (entries without a uuid are not de-duplicated)."""
     try:
-        _transcript.tick_mtime(dfd, before_ns)
-        store._fs.sync_dir(dfd)
+        step()
     except OSError as exc:
         code = errno.errorcode.get(exc.errno or 0, "EIO")
-        log.error(
-            "batch committed and visible, but the directory fsync failed (%s): it may not "
-            "survive a power loss", exc,
-            extra={"code": code, "operation": "append", "path": t.path, "errno": exc.errno},
-        )
+        log.error("batch committed and visible, but " + failed, exc,
+                  extra={"code": code, "operation": "append", "path": t.path, "errno": exc.errno})
 
 
 def _compaction_due(store: SyncStore, items: list[Item]) -> bool:
