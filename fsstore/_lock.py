@@ -37,6 +37,7 @@ import contextlib
 import contextvars
 import dataclasses
 import errno
+import math
 import os
 import secrets
 import stat
@@ -136,7 +137,7 @@ def reclaim_if_stale(
     if why is None:
         return False
     before = marker.stat
-    aside = f"{lock_path}.stale-{os.getpid()}-{secrets.token_hex(8)}"
+    aside = _aside(lock_path)
     try:
         os.rename(lock_path, aside)
     except OSError:  # someone else reclaimed or released it first
@@ -146,18 +147,8 @@ def reclaim_if_stale(
     else:
         after = os.lstat(aside)
         judged = (after.st_ino, after.st_mtime_ns) == (before.st_ino, before.st_mtime_ns)
-    if not judged:
-        # A new holder took the lock since we looked: put its marker back. If yet
-        # another marker is there already (link refuses to replace it: EEXIST, or
-        # EPERM over SFTP, which has no EEXIST), leave the moved one where it is
-        # rather than delete a live holder's marker; `fsstore gc` removes `.stale-*`
-        # files once old. (The rename above needed write access here: EPERM is the race.)
-        try:
-            os.link(aside, lock_path)
-        except (FileExistsError, PermissionError):
-            return False
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(aside)
+    if not judged:  # a new holder took the lock since we looked
+        _put_back(aside, lock_path)
         return False
     with contextlib.suppress(FileNotFoundError):
         os.unlink(aside)
@@ -166,6 +157,24 @@ def reclaim_if_stale(
         extra={"code": "LOCK_RECLAIMED", "operation": operation, "path": lock_path},
     )
     return True
+
+
+def _aside(lock_path: str) -> str:
+    """A name to move the marker at ``lock_path`` to, to look at it (``.stale-*``)."""
+    return f"{lock_path}.stale-{os.getpid()}-{secrets.token_hex(8)}"
+
+
+def _put_back(aside: str, lock_path: str) -> None:
+    """A live holder's marker, moved aside by mistake: back at the lock name. If yet
+    another marker is there already (link refuses to replace it: EEXIST, or EPERM over
+    SFTP, which has no EEXIST), the moved one stays where it is rather than replace a
+    live holder's marker; ``fsstore gc`` removes ``.stale-*`` files once old."""
+    try:
+        os.link(aside, lock_path)
+    except (FileExistsError, PermissionError):
+        return
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(aside)
 
 
 def _stale(marker: Marker, lock_path: str, older_than: float,
@@ -249,6 +258,7 @@ class _MarkerLock(filelock.BaseFileLock):
     _text = b""  # and its content
     _poll_backoff_cap = 0.05  # waiters poll from 2 ms, backing off to 50 ms, with jitter
     _refused = 0  # permission errors in a row with no marker there
+    lease_ends = math.inf  # monotonic; set by the hold before it releases (Held.__exit__)
 
     def _acquire(self) -> None:
         directory, name = os.path.split(self.lock_file)
@@ -277,19 +287,35 @@ class _MarkerLock(filelock.BaseFileLock):
         st = os.fstat(fd)
         self._mark_descriptor_owned(fd, (st.st_dev, st.st_ino))
 
+    def _ours(self, path: str, identity: object) -> bool:
+        """Whether the marker at ``path`` is this hold's. sshfs numbers each name's inode
+        on its own (a hard link has another ``st_ino``): there, the content says."""
+        st = os.lstat(path)
+        return (st.st_dev, st.st_ino) == identity or _content(path) == self._text
+
     def _release(self) -> None:
         fd = self._context.lock_file_fd
         assert fd is not None
         identity = self._context.lock_file_fd_identity
         released = False
         try:
-            st = os.lstat(self.lock_file)
-            # Ours unless reclaimed and taken by another. sshfs numbers each name's
-            # inode on its own (a hard link has another st_ino): there, the content
-            # says whose it is.
-            if (st.st_dev, st.st_ino) == identity or _content(self.lock_file) == self._text:
-                os.unlink(self.lock_file)
-                released = True
+            if time.monotonic() < self.lease_ends:
+                if self._ours(self.lock_file, identity):  # (not: reclaimed, taken by another)
+                    os.unlink(self.lock_file)
+                    released = True
+            else:
+                # Past the lease a waiter may have reclaimed the marker and taken the lock
+                # anew: a look then an unlink of the name could remove that holder's marker
+                # (review, stop 31: a release stalled 2 s between the two let a third
+                # process in beside the new holder). Whatever is there is moved aside
+                # (atomic), removed if ours, put back if not.
+                aside = _aside(self.lock_file)
+                os.rename(self.lock_file, aside)
+                if self._ours(aside, identity):
+                    os.unlink(aside)
+                    released = True
+                else:
+                    _put_back(aside, self.lock_file)
         except FileNotFoundError:
             pass  # reclaimed (also between the look and the unlink): nothing of ours is there
         finally:
@@ -403,6 +429,7 @@ class Held:
         try:
             try:
                 assert entry.soft is not None
+                entry.soft.lease_ends = self.since + self.budget
                 entry.soft.release()
             except OSError as exc:
                 # The work under the lock is done (a commit may be visible);

@@ -964,7 +964,7 @@ def test_gc_on_a_host_whose_clock_runs_ahead_leaves_a_live_holder_here_its_lock(
         mine = marker.read_bytes()
         env = {**_overlap.faketime_env(offset), "PYTHONPATH": str(REPO)}
         gc = subprocess.run([sys.executable, "-m", "fsstore", "gc", str(root), "--older-than", older_than],
-                            env=env, capture_output=True, text=True, timeout=60)
+                            check=False, env=env, capture_output=True, text=True, timeout=60)
         assert "broke lock" not in gc.stdout and "held by a live process here" in gc.stdout, gc.stdout
         assert marker.read_bytes() == mine, gc.stdout
         other = SyncStore(root, lock_timeout_seconds=0.3)
@@ -972,6 +972,73 @@ def test_gc_on_a_host_whose_clock_runs_ahead_leaves_a_live_holder_here_its_lock(
             other.append(KEY, batch("other", 0, 1))
         assert info.value.code == "LOCK_TIMEOUT"
     assert gc.returncode == 0, gc.stdout + gc.stderr
+
+
+STALLED_RELEASE_HOLDER = """
+import glob, sys, time
+sys.path.insert(0, {repo!r})
+from fsstore._store import SyncStore
+store = SyncStore({root!r}, stale_lock_seconds=4)
+with store.locked({key!r}):
+    print(glob.glob({root!r} + "/.locks/*.lock")[0], flush=True)
+    sys.stdin.readline()  # strace attached
+    time.sleep(2.1)  # past its lease (2 s): a waiter may reclaim it from now on
+"""
+
+TIMED_HOLDER = """
+import json, sys, time
+sys.path.insert(0, {repo!r})
+from fsstore._store import SyncStore
+store = SyncStore({root!r}, stale_lock_seconds=4, lock_timeout_seconds=20)
+time.sleep({start})
+with store.locked({key!r}):
+    began = time.time()
+    time.sleep({hold})
+    print(json.dumps([began, time.time()]), flush=True)
+"""
+
+
+@pytest.mark.skipif(shutil.which("strace") is None, reason="needs strace")
+def test_a_release_stalled_past_its_lease_never_removes_the_marker_of_the_holder_who_reclaimed_it(
+        tmp_path: Path) -> None:
+    """A holder past its lease (stale 4 s) releases; its release stalls 3 s in its system
+    call on the lock name (strace). Meanwhile a waiter reclaims the marker and takes the
+    lock. The release looked, then unlinked the name: it removed the new holder's marker,
+    and a third process got in beside that holder (review, stop 31: 2 of 2). Past the
+    lease the release moves whatever is at the name aside first, and puts back what is
+    not its own."""
+    root = tmp_path / "store"
+    SyncStore(root, create=True).append(KEY, batch("first", 0, 1))
+    fmt = {"repo": str(REPO), "root": str(root), "key": KEY}
+    holder = subprocess.Popen([sys.executable, "-c", STALLED_RELEASE_HOLDER.format(**fmt)],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    procs: list[subprocess.Popen[str]] = [holder]
+    try:
+        assert holder.stdout is not None and holder.stdin is not None
+        lock = holder.stdout.readline().strip()
+        calls = "unlink,unlinkat,rename,renameat,renameat2"
+        procs.append(subprocess.Popen(["strace", "-f", "-qq", "-o", "/dev/null", "-P", lock, "-e", f"trace={calls}",
+                                       "-e", f"inject={calls}:delay_enter=3000000", "-p", str(holder.pid)],
+                                      text=True))
+        deadline = time.monotonic() + 10
+        while "TracerPid:\t0" in Path(f"/proc/{holder.pid}/status").read_text():
+            assert time.monotonic() < deadline, "strace did not attach"
+            time.sleep(0.02)
+        holder.stdin.write("go\n")
+        holder.stdin.flush()
+        # The waiter reclaims at ~4 s and holds 2 s; the third tries from 4.5 s.
+        waiters = [subprocess.Popen([sys.executable, "-c", TIMED_HOLDER.format(**fmt, start=start, hold=hold)],
+                                    stdout=subprocess.PIPE, text=True) for start, hold in ((0.1, 2.0), (4.5, 0.5))]
+        procs += waiters
+        (w_in, w_out), (x_in, x_out) = (json.loads(p.communicate(timeout=60)[0]) for p in waiters)
+        holder.wait(30)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    assert x_in >= w_out or x_out <= w_in, ("two holders at once", w_in, w_out, x_in, x_out)
+    assert not list((root / ".locks").glob("*.lock"))
 
 
 def _appending_elsewhere(store: SyncStore, stop: threading.Event, pause: float) -> threading.Thread:
