@@ -63,6 +63,7 @@ from ._transcript import (
     Item,
     State,
     Vanished,
+    first_kept,
     misplaced,
     parse,
     plan_held,
@@ -172,12 +173,16 @@ def _merge(
         newest = max(newest, st.st_mtime_ns)
     first, last = merge[0][0], merge[-1][1]
     segment, data = _layout.segment_name(first, last), b"".join(blobs.values())
+    first_read = first_kept({**seen, **blobs}, merge, items)  # (plan_held read before the loop)
     with hold() as held:
         now = _look_again(dir_fd, items, first, last)
-        if now is None:
+        if now is None or (first_read is not None and not _read.still(dir_fd, *first_read)):
             # Found by review: a name read here can be one another compaction freed (its
             # segment over it published first) and a stale writer linked again since:
-            # copied, that batch would take the merged one's place. Looked at again.
+            # copied, that batch would take the merged one's place. And where directory
+            # handles go by path (sshfs), another host's delete and new session since
+            # the reads make every name the new session's (review, stop 31: the old
+            # segment was published into it, hiding its acknowledged parts). Looked at again.
             raise Vanished(path)
         with _mtime_kept(dir_fd, held, top(now)):
             # The segment carries the newest merged mtime: retention goes by file age.
@@ -200,19 +205,23 @@ def _merge(
                 "code": "SUMMARY_BEHIND", "operation": operation, "path": path})
 
     doomed = _covered(dir_fd, after, [(first, last, segment)], {segment: data})
-    _tidy(dir_fd, hold, doomed, write_summary if summary is not None else None)
+    _tidy(dir_fd, hold, doomed, write_summary if summary is not None else None, (segment, data))
     return len(merge)
 
 
 def _tidy(dir_fd: int, hold: Callable[[], contextlib.AbstractContextManager[Held]], doomed: list[str],
-          write_summary: Callable[[], None] | None = None) -> None:
+          write_summary: Callable[[], None] | None = None, made: tuple[str, bytes] | None = None) -> None:
     """Steps 5-6 under the lock again: the summary sidecar, and the unlinks of
-    ``doomed``. A busy lock leaves both to the next compaction (readers skip
-    leftovers, and fold what the sidecar lacks)."""
+    ``doomed``; not where the segment ``made`` is not there as made (the session was
+    deleted and made anew meanwhile, seen through a handle that goes by path: sshfs).
+    A busy lock leaves both to the next compaction (readers skip leftovers, and fold
+    what the sidecar lacks)."""
     if not doomed and write_summary is None:
         return
     with contextlib.suppress(OSError, FsStoreError), hold() as held, \
             _mtime_kept(dir_fd, held, top(scan(dir_fd)[0])):
+        if made is not None and not _read.still(dir_fd, *made):
+            return
         if write_summary is not None:
             write_summary()
         for name in doomed:

@@ -46,6 +46,37 @@ def read_file(dir_fd: int, name: str, *, limit: int | None = None) -> bytes:
         os.close(fd)
 
 
+# How many last bytes of a file tell it from another at the same name: the last line
+# of its last batch, with the batch's nonce (a new file there ends with another).
+_TAIL = 256
+
+
+def still(dir_fd: int, name: str, data: bytes) -> bool:
+    """Whether the file at ``name`` is still the one read as ``data``: the same size
+    now, and the same last bytes (a batch's last line ends with its random nonce). Where
+    directory handles go by path (sshfs, bindfs: FUSE's path-based API), a delete and a
+    new session made at the same key by another host turn every name under a handle
+    into the new session's file of that name."""
+    try:
+        fd = os.open(name, READ_FLAGS | os.O_NONBLOCK, dir_fd=dir_fd)
+    except OSError as exc:
+        if exc.errno in (errno.ENOENT, errno.ESTALE):
+            return False
+        raise
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            return False
+        size = _fresh_size(fd) if _on_fuse(st.st_dev) else st.st_size
+        n = min(len(data), _TAIL)
+        if size != len(data):
+            return False
+        os.lseek(fd, size - n, os.SEEK_SET)
+        return os.read(fd, n) == data[size - n:]
+    finally:
+        os.close(fd)
+
+
 # statx(2) with AT_STATX_FORCE_SYNC makes a FUSE (or NFS) client ask its server for the
 # attributes of the open file instead of answering from its cache. Through ctypes, as
 # _fsio's openat2: the os module has no statx. stx_size is the 64-bit field at byte 40

@@ -464,6 +464,12 @@ def snapshot(
             race = Vanished(path)
         if race is not None:
             break
+    # The file read first still there, the same (review, stop 31: on sshfs a load that
+    # read its first file before another host deleted the session and made it anew read
+    # the rest from the new one, under the same names: mixed).
+    first_read = first_kept(seen, chain, items) if read and race is None else None
+    if first_read is not None and not _read.still(dir_fd, *first_read):
+        race = Vanished(first_read[0])
     deleted = None
     try:
         check_session_marker(dir_fd, session_marker)  # first: the session's delete, if it is one
@@ -472,6 +478,17 @@ def snapshot(
     if deleted is None and (marked or marked_again):
         deleted = Deleted(path)
     return Snapshot(items, chain, gap, batches, damage, deleted, race, seen)
+
+
+def first_kept(read: dict[str, bytes], files: list[Item], items: list[Item]) -> tuple[str, bytes] | None:
+    """Of ``files``, the one read first (``read``: bytes by name, in the order read) whose
+    name only a delete frees: none of ``items``' other segments holds its range (a
+    compaction frees a name inside one, and a stale writer may link it again). While it
+    is the same file, the directory a handle names is the one read (where handles go by
+    path, sshfs, a delete and a new session at the key make it another)."""
+    wanted = {name for first, last, name in files
+              if not any(f != l and n != name and f <= first and last <= l for f, l, n in items)}
+    return next(((name, data) for name, data in read.items() if name in wanted), None)
 
 
 def warn_gap(gap: int, path: str, operation: str) -> None:

@@ -131,3 +131,88 @@ def test_subkeys_of_a_session_another_host_moved_after_the_listing_read_them_are
     assert staged and not staged[0].exists()
     monkeypatch.undo()
     assert [e["w"] for e in SyncStore(root).load(sub) or []] == ["a"]
+
+
+def _the_other_host_deletes_and_remakes(server: Path, key: dict[str, str], batches: int) -> None:
+    """On the "server" (bindfs's underlying directory), as another host would: delete
+    the session and write ``batches`` new batches at its key."""
+    from ._check import batch
+
+    other = SyncStore(server, compact_every=0)
+    other.delete(key)
+    for b in range(batches):
+        other.append(key, batch("new", b, 1))
+
+
+def test_a_compaction_that_read_before_the_other_host_remade_the_session_keeps_out_of_the_new_one(
+    bindfs_mount: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Review (stop 31, sshfs: 3 of 3, and on its own in campaigns): a compaction read
+    parts 1-6, then another host deleted the session and wrote 8 new batches at the
+    key. Where a directory handle goes by path (sshfs, bindfs), the compaction's handle
+    then named the new session: it published its segment 1-6 of deleted batches there,
+    and every load returned them in place of the 6 acknowledged new ones (left on disk
+    as misplaced parts). It now checks, under the lock, that the file it read first is
+    still the same, and looks again."""
+    from fsstore import _compact
+
+    from ._check import batch
+
+    d = fresh(bindfs_mount, "remade")
+    root, server = d / "store", bindfs_mount.parent / "src" / d.name / "store"
+    key = {"project_key": "p", "session_id": "s"}
+    store = SyncStore(root, create=True, compact_every=0)
+    for b in range(6):
+        store.append(key, batch("old", b, 1))
+    real = _compact.compact
+
+    def read_then_remade(fs: Any, dfd: int, path: str, hold: Any, **kw: Any) -> int:
+        def hold_after_remade() -> Any:  # the compaction's first hold comes after its reads
+            if not staged:
+                staged.append(True)
+                _the_other_host_deletes_and_remakes(server, key, 8)
+            return hold()
+        return real(fs, dfd, path, hold_after_remade, **kw)
+
+    staged: list[bool] = []
+    monkeypatch.setattr(_compact, "compact", read_then_remade)
+    store.compact(key)
+    monkeypatch.undo()
+    assert staged
+    assert [(e["w"], e["b"]) for e in SyncStore(root).load(key) or []] == [("new", b) for b in range(8)]
+
+
+def test_a_load_that_read_before_the_other_host_remade_the_session_returns_one_of_them(
+    bindfs_mount: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Review (stop 31, sshfs: 3 of 3): a load read its first file, then another host
+    deleted the session and wrote as many new batches at the key; where a directory
+    handle goes by path, the load read the rest from the new session under the same
+    names and returned ``[old 0, new 1, new 2]``. A load racing a delete returns the
+    whole transcript or None (or the new one, whole): it now checks that the file it
+    read first is still the same, and reads again."""
+    from fsstore import _read
+
+    from ._check import batch
+
+    d = fresh(bindfs_mount, "torn")
+    root, server = d / "store", bindfs_mount.parent / "src" / d.name / "store"
+    key = {"project_key": "p", "session_id": "s"}
+    store = SyncStore(root, create=True, compact_every=0)
+    for b in range(3):
+        store.append(key, batch("old", b, 1))
+    real = _read.read_file
+
+    def read_then_remade(dir_fd: int, name: str, **kw: Any) -> bytes:
+        data = real(dir_fd, name, **kw)
+        if not staged:
+            staged.append(name)
+            _the_other_host_deletes_and_remakes(server, key, 3)
+        return data
+
+    staged: list[str] = []
+    monkeypatch.setattr(_read, "read_file", read_then_remade)
+    got = [(e["w"], e["b"]) for e in store.load(key) or []]
+    monkeypatch.undo()
+    assert staged
+    assert got == [("new", b) for b in range(3)], got
