@@ -299,16 +299,16 @@ class _MarkerLock(filelock.BaseFileLock):
         identity = self._context.lock_file_fd_identity
         released = False
         try:
-            if time.monotonic() < self.lease_ends:
-                if self._ours(self.lock_file, identity):  # (not: reclaimed, taken by another)
-                    os.unlink(self.lock_file)
-                    released = True
+            if not self._ours(self.lock_file, identity):
+                pass  # reclaimed, and taken by another: not ours to touch
+            elif time.monotonic() < self.lease_ends:
+                os.unlink(self.lock_file)
+                released = True
             else:
-                # Past the lease a waiter may have reclaimed the marker and taken the lock
-                # anew: a look then an unlink of the name could remove that holder's marker
-                # (review, stop 31: a release stalled 2 s between the two let a third
-                # process in beside the new holder). Whatever is there is moved aside
-                # (atomic), removed if ours, put back if not.
+                # Past the lease a waiter may reclaim the marker and take the lock between
+                # the look and an unlink, which then removed the new holder's marker (a
+                # release stalled 3 s there let a third process in beside it: stop 31).
+                # Ours is moved aside (atomic) and checked there; another's is put back.
                 aside = _aside(self.lock_file)
                 os.rename(self.lock_file, aside)
                 if self._ours(aside, identity):

@@ -1004,9 +1004,9 @@ def test_a_release_stalled_past_its_lease_never_removes_the_marker_of_the_holder
     """A holder past its lease (stale 4 s) releases; its release stalls 3 s in its system
     call on the lock name (strace). Meanwhile a waiter reclaims the marker and takes the
     lock. The release looked, then unlinked the name: it removed the new holder's marker,
-    and a third process got in beside that holder (review, stop 31: 2 of 2). Past the
-    lease the release moves whatever is at the name aside first, and puts back what is
-    not its own."""
+    and a third process got in beside that holder (stop 31: 2 of 2). Past the lease the
+    release moves its marker aside before it removes it, and puts back what is not its
+    own (what is left: a waiter taking the name in the instant between the two)."""
     root = tmp_path / "store"
     SyncStore(root, create=True).append(KEY, batch("first", 0, 1))
     fmt = {"repo": str(REPO), "root": str(root), "key": KEY}
@@ -1026,9 +1026,10 @@ def test_a_release_stalled_past_its_lease_never_removes_the_marker_of_the_holder
             time.sleep(0.02)
         holder.stdin.write("go\n")
         holder.stdin.flush()
-        # The waiter reclaims at ~4 s and holds 2 s; the third tries from 4.5 s.
+        # The waiter reclaims at ~4 s and holds 2.5 s; the stalled release lands at ~5.1 s;
+        # the third tries from 5.6 s (before, it found the name empty).
         waiters = [subprocess.Popen([sys.executable, "-c", TIMED_HOLDER.format(**fmt, start=start, hold=hold)],
-                                    stdout=subprocess.PIPE, text=True) for start, hold in ((0.1, 2.0), (4.5, 0.5))]
+                                    stdout=subprocess.PIPE, text=True) for start, hold in ((0.1, 2.5), (5.6, 0.5))]
         procs += waiters
         (w_in, w_out), (x_in, x_out) = (json.loads(p.communicate(timeout=60)[0]) for p in waiters)
         holder.wait(30)
