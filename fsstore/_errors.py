@@ -42,8 +42,9 @@ STORE_CODES: dict[str, Code] = {
     "CORRUPT": Code("a committed part or segment cannot be parsed (file and line in the message)",
                     "repair (`fsstore check`)"),
     "LOCK_TIMEOUT": Code("the transcript lock was not acquired within lock_timeout_seconds", "yes"),
-    "LOCK_EXPIRED": Code("the lock was held past half of stale_lock_seconds before publishing; "
-                         "nothing was written", "yes"),
+    "LOCK_EXPIRED": Code("the lock was held past half of stale_lock_seconds before publishing, or "
+                         "given back while the call ran under it (its task cancelled); nothing was "
+                         "written", "yes"),
     "UNSAFE_PATH": Code("something inside root is a symlink or not a directory where the store "
                         "expects one", "investigate"),
     "NOT_A_STORE": Code("root is not a store (no .fsstore marker): a share not mounted, or a store "
