@@ -191,3 +191,18 @@ def moved_by_a_dead_deleter(root: Path, key: dict[str, Any] = KEY, *, record: bo
     (root / _layout.TRASH).mkdir(exist_ok=True)
     (root / _layout.rel(moved)).rename(root / _layout.TRASH / aside)
     return root / _layout.TRASH / aside
+
+
+def stall(pid: int, calls: str, delay_us: int, *, path: str | os.PathLike[str], when: str | None = None
+          ) -> subprocess.Popen[bytes]:
+    """strace attached to process ``pid``: its ``calls`` (comma-separated) on ``path``
+    (strace's ``-P``), those ``when`` picks (all if None), each take ``delay_us`` longer.
+    Returns once it is attached; the caller kills it."""
+    inject = f"inject={calls}:delay_enter={delay_us}" + (f":when={when}" if when else "")
+    tracer = subprocess.Popen(["strace", "-f", "-qq", "-o", "/dev/null", "-P", str(path),
+                               "-e", f"trace={calls}", "-e", inject, "-p", str(pid)])
+    deadline = time.monotonic() + 10
+    while "TracerPid:\t0" in Path(f"/proc/{pid}/status").read_text():
+        assert time.monotonic() < deadline, "strace did not attach"
+        time.sleep(0.02)
+    return tracer

@@ -38,6 +38,7 @@ from ._helpers import (
     fsstore,
     lock_file,
     snapshot,
+    stall,
     tdir,
     write_jsonl,
 )
@@ -630,13 +631,7 @@ def test_an_append_cancelled_natively_inside_locked_publishes_nothing_once_the_l
         assert proc.stdout.readline().strip() == "ready"
         # The second look at the transcript directory: the first is before the lock
         # (the temp file's), the second the one after it, before the lease check.
-        tracer = subprocess.Popen(["strace", "-f", "-qq", "-o", "/dev/null", "-P", str(tdir(root, KEY)),
-                                   "-e", "trace=newfstatat", "-e", "inject=newfstatat:delay_enter=1500000:when=2",
-                                   "-p", str(proc.pid)])
-        deadline = time.monotonic() + 10
-        while "TracerPid:\t0" in Path(f"/proc/{proc.pid}/status").read_text():
-            assert time.monotonic() < deadline, "strace did not attach"
-            time.sleep(0.02)
+        tracer = stall(proc.pid, "newfstatat", 1_500_000, path=tdir(root, KEY), when="2")
         proc.stdin.write("go\n")
         proc.stdin.flush()
         assert proc.stdout.readline().strip() == "released"

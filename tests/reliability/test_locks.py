@@ -36,6 +36,7 @@ import pytest
 from fsstore import FsStoreError
 from fsstore._store import SyncStore
 
+from .._helpers import stall
 from . import _children, _mounts, _overlap
 from ._check import (
     assert_summaries_consistent,
@@ -1012,18 +1013,12 @@ def test_a_release_stalled_past_its_lease_never_removes_the_marker_of_the_holder
     fmt = {"repo": str(REPO), "root": str(root), "key": KEY}
     holder = subprocess.Popen([sys.executable, "-c", STALLED_RELEASE_HOLDER.format(**fmt)],
                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-    procs: list[subprocess.Popen[str]] = [holder]
+    procs: list[subprocess.Popen[Any]] = [holder]
+    tracer = None
     try:
         assert holder.stdout is not None and holder.stdin is not None
         lock = holder.stdout.readline().strip()
-        calls = "unlink,unlinkat,rename,renameat,renameat2"
-        procs.append(subprocess.Popen(["strace", "-f", "-qq", "-o", "/dev/null", "-P", lock, "-e", f"trace={calls}",
-                                       "-e", f"inject={calls}:delay_enter=3000000", "-p", str(holder.pid)],
-                                      text=True))
-        deadline = time.monotonic() + 10
-        while "TracerPid:\t0" in Path(f"/proc/{holder.pid}/status").read_text():
-            assert time.monotonic() < deadline, "strace did not attach"
-            time.sleep(0.02)
+        tracer = stall(holder.pid, "unlink,unlinkat,rename,renameat,renameat2", 3_000_000, path=lock)
         holder.stdin.write("go\n")
         holder.stdin.flush()
         # The waiter reclaims at ~4 s and holds 2.5 s; the stalled release lands at ~5.1 s;
@@ -1034,7 +1029,7 @@ def test_a_release_stalled_past_its_lease_never_removes_the_marker_of_the_holder
         (w_in, w_out), (x_in, x_out) = (json.loads(p.communicate(timeout=60)[0]) for p in waiters)
         holder.wait(30)
     finally:
-        for p in procs:
+        for p in [*procs, *([tracer] if tracer else [])]:
             if p.poll() is None:
                 p.kill()
                 p.wait()

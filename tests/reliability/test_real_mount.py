@@ -133,6 +133,21 @@ def test_subkeys_of_a_session_another_host_moved_after_the_listing_read_them_are
     assert [e["w"] for e in SyncStore(root).load(sub) or []] == ["a"]
 
 
+REMADE = {"project_key": "p", "session_id": "s"}
+
+
+def _old_session(mount: Path, name: str, batches: int) -> tuple[Path, Path, SyncStore]:
+    """A session of ``batches`` old batches on bindfs: the store's root through the
+    mount, the same directory on the "server" (bindfs's underlying one), the store."""
+    from ._check import batch
+
+    d = fresh(mount, name)
+    store = SyncStore(d / "store", create=True, compact_every=0)
+    for b in range(batches):
+        store.append(REMADE, batch("old", b, 1))
+    return d / "store", mount.parent / "src" / d.name / "store", store
+
+
 def _the_other_host_deletes_and_remakes(server: Path, key: dict[str, str], batches: int) -> None:
     """On the "server" (bindfs's underlying directory), as another host would: delete
     the session and write ``batches`` new batches at its key."""
@@ -156,14 +171,8 @@ def test_a_compaction_that_read_before_the_other_host_remade_the_session_keeps_o
     still the same, and looks again."""
     from fsstore import _compact
 
-    from ._check import batch
-
-    d = fresh(bindfs_mount, "remade")
-    root, server = d / "store", bindfs_mount.parent / "src" / d.name / "store"
-    key = {"project_key": "p", "session_id": "s"}
-    store = SyncStore(root, create=True, compact_every=0)
-    for b in range(6):
-        store.append(key, batch("old", b, 1))
+    root, server, store = _old_session(bindfs_mount, "remade", 6)
+    key = REMADE
     real = _compact.compact
 
     def read_then_remade(fs: Any, dfd: int, path: str, hold: Any, **kw: Any) -> int:
@@ -193,14 +202,8 @@ def test_a_load_that_read_before_the_other_host_remade_the_session_returns_one_o
     read first is still the same, and reads again."""
     from fsstore import _read
 
-    from ._check import batch
-
-    d = fresh(bindfs_mount, "torn")
-    root, server = d / "store", bindfs_mount.parent / "src" / d.name / "store"
-    key = {"project_key": "p", "session_id": "s"}
-    store = SyncStore(root, create=True, compact_every=0)
-    for b in range(3):
-        store.append(key, batch("old", b, 1))
+    _root, server, store = _old_session(bindfs_mount, "torn", 3)
+    key = REMADE
     real = _read.read_file
 
     def read_then_remade(dir_fd: int, name: str, **kw: Any) -> bytes:
