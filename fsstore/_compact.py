@@ -155,7 +155,7 @@ def _merge(
                            operation=operation, path=path)
     merge = chain[choose(chain, everything=everything):]
     if len(merge) < 2:
-        _tidy(dir_fd, hold, _covered(dir_fd, items, chain, seen))
+        _tidy(dir_fd, hold, operation, _covered(dir_fd, items, chain, seen))
         return 0
     blobs: dict[str, bytes] = {}
     newest = 0
@@ -205,12 +205,13 @@ def _merge(
                 "code": "SUMMARY_BEHIND", "operation": operation, "path": path})
 
     doomed = _covered(dir_fd, after, [(first, last, segment)], {segment: data})
-    _tidy(dir_fd, hold, doomed, write_summary if summary is not None else None, (segment, data))
+    _tidy(dir_fd, hold, operation, doomed, write_summary if summary is not None else None, (segment, data))
     return len(merge)
 
 
-def _tidy(dir_fd: int, hold: Callable[[], contextlib.AbstractContextManager[Held]], doomed: list[str],
-          write_summary: Callable[[], None] | None = None, made: tuple[str, bytes] | None = None) -> None:
+def _tidy(dir_fd: int, hold: Callable[[], contextlib.AbstractContextManager[Held]], operation: str,
+          doomed: list[str], write_summary: Callable[[], None] | None = None,
+          made: tuple[str, bytes] | None = None) -> None:
     """Steps 5-6 under the lock again: the summary sidecar, and the unlinks of
     ``doomed``; not where the segment ``made`` is not there as made (the session was
     deleted and made anew meanwhile, seen through a handle that goes by path: sshfs).
@@ -225,6 +226,9 @@ def _tidy(dir_fd: int, hold: Callable[[], contextlib.AbstractContextManager[Held
         if write_summary is not None:
             write_summary()
         for name in doomed:
+            # Within the lease (review, stop 31: one stalled past it, on sshfs, unlinked the
+            # parts of the session another host had deleted and made anew meanwhile).
+            held.check(operation)
             _fsio.unlink_quiet(dir_fd, name)
 
 

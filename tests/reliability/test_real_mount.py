@@ -148,12 +148,13 @@ def _old_session(mount: Path, name: str, batches: int) -> tuple[Path, Path, Sync
     return d / "store", mount.parent / "src" / d.name / "store", store
 
 
-def _the_other_host_deletes_and_remakes(server: Path, key: dict[str, str], batches: int) -> None:
+def _the_other_host_deletes_and_remakes(server: Path, key: dict[str, str], batches: int,
+                                        stale: float = 30.0) -> None:
     """On the "server" (bindfs's underlying directory), as another host would: delete
     the session and write ``batches`` new batches at its key."""
     from ._check import batch
 
-    other = SyncStore(server, compact_every=0)
+    other = SyncStore(server, compact_every=0, stale_lock_seconds=stale)
     other.delete(key)
     for b in range(batches):
         other.append(key, batch("new", b, 1))
@@ -219,3 +220,31 @@ def test_a_load_that_read_before_the_other_host_remade_the_session_returns_one_o
     monkeypatch.undo()
     assert staged
     assert got == [("new", b) for b in range(3)], got
+
+
+def test_a_compaction_stalled_past_its_lease_before_its_unlinks_leaves_a_remade_session_whole(
+    bindfs_mount: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Review (stop 31, sshfs: 4 of 4): a compaction published its segment, then stalled
+    past its lease after its second hold's look and before its unlinks; another host
+    reclaimed the lock, deleted the session and made it anew with 6 acknowledged
+    batches; the compaction's unlinks of the merged names, through a handle that goes
+    by path, removed them. It checks its lease before each unlink."""
+    from fsstore import _compact, _read
+
+    root, server, store = _old_session(bindfs_mount, "tidy", 6)
+    store = SyncStore(root, stale_lock_seconds=1.0, compact_every=0)  # a lease of 0.5 s
+    real, looks = _read.still, []
+
+    def still_then_stalled(dir_fd: int, name: str, data: bytes) -> bool:
+        same = real(dir_fd, name, data)
+        looks.append(name)
+        if len(looks) == 2:  # the second hold's look at its segment: the other host acts
+            _the_other_host_deletes_and_remakes(server, REMADE, 6, stale=1.0)  # reclaims it
+        return same
+
+    monkeypatch.setattr(_compact._read, "still", still_then_stalled)
+    store.compact(REMADE)
+    monkeypatch.undo()
+    assert len(looks) == 2
+    assert [(e["w"], e["b"]) for e in SyncStore(server).load(REMADE) or []] == [("new", b) for b in range(6)]
