@@ -5,8 +5,10 @@ A transcript's lock is ``.locks/<sha256 of the transcript's path, 40 hex>.lock``
 (pid, host, process start token, the record's name). Its
 name says nothing of the transcript: :func:`name_locks` finds it among the
 transcripts a walk found. A marker is judged the way the store judges it: dead (its
-holder is not running on this host), expired (older than ``stale_lock_seconds``),
-malformed (no record long after it was made, or not a regular file), else held.
+holder is not running on this host), expired (older than ``stale_lock_seconds``, its
+holder not running here: a holder alive on this host is held, however far ahead this
+host's clock runs), malformed (no record long after it was made, or not a regular
+file), else held.
 """
 
 from __future__ import annotations
@@ -95,6 +97,8 @@ def judge(w: Walker, path: str, st: os.stat_result) -> LockInfo | None:
         status = "malformed"  # no writer can take or reclaim it
     elif marker is not None and marker.dead_here:
         status = "dead"
+    elif marker is not None and marker.here:
+        status = "held"  # alive here: one look by a clock that may run ahead (see _lock._stale)
     else:
         status = "expired" if age > w.stale_lock_seconds else "held"
     local = marker is not None and marker.here

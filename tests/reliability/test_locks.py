@@ -968,6 +968,12 @@ def test_gc_on_a_host_whose_clock_runs_ahead_leaves_a_live_holder_here_its_lock(
                             check=False, env=env, capture_output=True, text=True, timeout=60)
         assert "broke lock" not in gc.stdout and "held by a live process here" in gc.stdout, gc.stdout
         assert marker.read_bytes() == mine, gc.stdout
+        # Nor do the operator's looks call it stale (review, stop 31: `locks` said expired).
+        locks = subprocess.run([sys.executable, "-m", "fsstore", "locks", str(root), "--json"],
+                               check=False, env=env, capture_output=True, text=True, timeout=60)
+        found = json.loads(locks.stdout)
+        assert [(lk["status"], lk["this_host"]) for lk in found["locks"]] == [("held", True)], found
+        assert found["stale"] == 0 and locks.returncode == 0, locks.stdout + locks.stderr
         other = SyncStore(root, lock_timeout_seconds=0.3)
         with pytest.raises(FsStoreError) as info:
             other.append(KEY, batch("other", 0, 1))
