@@ -8,6 +8,7 @@ import shutil
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -26,6 +27,22 @@ if os.environ.get("FSSTORE_TEST_DENY_OPENAT2"):
     from ._seccomp import SYS_OPENAT2, deny
 
     deny(SYS_OPENAT2, getattr(errno, os.environ["FSSTORE_TEST_DENY_OPENAT2"]))
+
+
+# The reliability figures (tests/reliability/conftest.py) are printed here, in the
+# process that reports: in a parallel run (pytest-xdist: pyproject's addopts) that is
+# the controller, which sums what each worker counted.
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node: Any, error: object) -> None:
+    from .reliability import conftest as reliability
+
+    reliability.merge(node.workeroutput.get("fsstore_figures"))
+
+
+def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pytest.Config) -> None:
+    from .reliability import conftest as reliability
+
+    reliability.report(terminalreporter)
 
 
 @pytest.fixture

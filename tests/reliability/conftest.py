@@ -6,7 +6,8 @@
 * ``figures``: counters every test adds to (appends, writer processes, crash
   points, faults injected, entries lost); printed at the end of the run and, with
   ``FSSTORE_RELIABILITY_FIGURES=path``, written there as JSON (docs/reliability.md
-  quotes them).
+  quotes them). In a parallel run each worker counts its own, which the controller
+  sums (tests/conftest.py).
 * Mount fixtures skip with the reason when root, /dev/fuse or the binaries are
   missing, and always unmount, also when a test fails.
 """
@@ -28,6 +29,7 @@ from . import _mounts
 FIGURES: collections.Counter[str] = collections.Counter()
 CRASH_POINTS: set[str] = set()
 FAULT_KINDS: set[str] = set()
+MAXIMA: set[str] = set()  # figures that are the largest value seen, not a count
 
 
 class Figures:
@@ -39,6 +41,7 @@ class Figures:
         FIGURES["crash rounds (kill -9)"] += 1
 
     def maximum(self, name: str, value: int) -> None:
+        MAXIMA.add(name)
         FIGURES[name] = max(FIGURES[name], value)
 
     def fault(self, kind: str, n: int = 1) -> None:
@@ -93,6 +96,28 @@ def bindfs_mount(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     for path in list(reversed(_mounts.MOUNTED)):
         _mounts.unmount(path)
+    workeroutput = getattr(session.config, "workeroutput", None)
+    if workeroutput is not None:  # a pytest-xdist worker: handed to the controller
+        from ._check import TOTALS
+
+        workeroutput["fsstore_figures"] = {
+            "figures": dict(FIGURES), "maxima": sorted(MAXIMA), "totals": dict(TOTALS),
+            "crash_points": sorted(CRASH_POINTS), "fault_kinds": sorted(FAULT_KINDS)}
+
+
+def merge(worker: dict[str, Any] | None) -> None:
+    """Add a worker's figures (what its ``pytest_sessionfinish`` handed over) to these."""
+    if not worker:
+        return
+    from ._check import TOTALS
+
+    MAXIMA.update(worker["maxima"])
+    for name, value in worker["figures"].items():
+        FIGURES[name] = max(FIGURES[name], value) if name in MAXIMA else FIGURES[name] + value
+    for name, value in worker["totals"].items():
+        TOTALS[name] += value
+    CRASH_POINTS.update(worker["crash_points"])
+    FAULT_KINDS.update(worker["fault_kinds"])
 
 
 def summary() -> dict[str, Any]:
@@ -106,7 +131,8 @@ def summary() -> dict[str, Any]:
     return out
 
 
-def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pytest.Config) -> None:
+def report(terminalreporter: Any) -> None:
+    """Print the figures (and write them where ``FSSTORE_RELIABILITY_FIGURES`` says)."""
     from ._check import TOTALS
 
     if not FIGURES and not any(TOTALS.values()):

@@ -58,7 +58,7 @@ def _env(err: str) -> dict[str, str]:
 
 
 def _pytest(err: str, basetemp: Path, *targets: str) -> None:
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "0",  # (in a worker already)
            f"--basetemp={basetemp}", *targets]
     r = subprocess.run(cmd, cwd=REPO, env=_env(err), capture_output=True, text=True,
                        timeout=1800, check=False)
