@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -206,3 +207,29 @@ def stall(pid: int, calls: str, delay_us: int, *, path: str | os.PathLike[str], 
         assert time.monotonic() < deadline, "strace did not attach"
         time.sleep(0.02)
     return tracer
+
+
+# s: how long a nested run of the suite (the whole-suite soaks) may take
+NESTED_SUITE_SECONDS = 1500
+
+
+def nested_suite(*args: str, env: dict[str, str], cwd: Path) -> subprocess.CompletedProcess[str]:
+    """``python -m pytest -q ARGS`` in a child process, bounded by
+    :data:`NESTED_SUITE_SECONDS`. On the bound it is interrupted (SIGINT), so that its
+    session's end unmounts what its fixtures mounted (a kill left GlusterFS and sshfs
+    mounts behind), and killed only if that does not end it within a minute."""
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *args]
+    proc = subprocess.Popen(cmd, cwd=cwd, env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        out, err = proc.communicate(timeout=NESTED_SUITE_SECONDS)
+    except subprocess.TimeoutExpired:
+        proc.send_signal(signal.SIGINT)
+        try:
+            out, err = proc.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            out, err = proc.communicate()
+        err += f"\n(interrupted after {NESTED_SUITE_SECONDS} s)"
+        return subprocess.CompletedProcess(cmd, 1, out, err)
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)

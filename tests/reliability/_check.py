@@ -9,6 +9,7 @@ de-duplicates by ``uuid`` on load, which would hide a batch committed twice.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import stat
@@ -140,7 +141,9 @@ def assert_summaries_consistent(store: Any, project_key: str) -> int:
 
 
 def walk(root: str | os.PathLike[str]) -> list[tuple[str, os.stat_result]]:
-    """Every path under ``root`` (root included) with its lstat, never following links."""
+    """Every path under ``root`` (root included) with its lstat, never following links;
+    one removed between the listing and its lstat is left out (a store object of this
+    process that goes removes its lock record: soak, seed 1019)."""
     out = []
     root = os.fspath(root)
     if not os.path.lexists(root):
@@ -149,7 +152,8 @@ def walk(root: str | os.PathLike[str]) -> list[tuple[str, os.stat_result]]:
     for dirpath, dirnames, filenames in os.walk(root):
         for name in dirnames + filenames:
             p = os.path.join(dirpath, name)
-            out.append((p, os.lstat(p)))
+            with contextlib.suppress(FileNotFoundError):
+                out.append((p, os.lstat(p)))
     return out
 
 

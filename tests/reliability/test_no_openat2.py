@@ -17,6 +17,8 @@ from pathlib import Path
 
 import pytest
 
+from tests._helpers import NESTED_SUITE_SECONDS, nested_suite
+
 REPO = Path(__file__).resolve().parents[2]
 
 # Runs under the filter: every store operation, then proof that the fallback was taken.
@@ -57,11 +59,8 @@ def _env(err: str) -> dict[str, str]:
             "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
 
 
-def _pytest(err: str, basetemp: Path, *targets: str) -> None:
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "0",  # (in a worker already)
-           f"--basetemp={basetemp}", *targets]
-    r = subprocess.run(cmd, cwd=REPO, env=_env(err), capture_output=True, text=True,
-                       timeout=1800, check=False)
+def _pytest(err: str, basetemp: Path, *args: str) -> None:
+    r = nested_suite(f"--basetemp={basetemp}", *args, env=_env(err), cwd=REPO)
     assert r.returncode == 0, r.stdout[-6000:] + r.stderr[-2000:]
 
 
@@ -73,10 +72,11 @@ def test_every_operation_falls_back_to_the_walk(tmp_path: Path, err: str) -> Non
 
 
 def test_symlink_safety_tests_pass_without_openat2(tmp_path: Path) -> None:
-    _pytest("EPERM", tmp_path / "basetemp", "tests/reliability/test_security.py")
+    _pytest("EPERM", tmp_path / "basetemp", "-n", "0", "tests/reliability/test_security.py")  # (a worker already)
 
 
 @pytest.mark.soak
+@pytest.mark.timeout(NESTED_SUITE_SECONDS + 120)
 @pytest.mark.parametrize("err", ["EPERM", "ENOSYS"])
 def test_soak_whole_suite_without_openat2(tmp_path: Path, err: str) -> None:
     _pytest(err, tmp_path / "basetemp", "--ignore=tests/reliability", "tests")

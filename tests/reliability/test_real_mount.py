@@ -15,8 +15,6 @@ from __future__ import annotations
 
 import itertools
 import os
-import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -26,6 +24,7 @@ import pytest
 
 from fsstore import FsSessionStore
 from fsstore._store import SyncStore
+from tests._helpers import NESTED_SUITE_SECONDS, nested_suite
 
 from . import _children
 from ._crash import named_point
@@ -84,15 +83,13 @@ def test_dead_holder_lock_is_reclaimed_on_bindfs(bindfs_mount: Path, procs: Any)
 
 
 @pytest.mark.soak
+@pytest.mark.timeout(NESTED_SUITE_SECONDS + 120)
 def test_soak_whole_suite_on_bindfs(bindfs_mount: Path) -> None:
     """``FSSTORE_TEST_ROOT`` (honoured by tests/conftest.py) and ``--basetemp`` on bindfs."""
     base = fresh(bindfs_mount, "suite")
     env = {**os.environ, "FSSTORE_TEST_ROOT": str(base / "roots")}
-    cmd = [
-        sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-        f"--basetemp={base / 'basetemp'}", "--ignore=tests/reliability", "tests",
-    ]
-    r = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=1800, check=False)
+    r = nested_suite(f"--basetemp={base / 'basetemp'}", "--ignore=tests/reliability", "tests",
+                     env=env, cwd=REPO)
     assert r.returncode == 0, r.stdout[-6000:] + r.stderr[-2000:]
 
 
