@@ -35,9 +35,9 @@ Commit (``append``), step by step, and what a crash at each step leaves:
    of every listing from now on (a segment made later over its number was made
    from a listing that held it): **the batch is committed**. Crash before the
    check passed: an unacknowledged part, in the chain or skipped; both fine.
-7. Unlink the temp name (a second link to the part; crash: gc removes it), tick
-   the directory's mtime where the storage's coarse clock did not move it
-   (:func:`_transcript.tick_mtime`), release the lock.
+7. Unlink the temp name (a second link to the part; crash: gc removes it), move
+   the directory's mtime 1 ms past every mtime a reader can have seen before the
+   link (:func:`_transcript.tick_mtime`: summaries are current by it), release the lock.
 8. With ``fsync=True``, fsync the directory: outside the lock, which orders the
    links and their checks (a fsync under it made the next writer wait for this
    one's journal commit). Compaction may follow (:mod:`fsstore._compact`).

@@ -435,6 +435,39 @@ def test_summary_mtime_uses_the_list_sessions_clock(store: SyncStore, root: Path
     assert t0 - 2000 <= listed["mtime"] <= time.time() * 1000 + 2000
 
 
+def test_a_summary_listed_just_before_a_commits_link_never_looks_current_after_it(
+        root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Review (stop 32): another writer's temp file, made outside the lock between a
+    commit's look at the directory and its link, moved the session's mtime; a summary
+    listed then was stamped with that mtime, the link landed in the same coarse tick,
+    and the summary (without the batch) looked current after the commit: 4 to 12 of
+    200 appends. Staged at that instant, every time."""
+    writer = SyncStore(root, create=True, summaries=False, compact_every=0)
+    reader = SyncStore(root, compact_every=0)
+    writer.append(KEY, [entry(0)])
+    main = tdir(root, KEY)
+    link = _commit.link_and_check
+    listed_there: list[dict[str, Any]] = []
+
+    def at_the_link(fs: Any, dfd: int, tmp: str, seq: int, payload: bytes, marker: Any = None) -> Any:
+        (main / _fsio.temp_name()).write_bytes(b"")  # another writer's temp file
+        listed_there.extend(reader.list_session_summaries(KEY["project_key"]))
+        return link(fs, dfd, tmp, seq, payload, marker)
+
+    monkeypatch.setattr(_commit, "link_and_check", at_the_link)
+    current = []
+    for i in range(1, 201):
+        writer.append(KEY, [entry(i)])
+        [session] = reader.list_sessions(KEY["project_key"])
+        if listed_there.pop()["mtime"] == session["mtime"]:
+            current.append(i)
+        for temp in main.glob(".tmp-*"):
+            temp.unlink()
+    assert current == []
+    [summary] = reader.list_session_summaries(KEY["project_key"])
+    assert summary["data"] == _reference_summary([[entry(i)] for i in range(201)], KEY)
+
+
 def test_summaries_off_without_claude_sdk_leaves_sessions_out(root: Path) -> None:
     store = SyncStore(root, create=True, summaries=False)
     store.append(KEY, BATCHES[0])
