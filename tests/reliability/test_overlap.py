@@ -86,7 +86,7 @@ PRUNE_SWEEP = {"unlinkat": True, "linkat": False, "openat": False, "getdents64":
                "newfstatat": False, "renameat": False}
 # Calls that reach no storage (process and descriptor bookkeeping, a directory rewind).
 NO_STORAGE = {"getpid", "gettid", "fcntl", "lseek", "futex", "clock_gettime", "mmap", "munmap",
-              "brk", "mprotect", "madvise", "rt_sigprocmask", "rt_sigaction", "getrandom"}
+              "brk", "mprotect", "madvise", "rt_sigprocmask", "rt_sigaction", "getrandom", "geteuid"}
 
 
 def _sweep_params(table: dict[str, Any]) -> list[Any]:
