@@ -180,11 +180,12 @@ def _break(lk: LockInfo, older_than: float, stale_lock_seconds: float, dry_run: 
     with the store's own reclaim (a marker someone re-took meanwhile is put back, never
     removed). A live holder's lock is not garbage, however low the threshold or far
     ahead this host's clock: one here is kept (another host's is judged by age)."""
-    if lk.age <= older_than or (lk.status == "held" and not lk.local):
+    if lk.age <= older_than:
         return None
-    if lk.status == "held":  # a live holder here, its marker old by this host's clock
-        if lk.age <= stale_lock_seconds:
+    if lk.status == "held":
+        if not lk.local or lk.age <= stale_lock_seconds:
             return None
+        # A live holder here, its marker old by this host's clock (see _lock._stale).
         return Action("keep", lk.path, f"lock of {lk.describe()} on {lk.transcript()}, "
                       f"{age_text(lk.age)} old by this host's clock, held by a live process here: "
                       "left to its waiters", False, lk.age)
