@@ -83,6 +83,7 @@ from ._transcript import (
 )
 
 if TYPE_CHECKING:
+    from ._lock import Held
     from ._store import SyncStore
 
 # An append whose transcript directory is deleted under it starts over this often.
@@ -275,7 +276,7 @@ def _append_once(store: SyncStore, t: Appending, payload: bytes, into: Callable[
                 t.next_seq, t.last_name = _last_of(items)
                 tmp = _drop_temp(dfd, tmp, t.path)
                 since_ns = max(before.st_mtime_ns, now.st_mtime_ns)  # (after the unlink: it stamps)
-                _after_commit(t, lambda: _transcript.tick_mtime(dfd, since_ns), "the directory's "
+                _after_commit(t, lambda: _tick(dfd, since_ns, held), "the directory's "
                               "mtime tick failed (%s): a summary made just before may look current")
             # Not the lock's to cover (it orders the links and their checks): a fsync under
             # it made the next writer wait for this one's journal commit.
@@ -288,6 +289,13 @@ def _append_once(store: SyncStore, t: Appending, payload: bytes, into: Callable[
         os.close(dfd)
     if _compaction_due(store, items):
         store._compactions.soon(store, t.key)  # after the append, in a thread of its own; never raises
+
+
+def _tick(dfd: int, since_ns: int, held: Held) -> None:
+    """Step 7's mtime tick; past the storage's now where it came past the lease."""
+    _transcript.tick_mtime(dfd, since_ns)
+    if not held.within():
+        _transcript.past_now(dfd)
 
 
 def _only_into(dfd: int, t: Appending, into: Callable[[int], bool]) -> None:

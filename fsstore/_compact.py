@@ -51,7 +51,6 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
-import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -66,6 +65,7 @@ from ._transcript import (
     first_kept,
     misplaced,
     parse,
+    past_now,
     plan_held,
     read_state,
     scan,
@@ -248,9 +248,11 @@ def _mtime_kept(dir_fd: int, held: Held, highest: int) -> Iterator[None]:
     finally:
         with contextlib.suppress(OSError):
             st = os.fstat(dir_fd)
-            if time.monotonic() - held.since <= held.budget and top(scan(dir_fd)[0]) <= highest:
+            if held.within() and top(scan(dir_fd)[0]) <= highest:
                 if st.st_mtime_ns != before:
                     os.utime(".", ns=(st.st_atime_ns, before), dir_fd=dir_fd)
+                    if not held.within() or top(scan(dir_fd)[0]) > highest:
+                        past_now(dir_fd)  # put back late, maybe over another's commit
             else:
                 tick_mtime(dir_fd, max(before, st.st_mtime_ns))
 

@@ -262,6 +262,16 @@ def tick_mtime(dfd: int, before_ns: int) -> None:
     os.utime(".", ns=(st.st_atime_ns, ms * 1_000_000), dir_fd=dfd)
 
 
+def past_now(dfd: int) -> None:
+    """Move the directory's mtime 1 ms past the storage's now, which is past every link
+    made so far: after a write of the mtime that may have come late (its hold past the
+    lease, or overlapped): another holder may have committed and ticked meanwhile, and
+    that write set the mtime below it, so a summary made before that commit looked
+    current again (review, stop 32: a stalled tick or compaction put-back)."""
+    os.utime(".", dir_fd=dfd)  # the storage's own now
+    tick_mtime(dfd, 0)
+
+
 def misplaced(read: Callable[[str], bytes | None], items: list[Item], n: int, part: str) -> bool:
     """Whether ``part`` (number ``n``) is a batch misplaced under a segment of ``items``:
     one whose range holds ``n`` does not hold its bytes. The one test of the commit
