@@ -1194,3 +1194,39 @@ def test_siblings_that_leave_a_stuck_holder_behind_still_take_the_lock_one_at_a_
     (a0, a1), (b0, b1) = holds["a"], holds["b"]
     assert a1 <= b0 or b1 <= a0, holds
     assert sorted(e["w"] for e in store.load(KEY) or []) == ["a", "b"]
+
+
+TICKING_WRITER = """
+import sys
+sys.path.insert(0, {repo!r})
+from fsstore._store import SyncStore
+SyncStore({root!r}, stale_lock_seconds=2).append({key!r}, [{{"uuid": "stalled", "type": "user"}}])
+"""
+
+
+@pytest.mark.skipif(shutil.which("strace") is None, reason="needs strace")
+def test_a_mtime_tick_stalled_past_its_lease_never_sets_the_session_mtime_below_a_later_commit(
+        tmp_path: Path) -> None:
+    """Review (stop 32, helper-76: 2 s back, every run): a writer's tick of the session
+    mtime stalled 4 s (strace, its second ``utimensat``: the first touches its lock
+    record) past its lease; another writer reclaimed the lock and committed; the late
+    tick, worked out before that commit, set the mtime 2 s back, below it, where a
+    summary made before that commit had its stamp. A tick past its lease moves the
+    mtime past the storage's now."""
+    root = tmp_path / "store"
+    store = SyncStore(root, create=True, stale_lock_seconds=2)
+    store.append(KEY, batch("first", 0, 1))
+    code = TICKING_WRITER.format(repo=str(REPO), root=str(root), key=KEY)
+    stalled = subprocess.Popen(["strace", "-f", "-qq", "-o", "/dev/null", "-e", "trace=utimensat",
+                                "-e", "inject=utimensat:delay_enter=4000000:when=2",
+                                sys.executable, "-c", code])
+    try:
+        time.sleep(1.5)  # it is in its stalled tick by now, its lease (1 s) about over
+        store.append(KEY, batch("later", 0, 1))  # reclaims the lock
+        [after_later] = store.list_sessions(KEY["project_key"])
+        assert stalled.wait(30) == 0
+    finally:
+        stalled.kill()
+    [final] = store.list_sessions(KEY["project_key"])
+    assert final["mtime"] > after_later["mtime"]
+    assert [e.get("uuid", e.get("w")) for e in store.load(KEY)][-2:] == ["stalled", "later"]
