@@ -294,7 +294,7 @@ def _append_once(store: SyncStore, t: Appending, payload: bytes, into: Callable[
 def _tick(dfd: int, since_ns: int, held: Held) -> None:
     """Step 7's mtime tick; past the storage's now where it came past the lease."""
     _transcript.tick_mtime(dfd, since_ns)
-    if not held.within():
+    if time.monotonic() - held.since > held.budget:
         _transcript.past_now(dfd)
 
 

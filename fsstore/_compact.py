@@ -51,6 +51,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -248,10 +249,13 @@ def _mtime_kept(dir_fd: int, held: Held, highest: int) -> Iterator[None]:
     finally:
         with contextlib.suppress(OSError):
             st = os.fstat(dir_fd)
-            if held.within() and top(scan(dir_fd)[0]) <= highest:
+            def alone() -> bool:  # within the lease, and no part above ``highest`` appeared
+                return time.monotonic() - held.since <= held.budget and top(scan(dir_fd)[0]) <= highest
+
+            if alone():
                 if st.st_mtime_ns != before:
                     os.utime(".", ns=(st.st_atime_ns, before), dir_fd=dir_fd)
-                    if not held.within() or top(scan(dir_fd)[0]) > highest:
+                    if not alone():
                         past_now(dir_fd)  # put back late, maybe over another's commit
             else:
                 tick_mtime(dir_fd, max(before, st.st_mtime_ns))

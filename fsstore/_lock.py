@@ -417,10 +417,6 @@ class Held:
             locks._done(entry)
             raise
 
-    def within(self) -> bool:
-        """Still within the lease: no waiter can have reclaimed the lock yet."""
-        return time.monotonic() - self.since <= self.budget
-
     def live(self) -> bool:
         """Held in this process, not yet released: a task spawned inside the hold with
         its context copied may outlive it (review, stop 30: it appended under the next
