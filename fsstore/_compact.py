@@ -17,9 +17,13 @@ Steps, and what readers and crashes see:
    that make up the transcript. A chain with a hole is not compacted (merging
    across it would hide it from ``fsstore check``).
 2. Choose what to merge. On demand: everything. Automatically: the new parts plus
-   every trailing segment no larger than what is merged after it, like carries in
-   a binary counter, so each byte is copied O(log n) times and a transcript has
-   O(log n) segments.
+   every trailing segment whose size, rounded down to a power of two, is no larger
+   than that of what is merged after it, like carries in a binary counter. A merged
+   entry's segment is then at least twice as big as its previous one, so each entry
+   is copied at most log2(n) times, and the segments' powers of two strictly decrease
+   along the chain, so a transcript has at most log2(n) segments — however many parts
+   each compaction finds (it runs after the append, in a thread, and may find more
+   than ``compact_every``).
 3. Read the chosen files (parts are parsed: a damaged part is never copied). Take
    the lock, then list twice more: a segment over the range that the first listing
    lacks means a name read may have been freed by another compaction and linked
@@ -88,8 +92,8 @@ def choose(chosen: list[Item], *, everything: bool) -> int:
     for i in range(len(chosen) - 1, -1, -1):
         first, last, _name = chosen[i]
         span = last - first + 1
-        if first != last and span > merged:
-            break  # a bigger segment: merging it now would copy too much too often
+        if first != last and span.bit_length() > merged.bit_length():
+            break  # a segment of a bigger power of two: merging it now would copy too much too often
         merged += span
         start = i
     return start

@@ -21,6 +21,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from fsstore import (
     FsStoreError,
@@ -282,6 +284,32 @@ def test_choose_behaves_like_a_binary_counter() -> None:
             items = [*items[:start], (items[start][0], items[-1][1], "s")]
         assert len(items) <= math.log2(seq) + 2
     assert items == [(1, 1024, "s")]
+
+
+@settings(max_examples=300, deadline=None)
+@given(lags=st.lists(st.integers(min_value=0, max_value=40), min_size=1, max_size=200))
+def test_a_lagging_compaction_keeps_segments_and_copies_logarithmic(lags: list[int]) -> None:
+    """The automatic compaction runs in a thread after the append that found
+    ``compact_every`` (8) parts, and on a busy machine finds more parts than that (CI,
+    stop 35: 8 segments after 300 appends, slowly shrinking 57, 40, 22, 11, 10...,
+    under the rule that compared exact sizes). Whatever each compaction finds, a
+    transcript of n parts keeps at most log2(n/8) + 1 segments and an entry is copied
+    at most that many times."""
+    items: list[tuple[int, int, str]] = []
+    copies: dict[int, int] = {}
+    seq = 0
+    for lag in lags:
+        for _ in range(8 + lag):  # 8 parts make a compaction due; ``lag`` more came first
+            seq += 1
+            items.append((seq, seq, "p"))
+        start = _compact.choose(items, everything=False)
+        for n in range(items[start][0], seq + 1):
+            copies[n] = copies.get(n, 0) + 1
+        items = [*items[:start], (items[start][0], items[-1][1], "s")]
+        # Segments of 8 or more: their powers of two run from 8's up to seq's.
+        levels = seq.bit_length() - (8).bit_length() + 1
+        assert len(items) <= levels
+        assert max(copies.values()) <= levels
 
 
 def test_leftovers_of_a_compaction_killed_before_unlinking_are_skipped(root: Path) -> None:
