@@ -136,8 +136,9 @@ def from_oserror(exc: OSError, operation: str, path: str | None) -> FsStoreError
 class translating:  # lower case: used like the function it replaced, `with translating(op, path):`
     """Turn any OSError raised inside into an FsStoreError and log it once.
 
-    FsStoreErrors raised inside pass through unchanged (they already carry their
-    operation and path); they are logged here because this is the public boundary.
+    FsStoreErrors raised inside pass through (they already carry their operation, and
+    their path unless it was not known there: then the call's); they are logged here
+    because this is the public boundary.
     (A class, not a generator context manager: every public call goes through it.)
     """
 
@@ -152,6 +153,9 @@ class translating:  # lower case: used like the function it replaced, `with tran
 
     def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: object) -> None:
         if isinstance(exc, FsStoreError):
+            if exc.path is None:  # raised where the path was not known (a part's name)
+                exc.path = self.path
+                exc.args = (str(exc),)
             _log(exc)
         elif isinstance(exc, OSError):
             wrapped = from_oserror(exc, self.operation, self.path)

@@ -25,6 +25,7 @@ import os
 import re
 
 from . import _fsio, _keys, _read
+from ._errors import FsStoreError
 from ._keys import TranscriptKey
 
 PROJECTS = "projects"
@@ -98,6 +99,14 @@ def lock_name(transcript: list[Component]) -> str:
 
 
 def part_name(seq: int) -> str:
+    """The name of part ``seq``. Past :data:`MAX_SEQ` (20 digits) there is none: a
+    longer name is one that readers ignore, so a batch linked there would be lost (a
+    file numbered at the top, dropped in by hand, made every later append such a
+    loss: review, stop 33). That is ``CORRUPT``, and nothing is linked."""
+    if seq > MAX_SEQ:
+        raise FsStoreError("CORRUPT", f"no part number left above {MAX_SEQ}: a file numbered "
+                           "at the top of the range is not this store's (made by hand?); move it "
+                           "aside (fsstore check names it)", operation="append")
     return f"{seq:0{_SEQ_DIGITS}d}.jsonl"
 
 

@@ -153,6 +153,13 @@ def _fix(fs: _fsio.Fs, fd: int, path: str, dry_run: bool, *, gaps: bool, spare: 
                                  "was looked at (compactions); run again", False, failed=True)]
     if seen.gap is None:
         return actions
+    missing = _missing(seen.items)
+    if missing > _GAP_LIMIT:  # never listed one by one (found by review: 1e20 numbers)
+        highest = max(seen.items, key=lambda it: it[1])[2]
+        return [*actions, Action("repair", path, f"not repaired: {missing} part numbers are missing, "
+                                 f"more than {_GAP_LIMIT} one repair closes; a file numbered far above "
+                                 f"the others ({highest}, put there by hand?) is not this store's: move "
+                                 f"it aside and run again", False, failed=True)]
     # Numbers no listed file holds (a segment the plan left out still holds its own).
     lost = [n for n in range(1, top(seen.items) + 1)
             if not any(first <= n <= last for first, last, _name in seen.items)]
@@ -181,6 +188,20 @@ def _fix(fs: _fsio.Fs, fd: int, path: str, dry_run: bool, *, gaps: bool, spare: 
         return [*actions, Action("close-gap", path, f"would be gap closed; {what}", False)]
     return [*actions, Action("close-gap", path, f"gap closed; {what}" if lost
                              else "filled meanwhile by commits: nothing lost", bool(lost))]
+
+
+# The most part numbers one repair marks lost (a file each).
+_GAP_LIMIT = 10_000
+
+
+def _missing(items: list[Item]) -> int:
+    """How many numbers from 1 to the highest no listed file holds (without listing them)."""
+    held, reach = 0, 0
+    for first, last, _name in sorted(items):
+        if last > reach:
+            held += last - max(first, reach + 1) + 1
+            reach = last
+    return reach - held
 
 
 def _cut_out(fd: int, items: list[Item], chain: list[Item], lost: list[int]) -> dict[int, bytes]:
