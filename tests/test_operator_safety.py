@@ -8,6 +8,7 @@ switch to it and skip otherwise.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import os
@@ -681,3 +682,38 @@ def test_an_append_cancelled_natively_inside_locked_publishes_nothing_once_the_l
                 p.wait()
     assert store.load(KEY) == [entry(1)]
     assert not lock_file(root, KEY).exists()
+
+def test_a_delete_cancelled_natively_ends_before_the_callers_next_append(root: Path) -> None:
+    """Review (helper-77, stop 33): ``asyncio.wait_for(store.delete(key), t)`` timed out
+    while the delete's worker waited for the lock; the worker went on, and took the lock
+    after the caller's next append: the acknowledged batch deleted (2 of ~2,430). A
+    natively cancelled delete now waits for its worker: when the cancellation reaches
+    the caller, the delete is done, and what the caller appends next stays."""
+    store = FsSessionStore(root, create=True)
+    store.sync.append(KEY, [entry(1)])
+    holding, release = threading.Event(), threading.Event()
+
+    def holder() -> None:
+        with store.sync.locked(KEY):
+            holding.set()
+            release.wait(10)
+
+    thread = threading.Thread(target=holder)
+    thread.start()
+    holding.wait(10)
+    threading.Timer(0.6, release.set).start()
+
+    async def main() -> float:
+        started = time.monotonic()
+        with pytest.raises(asyncio.TimeoutError):
+            await asyncio.wait_for(store.delete(KEY), 0.1)
+        waited = time.monotonic() - started
+        assert store.sync.load(KEY) is None  # done when the cancellation came
+        await store.append(KEY, [entry(2)])
+        return waited
+
+    waited = asyncio.run(main())
+    thread.join(10)
+    assert waited >= 0.5
+    time.sleep(0.3)  # a delete worker still running would have its turn here
+    assert store.sync.load(KEY) == [entry(2)]
