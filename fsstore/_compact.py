@@ -59,7 +59,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from . import _fsio, _layout, _read, _summaries
+from . import _fsio, _layout, _read, _summaries, _views
 from ._errors import FsStoreError, log
 from ._lock import Held
 from ._transcript import (
@@ -126,14 +126,19 @@ def compact(
     """Merge (see the module docstring); return how many files were merged (0: none).
     ``hold()`` takes the transcript lock: for steps 3-4 (the look after the reads, the
     move, its check) and again for steps 5-6 (the sidecar, the unlinks)."""
-    for _attempt in range(READ_ATTEMPTS):
+    for attempt in range(READ_ATTEMPTS):
+        # As a load: the client may list from a cache (sshfs's 20 s) that still shows
+        # what another host's compaction removed (review, stop 33: 30 of 133 `fsstore
+        # compact` runs EAGAIN beside a writing host). Gone on the server: deleted.
+        if attempt and not _views.refresh_listing(dir_fd):
+            return 0
         try:
             return _merge(fs, dir_fd, path, hold, everything=everything, operation=operation,
                           summary=summary)
         except Vanished:
             continue  # a file merged by an overlapping compaction: look again
     raise FsStoreError("EAGAIN", f"files kept vanishing under {READ_ATTEMPTS} compactions "
-                       "(overlapping compactions)", operation=operation, path=path, errno=errno.EAGAIN)
+                       "(overlapping compactions, or a client that lists from a stale cache)", operation=operation, path=path, errno=errno.EAGAIN)
 
 
 def _merge(

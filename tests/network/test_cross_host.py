@@ -835,6 +835,32 @@ def test_a_load_right_after_the_other_host_compacts(request: pytest.FixtureReque
     assert_transcript(s1.load(key), acked, 4 * len(acked))
 
 
+@pytest.mark.parametrize("kind", params())
+def test_a_compaction_right_after_the_other_host_compacted_does_not_fail(
+        request: pytest.FixtureRequest, kind: str) -> None:
+    """Review (helper-78, stop 33): `fsstore compact` on a host whose client still
+    listed what the other host's compaction had removed (sshfs's 20 s cache) read the
+    same cached listing 50 times and failed EAGAIN (30 of 133 runs beside a writing
+    host). A compaction that finds a file gone lists afresh, as a load does; three
+    rounds, host 2's caches warm each time."""
+    pair = pair_of(request, kind)
+    r1, r2 = pair.fresh("compact-both")
+    root1, root2 = str(r1 / "store"), str(r2 / "store")
+    (key,) = _sessions(root1, 1, batches=4)
+    s1 = FsSessionStore(root1, create=True, compact_every=0).sync
+    s2 = FsSessionStore(root2, create=True, compact_every=0).sync
+    acked = [(key["session_id"], b) for b in range(4)]
+    for b in range(4, 7):
+        s1.append(key, batch(key["session_id"], b, 4))
+        acked.append((key["session_id"], b))
+        if b > 4:  # host 2 has looked before: let its caches catch up
+            time.sleep(pair.cache_window)
+        assert_transcript(s2.load(key), acked, 4 * len(acked))  # warm, current
+        s1.compact(key)
+        s2.compact(key)  # raised EAGAIN before
+        assert_transcript(s2.load(key), acked, 4 * len(acked))
+
+
 @pytest.mark.parametrize("kind", params(sshfs=pytest.mark.soak, sshfs_nocache=pytest.mark.soak))
 def test_appends_on_two_hosts_racing_repeated_deletes_from_a_third_lose_nothing_after_the_last(
     request: pytest.FixtureRequest, kind: str, tmp_path: Path
