@@ -48,7 +48,9 @@ from ._transcript import (
     parse,
     read_snapshot,
     read_state,
+    settled_mtime,
     snapshot,
+    summary_stamp,
     warn_gap,
 )
 
@@ -56,6 +58,9 @@ from ._transcript import (
 # many reads, and after the second number reads under the transcript lock (see
 # _hold_for_reading): the readers' limits, in _transcript.
 _LOAD_ATTEMPTS, _OPTIMISTIC_LOADS = READ_ATTEMPTS, UNLOCKED_READS
+# How long one listing of summaries waits, in all, for the clock to pass the mtimes of
+# sessions changed just before (settled_mtime; a second where mtimes are whole seconds).
+_SETTLE_SECONDS = 1.5
 
 
 class _Again(enum.Enum):
@@ -451,6 +456,7 @@ class SyncStore:
         comps = _layout.project_dirs(project_key)
         out: list[dict[str, Any]] = []
         fold = self._fold  # the SDK's first import, if it comes now: never under a lock
+        deadline = time.monotonic() + _SETTLE_SECONDS  # the whole listing's (see settled_mtime)
         with translating(op, self._path(comps)), _listing.children(self, comps, op) as (pfd, children, moved_back):
 
             def open_main(name: str) -> int | None:  # as list_sessions probes a session
@@ -469,19 +475,20 @@ class SyncStore:
                 try:
                     path = f"{self._path(comps)}/{name}/{_layout.MAIN}"
                     key = {"project_key": project_key, "session_id": session_id}
-                    summary, mtime_ns = self._fresh_summary(mfd, path, key, fold)
+                    summary, stamp = self._fresh_summary(mfd, path, key, fold, deadline)
                 finally:
                     os.close(mfd)
                 if summary is not None:
-                    out.append({**summary, "session_id": session_id, "mtime": mtime_ns // 1_000_000})
+                    out.append({**summary, "session_id": session_id, "mtime": stamp})
         return out
 
-    def _fresh_summary(self, mfd: int, path: str, key: dict[str, str], fold: _summaries.Fold | None
-                       ) -> tuple[dict[str, Any] | None, int]:
-        """The summary of every part committed before its mtime (the stat comes first):
-        the sidecar a compaction left plus the parts after it, of a chain listed and read
-        as a load does it (:func:`snapshot`; its retries, and its lock); None if it
-        cannot be had now (the SDK then rebuilds it through load())."""
+    def _fresh_summary(self, mfd: int, path: str, key: dict[str, str], fold: _summaries.Fold | None,
+                       deadline: float) -> tuple[dict[str, Any] | None, int]:
+        """The summary of every part committed before its mtime (the stat comes first,
+        :func:`settled_mtime`), and its stamp (ms, :func:`summary_stamp`): the sidecar a
+        compaction left plus the parts after it, of a chain listed and read as a load
+        does it (:func:`snapshot`; its retries, and its lock); None if it cannot be had
+        now (the SDK then rebuilds it through load())."""
         problem = f"no whole listing in {READ_ATTEMPTS} reads (compactions racing)"
         with contextlib.ExitStack() as guard:
             for attempt in range(READ_ATTEMPTS):
@@ -491,7 +498,7 @@ class SyncStore:
                         guard, _layout.transcript_dirs(_keys.parse_key(key, "list_session_summaries"))):
                     break
                 try:
-                    mtime_ns = os.fstat(mfd).st_mtime_ns
+                    stamp = summary_stamp(*settled_mtime(mfd, deadline))
                     state = read_state(mfd) or State()
                     seen = snapshot(mfd, path, "list_session_summaries", read=False)
                     chain = seen.chain
@@ -503,11 +510,11 @@ class SyncStore:
                         problem = f"part {seen.gap} is missing (see fsstore check)"
                         break
                     if state.summary is not None and state.folded == chain[-1][1]:
-                        return state.summary, mtime_ns
+                        return state.summary, stamp
                     if fold is None:
                         return None, 0
                     return _compact.fold_chain((fold, key), state, chain, lambda name: parse(
-                        _read.read_file(mfd, name), f"{path}/{name}", "summary"))[0], mtime_ns
+                        _read.read_file(mfd, name), f"{path}/{name}", "summary"))[0], stamp
                 except OSError as exc:  # a compaction removed a part after the listing, or
                     if exc.errno not in (errno.ENOENT, errno.ESTALE):  # another host replaced
                         raise  # state.json (ESTALE: GlusterFS, NFS)

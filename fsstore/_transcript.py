@@ -30,6 +30,7 @@ import errno
 import json
 import os
 import re
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -270,6 +271,43 @@ def past_now(dfd: int) -> None:
     current again (review, stop 32: a stalled tick or compaction put-back)."""
     os.utime(".", dir_fd=dfd)  # the storage's own now
     tick_mtime(dfd, 0)
+
+
+# The clock file systems stamp with (Linux: the coarse one; every later stamp is at
+# least what it reads now).
+_STAMP_CLOCK = getattr(time, "CLOCK_REALTIME_COARSE", time.CLOCK_REALTIME)
+
+
+def settled_mtime(dfd: int, deadline: float) -> tuple[int, bool]:
+    """The directory's mtime (ns), once this host's clock has passed the stamp unit it
+    falls in (1 ms; 1 s where the storage keeps whole seconds, as SFTP does), and
+    whether it did before ``deadline`` (``time.monotonic()``).
+
+    A summary read after this is current as of that mtime: every change after its
+    listing is stamped later, in a later unit, so the SDK's ``summary.mtime <
+    list_sessions mtime`` sees it. Stamping a summary with the mtime read before its
+    listing was not enough (review, stop 33): a commit's tick can run ahead of the
+    clock (a tick is 1 ms past the last, and appends come faster), and another
+    writer's temp file then set the mtime back to the clock's now, below a summary
+    that left out the commit (29 of 30 staged; 4 of 65 summaries of one back-to-back
+    writer); and on sshfs the tick is cut to the second (92 of 99). Where this host's
+    clock is ahead of the storage's (another host's NFS server), the promise holds
+    only as far as the clocks agree: run NTP."""
+    while True:
+        mtime = os.fstat(dfd).st_mtime_ns
+        unit = 1_000_000_000 if mtime % 1_000_000_000 == 0 else 1_000_000
+        wait = (mtime - mtime % unit + unit - time.clock_gettime_ns(_STAMP_CLOCK)) / 1e9
+        if wait <= 0:
+            return mtime, True
+        if time.monotonic() + wait > deadline:
+            return mtime, False
+        time.sleep(wait)
+
+
+def summary_stamp(mtime_ns: int, settled: bool) -> int:
+    """A summary's ``mtime`` (ms) from :func:`settled_mtime`: the mtime where it settled,
+    else 1 ms below it (the SDK then folds the session from its transcript)."""
+    return mtime_ns // 1_000_000 - (0 if settled else 1)
 
 
 def misplaced(read: Callable[[str], bytes | None], items: list[Item], n: int, part: str) -> bool:

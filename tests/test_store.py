@@ -468,6 +468,77 @@ def test_a_summary_listed_just_before_a_commits_link_never_looks_current_after_i
     assert summary["data"] == _reference_summary([[entry(i)] for i in range(201)], KEY)
 
 
+def test_a_summary_listed_before_a_commits_link_looks_stale_before_its_tick(
+        root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Review (helper-76, stop 32; left open then): a summary listed just before a
+    commit's link, where the link fell in the millisecond the previous tick had set,
+    looked current between the link and the tick, and for good where the writer died
+    there (67 of 200 staged). A summary is now stamped only once the clock has passed
+    its mtime's millisecond, so the link alone makes it stale."""
+    writer = SyncStore(root, create=True, summaries=False, compact_every=0)
+    reader = SyncStore(root, compact_every=0)
+    writer.append(KEY, [entry(0)])
+    link, tick = _commit.link_and_check, _commit._tick
+    listed_before: list[dict[str, Any]] = []
+    listed_between: list[dict[str, Any]] = []
+
+    def at_the_link(fs: Any, dfd: int, tmp: str, seq: int, payload: bytes, marker: Any = None) -> Any:
+        listed_before.extend(reader.list_session_summaries(KEY["project_key"]))
+        return link(fs, dfd, tmp, seq, payload, marker)
+
+    def at_the_tick(dfd: int, since_ns: int, held: Any) -> None:
+        listed_between.extend(reader.list_sessions(KEY["project_key"]))  # a writer killed here
+        tick(dfd, since_ns, held)
+
+    monkeypatch.setattr(_commit, "link_and_check", at_the_link)
+    monkeypatch.setattr(_commit, "_tick", at_the_tick)
+    current = []
+    for i in range(1, 101):
+        writer.append(KEY, [entry(i)])
+        if listed_before.pop()["mtime"] >= listed_between.pop()["mtime"]:
+            current.append(i)
+    assert current == []
+
+
+def test_a_summary_never_looks_current_without_a_batch_acknowledged_after_it(root: Path) -> None:
+    """Review (helper-77, stop 33): after appends back to back, a commit's tick runs
+    ahead of the clock (1 ms past the last each time); a summary listed then, a batch B
+    acknowledged, and another writer's temp file (its append waiting for the lock) set
+    the mtime back to the clock's now, below the summary's: the summary without B
+    looked current (29 of 30). Staged each round: the SDK's order (summaries, then
+    list_sessions)."""
+    writer = SyncStore(root, create=True, compact_every=0)
+    reader = SyncStore(root, compact_every=0)
+    current = []
+    for t in range(10):
+        key = {**KEY, "session_id": f"s{t}"}
+        for i in range(30):
+            writer.append(key, [entry(i)])
+        [summary] = [s for s in reader.list_session_summaries(KEY["project_key"])
+                     if s["session_id"] == key["session_id"]]
+        writer.append(key, [entry(30)])  # B, acknowledged
+        holding, release = threading.Event(), threading.Event()
+
+        def hold(key: dict[str, str], holding: threading.Event, release: threading.Event) -> None:
+            with writer.locked(key):
+                holding.set()
+                release.wait(10)
+
+        holder = threading.Thread(target=hold, args=(key, holding, release))
+        holder.start()
+        holding.wait(10)
+        waiter = threading.Thread(target=reader.append, args=(key, [entry(31)]))
+        waiter.start()  # makes its temp file, waits for the lock
+        time.sleep(0.1)
+        listed = {s["session_id"]: s["mtime"] for s in reader.list_sessions(KEY["project_key"])}
+        release.set()
+        holder.join(10)
+        waiter.join(10)
+        if summary["mtime"] >= listed[key["session_id"]]:  # current, and without B
+            current.append(t)
+    assert current == []
+
+
 def test_summaries_off_without_claude_sdk_leaves_sessions_out(root: Path) -> None:
     store = SyncStore(root, create=True, summaries=False)
     store.append(KEY, BATCHES[0])

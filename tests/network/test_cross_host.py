@@ -539,6 +539,28 @@ def test_summaries_on_one_host_while_the_other_appends_and_compacts_list_the_ses
     assert lister["missing"] == 0, lister
 
 
+@pytest.mark.parametrize("kind", params())
+def test_a_summary_listed_before_an_append_never_looks_current_after_it(
+        request: pytest.FixtureRequest, kind: str) -> None:
+    """Review (helper-77, stop 33): on sshfs, whose mtimes are whole seconds, a commit's
+    1 ms tick is cut away, and a summary listed before an acknowledged append kept the
+    session's mtime after it: current without the batch (92 of 99). A summary is now
+    stamped once the clock has passed its mtime's second there. Ten rounds, the SDK's
+    order: summaries, an append, list_sessions."""
+    pair = pair_of(request, kind)
+    r1, _r2 = pair.fresh("summary-stamp")
+    store = FsSessionStore(str(r1 / "store"), create=True, compact_every=0).sync
+    store.append(KEY, batch("w", 0, 1))
+    current = []
+    for b in range(1, 11):
+        [summary] = store.list_session_summaries(KEY["project_key"])
+        store.append(KEY, batch("w", b, 1))
+        [listed] = store.list_sessions(KEY["project_key"])
+        if summary["mtime"] >= listed["mtime"]:
+            current.append(b)
+    assert current == []
+
+
 @pytest.mark.parametrize("kind", [pytest.param("gluster", id="gluster")])
 def test_summaries_right_after_the_other_host_replaced_the_sidecar_list_the_session(
     request: pytest.FixtureRequest, kind: str
