@@ -281,7 +281,7 @@ _STAMP_CLOCK = getattr(time, "CLOCK_REALTIME_COARSE", time.CLOCK_REALTIME)
 def settled_mtime(dfd: int, deadline: float) -> tuple[int, bool]:
     """The directory's mtime (ns), once this host's clock has passed the stamp unit it
     falls in (1 ms; 1 s where the storage keeps whole seconds, as SFTP does), and
-    whether it did before ``deadline`` (``time.monotonic()``).
+    whether it did before ``deadline`` (``time.monotonic()``), waiting once at most.
 
     A summary read after this is current as of that mtime: every change after its
     listing is stamped later, in a later unit, so the SDK's ``summary.mtime <
@@ -293,15 +293,17 @@ def settled_mtime(dfd: int, deadline: float) -> tuple[int, bool]:
     writer); and on sshfs the tick is cut to the second (92 of 99). Where this host's
     clock is ahead of the storage's (another host's NFS server), the promise holds
     only as far as the clocks agree: run NTP."""
+    waited = False
     while True:
         mtime = os.fstat(dfd).st_mtime_ns
         unit = 1_000_000_000 if mtime % 1_000_000_000 == 0 else 1_000_000
         wait = (mtime - mtime % unit + unit - time.clock_gettime_ns(_STAMP_CLOCK)) / 1e9
         if wait <= 0:
             return mtime, True
-        if time.monotonic() + wait > deadline:
-            return mtime, False
+        if waited or time.monotonic() + wait > deadline:
+            return mtime, False  # (changed again while waited for: being written, not chased)
         time.sleep(wait)
+        waited = True
 
 
 def summary_stamp(mtime_ns: int, settled: bool) -> int:

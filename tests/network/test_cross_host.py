@@ -506,7 +506,15 @@ def test_listings_on_one_host_while_the_other_deletes_sessions_never_fail(
     assert churner["rounds"] > 3, churner
     assert churner["codes"] == {}, churner
     for out in listers:
-        assert out["codes"] == {} and out["lists"] > 10 and out["missing"] == 0, listers
+        assert out["codes"] == {} and out["lists"] > _min_lists(kind) and out["missing"] == 0, listers
+
+
+def _min_lists(kind: str) -> int:
+    """How many listings a lister makes at least in these runs (~5 s): where mtimes are
+    whole seconds and attributes are not cached (uncached sshfs), a listing of summaries
+    waits for the clock to pass the second a session was written in, once, up to 1 s
+    (docs/format.md, "The session's mtime")."""
+    return 3 if kind == "sshfs_nocache" else 10
 
 
 @pytest.mark.parametrize("kind", params())
@@ -535,7 +543,7 @@ def test_summaries_on_one_host_while_the_other_appends_and_compacts_list_the_ses
                            "expect": [KEY["session_id"]]}),
     ], tmp_path, timeout=90, stop_after=[0])
     assert writer["failed"] == [] and writer["acked"], writer
-    assert lister["codes"] == {} and lister["lists"] > 10, lister
+    assert lister["codes"] == {} and lister["lists"] > _min_lists(kind), lister
     assert lister["missing"] == 0, lister
 
 
