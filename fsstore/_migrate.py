@@ -153,13 +153,13 @@ def _fix(fs: _fsio.Fs, fd: int, path: str, dry_run: bool, *, gaps: bool, spare: 
                                  "was looked at (compactions); run again", False, failed=True)]
     if seen.gap is None:
         return actions
-    missing = _missing(seen.items)
+    missing, past = _missing(seen.items)
     if missing > _GAP_LIMIT:  # never listed one by one (found by review: 1e20 numbers)
-        highest = max(seen.items, key=lambda it: it[1])[2]
         return [*actions, Action("repair", path, f"not repaired: {missing} part numbers are missing, "
-                                 f"more than {_GAP_LIMIT} one repair closes; a file numbered far above "
-                                 f"the others ({highest}, put there by hand?) is not this store's: move "
-                                 f"it aside and run again", False, failed=True)]
+                                 f"more than {_GAP_LIMIT} one repair closes; the file past the widest "
+                                 f"gap ({past}) may not be this store's (put there by hand?): move it "
+                                 f"aside if so; batches committed above it stay (load() returns them "
+                                 f"after the gap)", False, failed=True)]
     # Numbers no listed file holds (a segment the plan left out still holds its own).
     lost = [n for n in range(1, top(seen.items) + 1)
             if not any(first <= n <= last for first, last, _name in seen.items)]
@@ -194,14 +194,17 @@ def _fix(fs: _fsio.Fs, fd: int, path: str, dry_run: bool, *, gaps: bool, spare: 
 _GAP_LIMIT = 10_000
 
 
-def _missing(items: list[Item]) -> int:
-    """How many numbers from 1 to the highest no listed file holds (without listing them)."""
-    held, reach = 0, 0
-    for first, last, _name in sorted(items):
+def _missing(items: list[Item]) -> tuple[int, str]:
+    """How many numbers from 1 to the highest no listed file holds (without listing
+    them), and the name of the file right past the widest gap."""
+    held, reach, widest, past = 0, 0, -1, ""
+    for first, last, name in sorted(items):
+        if first - reach - 1 > widest:
+            widest, past = first - reach - 1, name
         if last > reach:
             held += last - max(first, reach + 1) + 1
             reach = last
-    return reach - held
+    return reach - held, past
 
 
 def _cut_out(fd: int, items: list[Item], chain: list[Item], lost: list[int]) -> dict[int, bytes]:

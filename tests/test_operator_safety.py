@@ -158,11 +158,39 @@ def test_a_stray_file_numbered_far_above_the_others_loses_no_append_and_repair_r
         proc = fsstore("check", root, "--repair", *args, timeout=60)
         assert proc.returncode == 1, proc.stdout + proc.stderr
         assert f"not repaired: {stray - 2} part numbers are missing" in proc.stdout, proc.stdout
-        assert stray_name in proc.stdout
+        assert f"past the widest gap ({stray_name})" in proc.stdout
         assert {k: v for k, v in snapshot(root).items() if not k.startswith(_layout.LOCKS)} == before
     if stray == _layout.MAX_SEQ:  # nothing was linked above it: aside, the transcript is whole
         shutil.move(tdir(root, KEY) / stray_name, root.parent / stray_name)
         assert fsstore("check", root).returncode == 0
+
+
+def test_repair_names_the_stray_file_not_the_batch_appended_above_it(root: Path, store: SyncStore) -> None:
+    """Review (helper-79, stop 33): a stray numbered just below the top let one more
+    append through, acknowledged at the top number; ``check --repair`` then named that
+    file, the acknowledged batch, as the one to move aside. It names the file past the
+    widest gap."""
+    store.append(KEY, [entry(0)])
+    stray_name = _layout.part_name(_layout.MAX_SEQ - 1)
+    (tdir(root, KEY) / stray_name).write_text('{"stray": 1}\n')
+    SyncStore(root).append(KEY, [entry(1)])  # a new process: numbered from a listing
+    assert (tdir(root, KEY) / _layout.part_name(_layout.MAX_SEQ)).exists()
+    proc = fsstore("check", root, "--repair", "--dry-run")
+    assert proc.returncode == 1 and f"past the widest gap ({stray_name})" in proc.stdout, proc.stdout
+    assert (store.load(KEY) or [])[-1] == entry(1)
+
+
+def test_a_segment_name_of_one_number_is_no_transcript_file(root: Path, store: SyncStore) -> None:
+    """Review (helper-79, stop 33): a file named ``4-4`` put next to parts 1-3: readers
+    took it for part 4, and the writer, for which it was no segment, linked part 4
+    beside it, acknowledged and hidden (2 of 2). Such a name is no part or segment for
+    anyone now (``fsstore check`` calls it unexpected)."""
+    for i in range(3):
+        store.append(KEY, [entry(i)])
+    (tdir(root, KEY) / "00000000000000000004-00000000000000000004.jsonl").write_text('{"stray": 1}\n')
+    store.append(KEY, [entry(3)])
+    assert store.load(KEY) == [entry(i) for i in range(4)]
+    assert _layout.parse_item("00000000000000000005-00000000000000000004.jsonl") is None
 
 
 def test_check_of_a_directory_that_is_not_a_store_says_so(tmp_path: Path) -> None:
