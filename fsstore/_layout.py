@@ -121,9 +121,10 @@ def parse_item(name: str) -> tuple[int, int] | None:
         return None
     first = int(m.group(1))
     last = int(m.group(2)) if m.group(2) else first
+    # No compaction makes an `N-N`: readers took one put there by hand for part N, and
+    # the part a writer then linked at N was hidden (review, stop 33).
     if m.group(2) and last <= first:
-        return None  # no compaction makes one: readers took an `N-N` put there by hand
-        # for part N, and the part a writer then linked at N was hidden (review, stop 33)
+        return None
     return (first, last) if first >= 1 else None
 
 

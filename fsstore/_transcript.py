@@ -274,17 +274,17 @@ def past_now(dfd: int) -> None:
     tick_mtime(dfd, 0)
 
 
-# The clock file systems stamp with (Linux: the coarse one; every later stamp is at
-# least what it reads now).
-# (Python names no CLOCK_REALTIME_COARSE: Linux's number is 5. The precise clock runs up
-# to a few ms ahead of it, and kernels stamp files within that: review, stop 33.)
+# The clock file systems stamp with: every later stamp is at least what it reads now.
+# On Linux the coarse one, which Python does not name (5); the precise clock runs up to
+# a few ms ahead of it, and kernels stamp files within that (review, stop 33).
 _STAMP_CLOCK = getattr(time, "CLOCK_REALTIME_COARSE", 5 if sys.platform == "linux" else time.CLOCK_REALTIME)
 
 
 def settled_mtime(dfd: int, deadline: float) -> tuple[int, bool]:
     """The directory's mtime (ns), once this host's clock has passed the stamp unit it
     falls in (1 ms; 1 s where the storage keeps whole seconds, as SFTP does), and
-    whether it did before ``deadline`` (``time.monotonic()``), waiting once at most.
+    whether it did before ``deadline`` (``time.monotonic()``); a session that changes
+    while waited for is not waited for again.
 
     A summary read after this is current as of that mtime: every change after its
     listing is stamped later, in a later unit, so the SDK's ``summary.mtime <
@@ -296,17 +296,17 @@ def settled_mtime(dfd: int, deadline: float) -> tuple[int, bool]:
     writer); and on sshfs the tick is cut to the second (92 of 99). Where this host's
     clock is ahead of the storage's (another host's NFS server), the promise holds
     only as far as the clocks agree: run NTP."""
-    waited = False
+    waited_for = None
     while True:
         mtime = os.fstat(dfd).st_mtime_ns
         unit = 1_000_000_000 if mtime % 1_000_000_000 == 0 else 1_000_000
         wait = (mtime - mtime % unit + unit - time.clock_gettime_ns(_STAMP_CLOCK)) / 1e9
         if wait <= 0:
             return mtime, True
-        if waited or time.monotonic() + wait > deadline:
-            return mtime, False  # (changed again while waited for: being written, not chased)
-        time.sleep(wait)
-        waited = True
+        if waited_for not in (None, mtime) or time.monotonic() + wait > deadline:
+            return mtime, False  # changed while waited for (being written): not chased
+        time.sleep(max(wait, 0.001))  # (the coarse clock moves in ticks of a few ms)
+        waited_for = mtime
 
 
 def summary_stamp(mtime_ns: int, settled: bool) -> int:
