@@ -711,6 +711,7 @@ def test_an_append_cancelled_natively_inside_locked_publishes_nothing_once_the_l
     assert store.load(KEY) == [entry(1)]
     assert not lock_file(root, KEY).exists()
 
+
 def test_a_delete_cancelled_natively_ends_before_the_callers_next_append(root: Path) -> None:
     """Review (helper-77, stop 33): ``asyncio.wait_for(store.delete(key), t)`` timed out
     while the delete's worker waited for the lock; the worker went on, and took the lock
