@@ -844,37 +844,10 @@ def test_a_lock_left_linked_to_a_writers_own_record_does_not_hold_it_off(request
     assert_transcript(store.load(KEY), [("w", 0), ("w", 1)], 2)
 
 
-@pytest.mark.parametrize("kind", params())
-def test_a_load_right_after_the_other_host_compacts(request: pytest.FixtureRequest, kind: str) -> None:
-    """Host 2 loads (warm caches), host 1 appends and compacts, host 2 loads at once and
-    again for 0.3 s: every load whole, none an error; three rounds."""
-    pair = pair_of(request, kind)
+def _after_the_other_host_compacts(pair: Pair, then: Callable[[Any, dict[str, str], list[Any]], None]) -> None:
+    """Three rounds: host 1 appends, host 2 loads (warm caches, current), host 1
+    compacts, and host 2 does ``then(store, key, batches acknowledged)`` at once."""
     r1, r2 = pair.fresh("compact")
-    root1, root2 = str(r1 / "store"), str(r2 / "store")
-    (key,) = _sessions(root1, 1, batches=4)
-    s1, s2 = FsSessionStore(root1, create=True, compact_every=0).sync, FsSessionStore(root2, create=True).sync
-    acked = [(key["session_id"], b) for b in range(4)]
-    for b in range(4, 7):
-        s1.append(key, batch(key["session_id"], b, 4))
-        acked.append((key["session_id"], b))
-        if b > 4:  # host 2 has looked before: let its caches catch up
-            time.sleep(pair.cache_window)
-        assert_transcript(s2.load(key), acked, 4 * len(acked))  # warm, current
-        s1.compact(key)
-        _judge(_loads_for(s2, key, 0.3), 4 * len(acked))
-    assert_transcript(s1.load(key), acked, 4 * len(acked))
-
-
-@pytest.mark.parametrize("kind", params())
-def test_a_compaction_right_after_the_other_host_compacted_does_not_fail(
-        request: pytest.FixtureRequest, kind: str) -> None:
-    """Review (helper-78, stop 33): `fsstore compact` on a host whose client still
-    listed what the other host's compaction had removed (sshfs's 20 s cache) read the
-    same cached listing 50 times and failed EAGAIN (30 of 133 runs beside a writing
-    host). A compaction that finds a file gone lists afresh, as a load does; three
-    rounds, host 2's caches warm each time."""
-    pair = pair_of(request, kind)
-    r1, r2 = pair.fresh("compact-both")
     root1, root2 = str(r1 / "store"), str(r2 / "store")
     (key,) = _sessions(root1, 1, batches=4)
     s1 = FsSessionStore(root1, create=True, compact_every=0).sync
@@ -887,8 +860,31 @@ def test_a_compaction_right_after_the_other_host_compacted_does_not_fail(
             time.sleep(pair.cache_window)
         assert_transcript(s2.load(key), acked, 4 * len(acked))  # warm, current
         s1.compact(key)
+        then(s2, key, acked)
+    assert_transcript(s1.load(key), acked, 4 * len(acked))
+
+
+@pytest.mark.parametrize("kind", params())
+def test_a_load_right_after_the_other_host_compacts(request: pytest.FixtureRequest, kind: str) -> None:
+    """Host 2 loads at once and again for 0.3 s after host 1 compacted: every load
+    whole, none an error; three rounds."""
+    _after_the_other_host_compacts(pair_of(request, kind),
+                                   lambda s2, key, acked: _judge(_loads_for(s2, key, 0.3), 4 * len(acked)))
+
+
+@pytest.mark.parametrize("kind", params())
+def test_a_compaction_right_after_the_other_host_compacted_does_not_fail(
+        request: pytest.FixtureRequest, kind: str) -> None:
+    """Review (helper-78, stop 33): `fsstore compact` on a host whose client still
+    listed what the other host's compaction had removed (sshfs's 20 s cache) read the
+    same cached listing 50 times and failed EAGAIN (30 of 133 runs beside a writing
+    host). A compaction that finds a file gone lists afresh, as a load does."""
+
+    def compact_then_load(s2: Any, key: dict[str, str], acked: list[Any]) -> None:
         s2.compact(key)  # raised EAGAIN before
         assert_transcript(s2.load(key), acked, 4 * len(acked))
+
+    _after_the_other_host_compacts(pair_of(request, kind), compact_then_load)
 
 
 @pytest.mark.parametrize("kind", params(sshfs=pytest.mark.soak, sshfs_nocache=pytest.mark.soak))
