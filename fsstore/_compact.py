@@ -27,14 +27,16 @@ Steps, and what readers and crashes see:
 3. Read the chosen files (parts are parsed: a damaged part is never copied). Take
    the lock, then list twice more: a segment over the range that the first listing
    lacks means a name read may have been freed by another compaction and linked
-   again by a stale writer, and ``.deleted`` a delete: start over. Write their bytes to a temp file; fsync if ``fsync=True``;
-   move it, no-replace, to ``<first>-<last>.jsonl``. Readers now take the segment
+   again by a stale writer, and ``.deleted`` a delete: start over. Write their bytes to a temp file
+   and fsync it (whatever ``fsync`` says); move it, no-replace, to ``<first>-<last>.jsonl``. Readers now take the segment
    (fewer files) and skip what it merged; either way each entry once.
 4. List again (the *check*): if another segment overlaps this one without one
    holding the other (two compactions that overlapped), remove this one and stop:
    its files are all still there. Readers racing it take the chain that continues.
    Give the lock back.
-5. Take the lock again. Main transcripts: write the summary sidecar (state.json) folded up to ``last``.
+5. fsync the directory (whatever ``fsync`` says: the segment survives a power loss
+   before what it merged stops surviving one). Take the lock again. Main
+   transcripts: write the summary sidecar (state.json) folded up to ``last``.
 6. Unlink the merged files and every other segment inside the range, and every
    part there whose bytes the segment holds (leftovers; a part a stale writer
    misplaced there stays: that writer commits it again above from its temp file, or
@@ -165,7 +167,7 @@ def _merge(
                            operation=operation, path=path)
     merge = chain[choose(chain, everything=everything):]
     if len(merge) < 2:
-        _tidy(dir_fd, hold, operation, _covered(dir_fd, items, chain, seen))
+        _tidy(fs, dir_fd, hold, operation, _covered(dir_fd, items, chain, seen))
         return 0
     blobs: dict[str, bytes] = {}
     newest = 0
@@ -215,31 +217,41 @@ def _merge(
                 "code": "SUMMARY_BEHIND", "operation": operation, "path": path})
 
     doomed = _covered(dir_fd, after, [(first, last, segment)], {segment: data})
-    _tidy(dir_fd, hold, operation, doomed, write_summary if summary is not None else None, (segment, data))
+    _tidy(fs, dir_fd, hold, operation, doomed, write_summary if summary is not None else None,
+          (segment, data))
     return len(merge)
 
 
-def _tidy(dir_fd: int, hold: Callable[[], contextlib.AbstractContextManager[Held]], operation: str,
-          doomed: list[str], write_summary: Callable[[], None] | None = None,
+def _tidy(fs: _fsio.Fs, dir_fd: int, hold: Callable[[], contextlib.AbstractContextManager[Held]],
+          operation: str, doomed: list[str], write_summary: Callable[[], None] | None = None,
           made: tuple[str, bytes] | None = None) -> None:
     """Steps 5-6 under the lock again: the summary sidecar, and the unlinks of
     ``doomed``; not where the segment ``made`` is not there as made (the session was
     deleted and made anew meanwhile, seen through a handle that goes by path: sshfs).
-    A busy lock leaves both to the next compaction (readers skip leftovers, and fold
-    what the sidecar lacks)."""
+    A busy lock (or a failed fsync) leaves both to the next compaction (readers skip
+    leftovers, and fold what the sidecar lacks).
+
+    The directory is fsynced first, whatever ``fsync`` says: a segment's name must
+    survive a power loss before the files it covers stop surviving one (its bytes
+    were fsynced before its move). Found by a power-loss test: with ``fsync=False``
+    an ext4 journal commit could carry the unlinks while the segment's bytes were
+    still in memory, and a power loss in the next ~30 s left it empty and the whole
+    transcript lost."""
     if not doomed and write_summary is None:
         return
-    with contextlib.suppress(OSError, FsStoreError), hold() as held, \
-            _mtime_kept(dir_fd, held, top(scan(dir_fd)[0])):
-        if made is not None and not _read.still(dir_fd, *made):
-            return
-        if write_summary is not None:
-            write_summary()
-        for name in doomed:
-            # Within the lease (review, stop 31: one stalled past it, on sshfs, unlinked the
-            # parts of the session another host had deleted and made anew meanwhile).
-            held.check(operation)
-            _fsio.unlink_quiet(dir_fd, name)
+    with contextlib.suppress(OSError, FsStoreError):
+        if doomed:
+            fs.sync_dir(dir_fd, always=True)  # outside the lock: a journal commit
+        with hold() as held, _mtime_kept(dir_fd, held, top(scan(dir_fd)[0])):
+            if made is not None and not _read.still(dir_fd, *made):
+                return
+            if write_summary is not None:
+                write_summary()
+            for name in doomed:
+                # Within the lease (review, stop 31: one stalled past it, on sshfs, unlinked
+                # the parts of the session another host had deleted and made anew meanwhile).
+                held.check(operation)
+                _fsio.unlink_quiet(dir_fd, name)
 
 
 @contextlib.contextmanager
@@ -291,7 +303,8 @@ def _publish(fs: _fsio.Fs, dir_fd: int, segment: str, data: bytes, mtime_ns: int
     """Write ``data`` to a temp file (with ``mtime_ns``) and move it, no-replace, to
     ``segment``; False (no file left) if that name exists already."""
     tmp = _fsio.temp_name("-segment")
-    fs.write_new(dir_fd, tmp, data)
+    # fsynced whatever ``fsync`` says: what it merges is removed once it is there (_tidy)
+    fs.write_new(dir_fd, tmp, data, sync=True)
     try:
         if mtime_ns is not None:
             os.utime(tmp, ns=(mtime_ns, mtime_ns), dir_fd=dir_fd, follow_symlinks=False)
@@ -302,7 +315,6 @@ def _publish(fs: _fsio.Fs, dir_fd: int, segment: str, data: bytes, mtime_ns: int
     finally:
         if tmp:
             _fsio.unlink_quiet(dir_fd, tmp)
-    fs.sync_dir(dir_fd)
     return True
 
 

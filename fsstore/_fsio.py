@@ -361,10 +361,11 @@ class Fs:
         finally:
             os.close(fd)
 
-    def sync_dir(self, fd: int) -> None:
-        """fsync a directory if fsync is on; degrade once, loudly, where the mount refuses.
-        ``fd`` may be an ``O_PATH`` handle: the fsync goes through a handle of its own."""
-        if not (self.fsync and self.dir_fsync_ok):
+    def sync_dir(self, fd: int, *, always: bool = False) -> None:
+        """fsync a directory if fsync is on (or ``always``); degrade once, loudly, where
+        the mount refuses. ``fd`` may be an ``O_PATH`` handle: the fsync goes through a
+        handle of its own."""
+        if not ((self.fsync or always) and self.dir_fsync_ok):
             return
         try:
             own = os.open(".", DIR_FLAGS, dir_fd=fd)

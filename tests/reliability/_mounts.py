@@ -1,4 +1,5 @@
-"""Mounts for the reliability tests: a size-limited tmpfs, bindfs, and faultfs.
+"""Mounts for the reliability tests: a size-limited tmpfs, bindfs, faultfs, and an
+ext4 file system on a loop device whose power can be cut (:func:`ext4_loop`).
 
 Every mount is a context manager that unmounts on the way out, whatever happened
 inside; :data:`MOUNTED` is a last-resort list the conftest unmounts at session end.
@@ -73,6 +74,78 @@ def tmpfs(path: str | os.PathLike[str], options: str) -> Iterator[str]:
         yield path
     finally:
         unmount(path)
+
+
+# EXT4_IOC_SHUTDOWN (_IOR('X', 125, __u32)) with EXT4_GOING_FLAGS_NOLOGFLUSH: the file
+# system stops at once, its journal not flushed and no dirty page written: what the
+# disk holds is what a power loss at that instant would leave (xfstests' "godown").
+_EXT4_IOC_SHUTDOWN = 0x8004587D
+_NOLOGFLUSH = 2
+
+
+@functools.cache
+def ext4_loop_unavailable() -> str | None:
+    if os.geteuid() != 0:
+        return "needs root to mount a loop device"
+    for tool in ("mkfs.ext4", "mount", "umount"):
+        if not shutil.which(tool):
+            return f"needs {tool}"
+    with tempfile.TemporaryDirectory(prefix="fsstore-probe-") as d:
+        try:
+            with ext4_loop(d) as mnt:
+                cut_power(mnt)
+        except (AssertionError, OSError) as exc:
+            return f"cannot mount ext4 on a loop device and cut its power here: {exc}"
+    return None
+
+
+@contextlib.contextmanager
+def ext4_loop(base: str | os.PathLike[str], *, size_mb: int = 64) -> Iterator[str]:
+    """A fresh ext4 on a loop device (image ``base/ext4.img``) mounted at ``base/mnt``,
+    with a 1 s journal commit interval (so a test waits 2 s, not 6, for the journal to
+    carry what it did); unmounted on the way out. :func:`cut_power` and :func:`remount`."""
+    img, mnt = os.path.join(base, "ext4.img"), os.path.join(base, "mnt")
+    os.makedirs(mnt, exist_ok=True)
+    with open(img, "wb") as f:
+        f.truncate(size_mb << 20)
+    r = _run("mkfs.ext4", "-q", "-F", img)
+    assert r.returncode == 0, r.stderr
+    remount(mnt, img)
+    try:
+        yield mnt
+    finally:
+        unmount(mnt)
+        with contextlib.suppress(OSError):
+            os.unlink(img)
+
+
+def remount(mnt: str, img: str | None = None) -> None:
+    """(Re)mount the loop image at ``mnt``: after :func:`cut_power`, the journal's replay
+    gives what a reboot would find."""
+    img = img or os.path.join(os.path.dirname(mnt), "ext4.img")
+    unmount(mnt)
+    r = _run("mount", "-o", "loop,commit=1", img, mnt)
+    assert r.returncode == 0, r.stderr
+    MOUNTED.append(mnt)
+
+
+def cut_power(mnt: str) -> None:
+    """Stop the file system at ``mnt`` as a power loss would, at this instant."""
+    import fcntl
+    import struct
+
+    fd = os.open(mnt, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        fcntl.ioctl(fd, _EXT4_IOC_SHUTDOWN, struct.pack("I", _NOLOGFLUSH))
+    finally:
+        os.close(fd)
+
+
+def sync_fs(path: str) -> None:
+    """Write back everything of the file system at ``path`` (``syncfs``, not ``sync``:
+    never waits on another test's FUSE mount)."""
+    r = _run("sync", "-f", path, timeout=60)
+    assert r.returncode == 0, r.stderr
 
 
 def _fuse_missing() -> str | None:
