@@ -15,6 +15,9 @@ name whose bytes are elsewhere), idempotent, and reported by ``--dry-run`` first
   first (ctime order, the order they were committed in), then its old name is
   removed. A batch with a nonce is known by its bytes: one the chain holds already
   only loses its misplaced copies, and copies of one batch are committed once.
+* **Unreadable parts** (repair only). A part of the chain whose bytes do not parse
+  (empty or torn: a power loss with ``fsync=False``) is moved aside, and its number
+  closed as a gap is.
 * **Gaps** (repair only). A part lost outside fsstore (moved aside by an operator)
   leaves a hole that makes every load warn. Each missing number gets a part of one
   empty line (:data:`_layout.LOST`, no entry), linked no-replace, which closes the
@@ -30,6 +33,7 @@ the marker existed its ``.fsstore`` marker.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 from collections.abc import Callable
@@ -148,6 +152,13 @@ def _fix(fs: _fsio.Fs, fd: int, path: str, dry_run: bool, *, gaps: bool, spare: 
     if not gaps:
         return actions
     seen = _settled(fd, path)
+    if seen is not None and (unreadable := _unreadable_parts(seen)):
+        actions += _set_aside(fd, path, unreadable, seen.data, dry_run)
+        if dry_run:  # what the real run's look after the moves would see
+            items = [it for it in seen.items if it[2] not in unreadable]
+            seen = dataclasses.replace(seen, items=items, gap=plan(items)[1])
+        else:
+            seen = _settled(fd, path)
     if seen is None:
         return [*actions, Action("repair", path, "not repaired: the transcript changed while it "
                                  "was looked at (compactions); run again", False, failed=True)]
@@ -188,6 +199,42 @@ def _fix(fs: _fsio.Fs, fd: int, path: str, dry_run: bool, *, gaps: bool, spare: 
         return [*actions, Action("close-gap", path, f"would be gap closed; {what}", False)]
     return [*actions, Action("close-gap", path, f"gap closed; {what}" if lost
                              else "filled meanwhile by commits: nothing lost", bool(lost))]
+
+
+def _unreadable_parts(seen: Snapshot) -> list[str]:
+    """The parts of the chain whose bytes do not parse (empty, a torn last line, a
+    garbled line): a power loss with ``fsync=False`` leaves the parts of the last
+    seconds so on ext4. A committed part never is (its bytes were written whole
+    before its link), so none is a batch in flight. Segments are left to the
+    operator (they hold many batches, and compaction fsyncs them)."""
+    parts = {name for first, last, name in seen.chain if first == last}
+    return [d.name for d in seen.damage if d.name in parts and isinstance(d.error, FsStoreError)
+            and not isinstance(d.error.__cause__, _read.NotAFile)]
+
+
+def _set_aside(fd: int, path: str, names: list[str], judged: dict[str, bytes],
+               dry_run: bool) -> list[Action]:
+    """Move each unreadable part ``names`` off its name (to a temp name, which ``fsstore
+    gc`` removes once old): a number below the highest then closes as a gap does, the
+    highest the next append takes. Only where its bytes are still those judged."""
+    actions = []
+    for name in names:
+        where, data = f"{path}/{name}", judged.get(name, b"")
+        what = f"{'empty' if not data else f'{len(data)} bytes that do not parse'}"
+        if dry_run:
+            actions.append(Action("set-aside", where, f"{what}: its batch is lost; would be "
+                                  "moved aside", False))
+            continue
+        aside = _fsio.temp_name("-unreadable")
+        try:
+            if _read.read_file(fd, name) != data:
+                continue  # not what was judged (cannot happen to a committed name): left
+            os.rename(name, aside, src_dir_fd=fd, dst_dir_fd=fd)
+        except FileNotFoundError:
+            continue
+        actions.append(Action("set-aside", where, f"{what}: its batch is lost; moved aside to "
+                              f"{aside} (fsstore gc removes it once old)", True))
+    return actions
 
 
 # The most part numbers one repair marks lost (a file each).

@@ -99,6 +99,39 @@ def test_check_repair_closes_a_gap_and_names_what_was_lost(tmp_path: Path) -> No
     assert [e["uuid"] for e in store.load(key) or []] == ["u0", "u1", "u3", "u4", "u5"]
 
 
+def test_check_repair_sets_aside_parts_a_power_loss_left_unreadable_and_loses_nothing_else(
+        tmp_path: Path) -> None:
+    """With fsync=False a power loss leaves the last seconds' parts empty or torn
+    (tests/reliability/test_power_loss.py) and every load CORRUPT; check --repair moves
+    them aside and says their batches are lost: the rest loads, appends go on."""
+    root = tmp_path / "store"
+    store = FsSessionStore(root, create=True).sync
+    key = {"project_key": "p", "session_id": "s"}
+    for i in range(6):
+        store.append(key, [{"uuid": f"u{i}"}, {"uuid": f"v{i}"}])
+    main = root / "projects/p/sessions/s/main"
+    (main / "00000000000000000003.jsonl").write_bytes(b"")  # empty
+    (main / "00000000000000000006.jsonl").write_bytes(b'{"uuid":"u5"}\n{"uu')  # torn, the highest
+    before = {p.name: p.read_bytes() for p in main.iterdir()}
+    with pytest.raises(Exception, match="CORRUPT"):
+        store.load(key)
+    dry = _cli("check", str(root), "--repair", "--dry-run")
+    assert dry.returncode == 1, dry.stdout + dry.stderr  # (what check found is still there)
+    assert "00000000000000000003.jsonl  empty: its batch is lost; would be moved aside" in dry.stdout
+    assert "00000000000000000006.jsonl  18 bytes that do not parse: its batch is lost" in dry.stdout
+    assert {p.name: p.read_bytes() for p in main.iterdir()} == before  # a dry run changes nothing
+    out = _cli("check", str(root), "--repair")
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "lost (gone before the repair): parts 3" in out.stdout
+    want = [{"uuid": f"{c}{i}"} for i in (0, 1, 3, 4) for c in "uv"]
+    assert store.load(key) == want
+    store.append(key, [{"uuid": "w"}])
+    assert store.load(key) == [*want, {"uuid": "w"}]
+    assert _cli("check", str(root)).returncode == 0
+    again = _cli("check", str(root), "--repair", "--json")
+    assert json.loads(again.stdout)["repairs"] == []  # idempotent
+
+
 @pytest.mark.parametrize("args", [["migrate"], ["check", "--repair"]])
 def test_migrate_and_repair_of_a_healthy_format_2_store_change_nothing(tmp_path: Path, args: list[str]) -> None:
     root = tmp_path / "store"
