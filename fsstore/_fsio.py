@@ -377,6 +377,8 @@ class Fs:
             if exc.errno not in _NO_DIR_FSYNC:
                 raise
             self.dir_fsync_ok = False
+            if not self.fsync:
+                return  # (compaction's own fsync, ``always``: not what the user turned on)
             log.warning(
                 "directory fsync is not supported on this mount (%s); continuing with file "
                 "fsync only",
