@@ -54,6 +54,10 @@ def merge_back(store: SyncStore, orphan: str, comps: list[Component], mark: str,
                     if stopped is not None:
                         break
                 if stopped in (None, "claimed"):
+                    # What was appended survives a power loss before the orphan stops
+                    # surviving one, whatever the store's fsync (found by a power-loss
+                    # review: gc's merge left the copies empty, the orphan gone).
+                    _fsio.sync_fs(rfd)
                     # Off its name under the lock first: a merger still going through it
                     # stops at its next look, and what a crash leaves is no orphan.
                     with store.locked(main):

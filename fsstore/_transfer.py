@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from . import _fsio, _keys, _read
-from ._errors import FsStoreError
+from ._errors import FsStoreError, from_oserror
 from ._store import SyncStore
 from ._transcript import dedupe
 from ._walk import NoStore, Problem, Progress, error_code, gone, require_store, tick
@@ -350,6 +350,16 @@ def import_projects(
             except FsStoreError as err:
                 out.append(Transfer(path, key, "failed", detail=str(err), failed=True))
         tick(progress, i + 1, len(files))
+    if not dry_run:
+        # Written back before it is reported (an operator may remove the local files
+        # then), whatever fsync says (found by a power-loss review: a cut 3 s after an
+        # import left the session's imported parts empty, the whole session CORRUPT).
+        with store.open_root() as rfd:
+            if rfd is not None:
+                try:
+                    _fsio.sync_fs(rfd)
+                except OSError as exc:
+                    raise from_oserror(exc, "import", root) from exc
     return out, problems
 
 

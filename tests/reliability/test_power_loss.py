@@ -9,7 +9,10 @@ Promises (docs/format.md, "Crashes and power loss"):
 * ``fsync=False``: a power loss may lose what was not written back, and leaves those
   parts empty or torn (every load CORRUPT); ``fsstore check --repair`` moves them
   aside, and then every transcript loads with every batch that was written back.
-* Either setting: what was on disk before a compaction is on disk after it. A
+* Either setting: what was on disk before a compaction, a merge back of what a delete
+  moved by mistake (``fsstore gc``) or an import is on disk after it (found by a review
+  with this harness: the merge's copies and the imported parts were empty after a cut
+  3 s later, the original gone or the session CORRUPT). A
   compaction fsyncs its segment and the directory before it removes what the segment
   merged (found by this file: with ``fsync=False`` a power loss within ~30 s of a
   compaction left the segment empty and its parts gone, the whole transcript lost).
@@ -31,6 +34,7 @@ import pytest
 
 from fsstore import FsSessionStore
 
+from .._helpers import orphan_of
 from . import _mounts
 from ._check import assert_transcript, batch, verify
 
@@ -187,3 +191,49 @@ def test_after_a_power_cut_with_fsync_off_check_repair_makes_it_load_with_all_wr
             lost = durable - set(v.batches)
             assert not lost, (rnd, sorted(lost)[:20], f"{len(durable)} written back")
             figures.add("written-back batches that survived a power cut (fsync off)", len(durable))
+
+
+def _fsstore(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "fsstore", *args], capture_output=True, text=True,
+                          cwd=str(Path(__file__).resolve().parents[2]), timeout=120, check=False)
+
+
+def test_a_session_merged_back_by_gc_survives_a_power_loss(tmp_path: Path, figures: Any) -> None:
+    """A delete moved a session into .trash by mistake (a session was made at its name
+    since); ``fsstore gc`` merges its batches into the new one and removes it; the power
+    goes 2.5 s later."""
+    with _mounts.ext4_loop(tmp_path) as mnt:
+        root = Path(mnt) / "store"
+        orphan_of(root, [batch("old", b, 2) for b in range(20)], key=MAIN, made_since=batch("new", 0, 2))
+        _mounts.sync_fs(mnt)
+        time.sleep(1.2)  # older than gc's --older-than
+        out = _fsstore("gc", str(root), "--older-than", "1s")
+        assert out.returncode == 0 and "merged" in out.stdout, out.stdout + out.stderr
+        time.sleep(JOURNAL_COMMITTED)
+        _mounts.cut_power(mnt)
+        figures.add("power cuts")
+        _mounts.remount(mnt)
+        assert_transcript(_load(str(root), MAIN), [("new", 0), *(("old", b) for b in range(20))], 42)
+
+
+def test_an_import_survives_a_power_loss_once_reported(tmp_path: Path, figures: Any) -> None:
+    """``fsstore import`` extends a session that was on disk; the power goes 2.5 s
+    after it reported."""
+    key = {"project_key": "-home-u-repo", "session_id": "sess1"}
+    entries = [{"type": "user", "uuid": f"u{i}", "message": {"role": "user", "content": f"m{i}"}}
+               for i in range(40)]
+    local = tmp_path / "local" / "-home-u-repo"
+    local.mkdir(parents=True)
+    (local / "sess1.jsonl").write_text("".join(json.dumps(e) + "\n" for e in entries))
+    with _mounts.ext4_loop(tmp_path / "disk") as mnt:
+        root = f"{mnt}/store"
+        store = FsSessionStore(root=root, create=True, fsync=True)
+        for i in range(0, 20, 2):
+            store.sync.append(key, entries[i:i + 2])
+        out = _fsstore("import", root, str(tmp_path / "local"))
+        assert out.returncode == 0 and "extended" in out.stdout, out.stdout + out.stderr
+        time.sleep(JOURNAL_COMMITTED)
+        _mounts.cut_power(mnt)
+        figures.add("power cuts")
+        _mounts.remount(mnt)
+        assert _load(root, key) == entries
