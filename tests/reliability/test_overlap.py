@@ -76,11 +76,13 @@ WRITER_SWEEP = {
     "renameat2": ("1+2", False), "openat": ("5+7", False), "unlinkat": ("5+7", False),
     "close": ("9+7", False), "read": ("5+7", False), "write": ("5+7", False),
     "utimensat": ("1+2", False), "renameat": ("1+1", False), "mkdirat": ("1", False),
+    "fsync": ("1+1", False),  # (a compaction's segment, whatever fsync says: stop 34)
 }
 COMPACTOR_SWEEP = {
     "renameat2": ("2+3", True), "unlinkat": ("3+5", False), "getdents64": ("3+5", False),
     "openat": ("3+5", False), "read": ("3+5", False), "write": ("2+3", False),
     "utimensat": ("2+3", False), "renameat": ("1+2", False), "linkat": ("2+3", False),
+    "fsync": ("1+1", True),  # its segment's, under the lock, before the move (stop 34)
 }
 PRUNE_SWEEP = {"unlinkat": True, "linkat": False, "openat": False, "getdents64": False,
                "newfstatat": False, "renameat": False}
