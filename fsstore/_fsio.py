@@ -122,11 +122,12 @@ _DIR_HOW = _OpenHow(
     _RESOLVE_NO_MAGICLINKS | _RESOLVE_NO_SYMLINKS | _RESOLVE_BENEATH,
 )
 _syscall: Any = None
-_syncfs: Any = None
+_syncfs: Any = None  # syncfs(2): see sync_fs
 try:
-    _syscall = ctypes.CDLL(None, use_errno=True).syscall
+    _libc = ctypes.CDLL(None, use_errno=True)
+    _syscall = _libc.syscall
     _syscall.restype = ctypes.c_long
-    _syncfs = getattr(ctypes.CDLL(None, use_errno=True), "syncfs", None)
+    _syncfs = getattr(_libc, "syncfs", None)
 except (OSError, AttributeError):  # pragma: no cover - not glibc/musl
     _syscall = None
 
@@ -632,8 +633,8 @@ def remove_marked_tree(parent_fd: int, name: str, mark: str) -> None:
 def sync_fs(fd: int) -> None:
     """Write back everything of the file system the directory ``fd`` is on
     (``syncfs``; ``sync`` where libc has none): what was written without fsync
-    survives a power loss from here on. For the few steps that remove a batch's
-    only other copy once theirs are written (a merge back, an import's report)."""
+    survives a power loss from here on. For the few steps that drop (or mark done) a
+    batch's only other copy once theirs is written (a merge back, an import's report)."""
     own = os.open(".", DIR_FLAGS, dir_fd=fd)
     try:
         if _syncfs is None:  # pragma: no cover - not glibc/musl

@@ -29,9 +29,10 @@ def merge_back(store: SyncStore, orphan: str, comps: list[Component], mark: str,
     of the session (or of that transcript) takes: a delete that runs meanwhile has
     claimed it by the next look, and the rest are not appended. If the session is gone
     (or being deleted) or this one is back at the name, it is left where it is. Each
-    batch appended is marked in the orphan (:func:`merged_name`), so a merge resumed by
-    ``fsstore gc`` appends the rest (only a batch whose merger died between its append
-    and its mark twice). Merged whole, it is renamed off its name under the lock before
+    batch appended is written back (``syncfs``) and then marked in the orphan
+    (:func:`merged_name`), so a merge resumed by ``fsstore gc`` appends the rest (only
+    a batch whose merger died, or lost its power, between its append and its mark
+    twice). Merged whole, it is renamed off its name under the lock before
     it is removed: a merger still going through it stops at its next look, and a
     removal cut short leaves garbage, never an orphan to merge again.
 
@@ -54,10 +55,7 @@ def merge_back(store: SyncStore, orphan: str, comps: list[Component], mark: str,
                     if stopped is not None:
                         break
                 if stopped in (None, "claimed"):
-                    # What was appended survives a power loss before the orphan stops
-                    # surviving one, whatever the store's fsync (found by a power-loss
-                    # review: gc's merge left the copies empty, the orphan gone).
-                    _fsio.sync_fs(rfd)
+                    _fsio.sync_fs(rfd)  # the last mark too: a cut from here appends nothing twice
                     # Off its name under the lock first: a merger still going through it
                     # stops at its next look, and what a crash leaves is no orphan.
                     with store.locked(main):
@@ -144,6 +142,11 @@ def _merge_transcript(
                 except _commit.Gone:  # why: looked at again
                     claim = _claimed(store, trash, orphan, names, mark)
                     return {"gone": "done", "claimed": "claimed", "alone": None, None: "gone"}[claim]
+                # The copy survives a power loss before its mark can, whatever the store's
+                # fsync: a resumed merge skips a marked batch, and the orphan goes once all
+                # are (found by power-loss reviews: marks on disk, copies empty, the
+                # batches lost; the copies empty and the orphan gone).
+                _fsio.sync_fs(tfd)
                 os.close(os.open(merged_name(last), os.O_WRONLY | os.O_CREAT, 0o600, dir_fd=tfd))
         return None
     finally:

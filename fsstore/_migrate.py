@@ -15,9 +15,9 @@ name whose bytes are elsewhere), idempotent, and reported by ``--dry-run`` first
   first (ctime order, the order they were committed in), then its old name is
   removed. A batch with a nonce is known by its bytes: one the chain holds already
   only loses its misplaced copies, and copies of one batch are committed once.
-* **Unreadable parts** (repair only). A part of the chain whose bytes do not parse
-  (empty or torn: a power loss with ``fsync=False``) is moved aside, and its number
-  closed as a gap is.
+* **Unreadable parts** (repair only). A part of the chain that is empty or ends in a
+  torn line (a power loss with ``fsync=False``) is moved aside, and its number closed
+  as a gap is.
 * **Gaps** (repair only). A part lost outside fsstore (moved aside by an operator)
   leaves a hole that makes every load warn. Each missing number gets a part of one
   empty line (:data:`_layout.LOST`, no entry), linked no-replace, which closes the
@@ -202,25 +202,26 @@ def _fix(fs: _fsio.Fs, fd: int, path: str, dry_run: bool, *, gaps: bool, spare: 
 
 
 def _unreadable_parts(seen: Snapshot) -> list[str]:
-    """The parts of the chain whose bytes do not parse (empty, a torn last line, a
-    garbled line): a power loss with ``fsync=False`` leaves the parts of the last
-    seconds so on ext4. A committed part never is (its bytes were written whole
-    before its link), so none is a batch in flight. Segments are left to the
-    operator (they hold many batches, and compaction fsyncs them)."""
+    """The parts of the chain that are empty or end in a torn line: what a power loss
+    with ``fsync=False`` leaves of the last seconds' parts on ext4. A committed part
+    never is (its bytes were written whole before its link), so none is a batch in
+    flight. A garbled line in a whole file (bit rot, a hand edit) and segments (many
+    batches; compaction fsyncs them) are left for the operator to look at."""
     parts = {name for first, last, name in seen.chain if first == last}
     return [d.name for d in seen.damage if d.name in parts and isinstance(d.error, FsStoreError)
-            and not isinstance(d.error.__cause__, _read.NotAFile)]
+            and d.name in seen.data and not seen.data[d.name].endswith(b"\n")]
 
 
 def _set_aside(fd: int, path: str, names: list[str], judged: dict[str, bytes],
                dry_run: bool) -> list[Action]:
     """Move each unreadable part ``names`` off its name (to a temp name, which ``fsstore
-    gc`` removes once old): a number below the highest then closes as a gap does, the
-    highest the next append takes. Only where its bytes are still those judged."""
+    gc`` removes once older than its ``--older-than``, counted from the move): a number
+    below the highest then closes as a gap does, the highest the next append takes.
+    Only where its bytes are still those judged."""
     actions = []
     for name in names:
-        where, data = f"{path}/{name}", judged.get(name, b"")
-        what = f"{'empty' if not data else f'{len(data)} bytes that do not parse'}"
+        where, data = f"{path}/{name}", judged[name]
+        what = "empty" if not data else f"{len(data)} bytes ending in a torn line"
         if dry_run:
             actions.append(Action("set-aside", where, f"{what}: its batch is lost; would be "
                                   "moved aside", False))
@@ -232,6 +233,7 @@ def _set_aside(fd: int, path: str, names: list[str], judged: dict[str, bytes],
             os.rename(name, aside, src_dir_fd=fd, dst_dir_fd=fd)
         except FileNotFoundError:
             continue
+        os.utime(aside, dir_fd=fd, follow_symlinks=False)  # gc's age counts from now
         actions.append(Action("set-aside", where, f"{what}: its batch is lost; moved aside to "
                               f"{aside} (fsstore gc removes it once old)", True))
     return actions

@@ -154,14 +154,16 @@ def chown_tree(path: Path, uid: int) -> None:
 
 
 def orphan_of(root: Path, batches: list[list[dict[str, Any]]], *, key: dict[str, Any] = KEY,
-              made_since: list[dict[str, Any]] | None = None, marked: bool = False) -> str:
+              made_since: list[dict[str, Any]] | None = None, marked: bool = False,
+              compact_every: int = 64) -> str:
     """A session of ``batches`` (in transcript ``key``) moved into .trash as a delete
     moves one by mistake (an unmarked ``-deleted`` directory of its tag: docs/format.md,
     "Deletes"), and a session made at its name since holding ``made_since`` (default
     ``[entry(2)]``) in its main transcript: what a merger that died before its first
     append leaves. Returns its name in .trash. ``marked``: moved by its own delete,
-    which died before emptying it."""
-    store = SyncStore(root, create=True)
+    which died before emptying it. ``compact_every``: of the store that writes them (a
+    merge appends one batch per file)."""
+    store = SyncStore(root, create=True, compact_every=compact_every)
     for batch in batches:
         store.append(key, batch)
     comps = _layout.transcript_dirs(parse_key(key, "test"))

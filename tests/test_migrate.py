@@ -103,7 +103,8 @@ def test_check_repair_sets_aside_parts_a_power_loss_left_unreadable_and_loses_no
         tmp_path: Path) -> None:
     """With fsync=False a power loss leaves the last seconds' parts empty or torn
     (tests/reliability/test_power_loss.py) and every load CORRUPT; check --repair moves
-    them aside and says their batches are lost: the rest loads, appends go on."""
+    them aside and says their batches are lost: the rest loads, appends go on. A
+    garbled line in a whole file is no power loss's: it stays, for the operator."""
     root = tmp_path / "store"
     store = FsSessionStore(root, create=True).sync
     key = {"project_key": "p", "session_id": "s"}
@@ -112,17 +113,23 @@ def test_check_repair_sets_aside_parts_a_power_loss_left_unreadable_and_loses_no
     main = root / "projects/p/sessions/s/main"
     (main / "00000000000000000003.jsonl").write_bytes(b"")  # empty
     (main / "00000000000000000006.jsonl").write_bytes(b'{"uuid":"u5"}\n{"uu')  # torn, the highest
+    (main / "00000000000000000002.jsonl").write_bytes(b'{"uuid":"u1"}\n{"uuid" "v1"}\n')  # garbled
     before = {p.name: p.read_bytes() for p in main.iterdir()}
     with pytest.raises(Exception, match="CORRUPT"):
         store.load(key)
     dry = _cli("check", str(root), "--repair", "--dry-run")
     assert dry.returncode == 1, dry.stdout + dry.stderr  # (what check found is still there)
     assert "00000000000000000003.jsonl  empty: its batch is lost; would be moved aside" in dry.stdout
-    assert "00000000000000000006.jsonl  18 bytes that do not parse: its batch is lost" in dry.stdout
+    assert "00000000000000000006.jsonl  18 bytes ending in a torn line: its batch is lost" in dry.stdout
+    assert "00000000000000000002.jsonl  empty" not in dry.stdout
     assert {p.name: p.read_bytes() for p in main.iterdir()} == before  # a dry run changes nothing
     out = _cli("check", str(root), "--repair")
-    assert out.returncode == 0, out.stdout + out.stderr
+    assert out.returncode == 1, out.stdout + out.stderr  # the garbled part is still there
     assert "lost (gone before the repair): parts 3" in out.stdout
+    assert (main / "00000000000000000002.jsonl").read_bytes() == before["00000000000000000002.jsonl"]
+    with pytest.raises(Exception, match="CORRUPT.*00000000000000000002.jsonl: line 2"):
+        store.load(key)
+    (main / "00000000000000000002.jsonl").write_bytes(b'{"uuid":"u1"}\n{"uuid":"v1"}\n')  # mended
     want = [{"uuid": f"{c}{i}"} for i in (0, 1, 3, 4) for c in "uv"]
     assert store.load(key) == want
     store.append(key, [{"uuid": "w"}])
