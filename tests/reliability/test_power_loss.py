@@ -68,6 +68,27 @@ for b in range(100000):
 """
 
 
+REPO = str(Path(__file__).resolve().parents[2])
+
+
+def _writers(root: str, keys: dict[str, dict[str, Any]], *, fsync: bool) -> dict[str, subprocess.Popen[str]]:
+    """A WRITER process per ``wid: key``."""
+    return {wid: subprocess.Popen([sys.executable, "-c", WRITER, REPO, root, wid, json.dumps(key),
+                                   "1" if fsync else "0"],
+                                  stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+            for wid, key in keys.items()}
+
+
+def _first_acks(writers: dict[str, subprocess.Popen[str]]) -> dict[str, str]:
+    """Each writer's first line (its first acknowledged batch): waited for."""
+    return {wid: p.stdout.readline() if p.stdout else "" for wid, p in writers.items()}
+
+
+def _fsstore(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "fsstore", *args], capture_output=True, text=True,
+                          cwd=REPO, timeout=120, check=False)
+
+
 def _load(root: str, key: dict[str, Any]) -> list[dict[str, Any]] | None:
     return FsSessionStore(root=root).sync.load(key)
 
@@ -101,20 +122,14 @@ def test_every_acknowledged_batch_survives_a_power_cut_at_any_instant(tmp_path: 
     """fsync=True: three writers on one transcript and one on another, compacting every
     4 parts, the power cut at a random instant; several rounds."""
     rng = random.Random()
-    repo = str(Path(__file__).resolve().parents[2])
-    rounds = 5
-    for rnd in range(rounds):
+    for rnd in range(5):
         with _mounts.ext4_loop(tmp_path / f"round{rnd}") as mnt:
             root = f"{mnt}/store"
             other = {"project_key": "p", "session_id": "other"}
-            writers = {f"w{i}": subprocess.Popen(
-                [sys.executable, "-c", WRITER, repo, root, f"w{i}",
-                 json.dumps(MAIN if i < 3 else other), "1"],
-                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True) for i in range(4)}
-            firsts: dict[str, list[str]] = {}
+            writers = _writers(root, {"w0": MAIN, "w1": MAIN, "w2": MAIN, "w3": other}, fsync=True)
+            firsts: dict[str, str] = {}
             try:
-                for wid, p in writers.items():  # each has one acknowledged: then a random instant
-                    firsts[wid] = [p.stdout.readline()] if p.stdout else []
+                firsts = _first_acks(writers)  # each has one acknowledged: then a random instant
                 time.sleep(rng.uniform(0.0, 1.0))
                 _mounts.cut_power(mnt)
                 figures.add("power cuts")
@@ -124,7 +139,7 @@ def test_every_acknowledged_batch_survives_a_power_cut_at_any_instant(tmp_path: 
             acked: dict[str, set[tuple[str, int]]] = {"main": set(), "other": set()}
             for wid, p in writers.items():
                 out, _ = p.communicate(timeout=30)
-                for line in [*firsts.get(wid, []), *out.splitlines()]:
+                for line in [firsts.get(wid, ""), *out.splitlines()]:
                     if not line.strip():
                         continue  # (a writer that died before its first append)
                     how, b = line.split()
@@ -156,18 +171,13 @@ def test_after_a_power_cut_with_fsync_off_check_repair_makes_it_load_with_all_wr
     """Three writers (fsync=False, compacting every 4 parts); stopped, written back
     (``sync -f``), let go, the power cut 0-3 s later; three rounds."""
     rng = random.Random()
-    repo = str(Path(__file__).resolve().parents[2])
     for rnd in range(3):
         with _mounts.ext4_loop(tmp_path / f"round{rnd}") as mnt:
             root = f"{mnt}/store"
-            writers = {f"w{i}": subprocess.Popen(
-                [sys.executable, "-c", WRITER, repo, root, f"w{i}", json.dumps(MAIN), "0"],
-                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True) for i in range(3)}
+            writers = _writers(root, {"w0": MAIN, "w1": MAIN, "w2": MAIN}, fsync=False)
             durable: set[tuple[str, int]] = set()
             try:
-                for wid, p in writers.items():
-                    assert p.stdout is not None
-                    durable.add((wid, int(p.stdout.readline().split()[1])))
+                durable = {(wid, int(line.split()[1])) for wid, line in _first_acks(writers).items()}
                 time.sleep(rng.uniform(0.2, 1.0))
                 for p in writers.values():
                     p.send_signal(signal.SIGSTOP)
@@ -184,19 +194,13 @@ def test_after_a_power_cut_with_fsync_off_check_repair_makes_it_load_with_all_wr
                     p.kill()
                     p.communicate(timeout=30)
             _mounts.remount(mnt)
-            out = subprocess.run([sys.executable, "-m", "fsstore", "check", root, "--repair"],
-                                 capture_output=True, text=True, cwd=repo, timeout=120, check=False)
+            out = _fsstore("check", root, "--repair")
             assert out.returncode == 0, (rnd, out.stdout[-3000:], out.stderr[-2000:])
             v = verify(_load(root, MAIN))
             assert v.ok(), (rnd, v.problems[:10])
             lost = durable - set(v.batches)
             assert not lost, (rnd, sorted(lost)[:20], f"{len(durable)} written back")
             figures.add("written-back batches that survived a power cut (fsync off)", len(durable))
-
-
-def _fsstore(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "fsstore", *args], capture_output=True, text=True,
-                          cwd=str(Path(__file__).resolve().parents[2]), timeout=120, check=False)
 
 
 def test_a_session_merged_back_by_gc_survives_a_power_loss(tmp_path: Path, figures: Any) -> None:
@@ -256,7 +260,7 @@ def test_a_merge_back_cut_midway_loses_nothing_once_repaired_and_resumed(tmp_pat
         _mounts.sync_fs(mnt)
         time.sleep(1.2)  # older than gc's --older-than
         gc = subprocess.Popen([sys.executable, "-m", "fsstore", "gc", str(root), "--older-than", "1s"],
-                              cwd=str(Path(__file__).resolve().parents[2]), stdout=subprocess.PIPE,
+                              cwd=REPO, stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True)
         time.sleep(rng.uniform(1.2, 2.0))  # marks older than a journal commit, the merge going on
         _mounts.cut_power(mnt)
