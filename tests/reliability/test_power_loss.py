@@ -139,12 +139,8 @@ def test_every_acknowledged_batch_survives_a_power_cut_at_any_instant(tmp_path: 
             acked: dict[str, set[tuple[str, int]]] = {"main": set(), "other": set()}
             for wid, p in writers.items():
                 out, _ = p.communicate(timeout=30)
-                for line in [firsts.get(wid, ""), *out.splitlines()]:
-                    if not line.strip():
-                        continue  # (a writer that died before its first append)
-                    how, b = line.split()
-                    if how == "ok":
-                        acked["other" if wid == "w3" else "main"].add((wid, int(b)))
+                acks = _acks(firsts.get(wid, "") + out, durable_only=True)
+                acked["other" if wid == "w3" else "main"] |= {(wid, b) for b in acks}
             _mounts.remount(mnt)
             for name, key in (("main", MAIN), ("other", other)):
                 got = _load(root, key)
@@ -156,14 +152,21 @@ def test_every_acknowledged_batch_survives_a_power_cut_at_any_instant(tmp_path: 
                 figures.add("acknowledged batches that survived a power cut", len(acked[name]))
 
 
-def _drain(p: subprocess.Popen[str]) -> list[str]:
+def _drain(p: subprocess.Popen[str]) -> str:
     """What a (stopped) writer has printed so far."""
     assert p.stdout is not None
     os.set_blocking(p.stdout.fileno(), False)
     try:
-        return (p.stdout.read() or "").splitlines()
+        return p.stdout.read() or ""
     finally:
         os.set_blocking(p.stdout.fileno(), True)
+
+
+def _acks(out: str, *, durable_only: bool = False) -> set[int]:
+    """The batches a writer's whole lines say were acknowledged (``durable_only``: with
+    no error logged)."""
+    return {int(m.group(2)) for m in re.finditer(r"^(ok|nd) (\d+)\n", out, re.MULTILINE)
+            if not durable_only or m.group(1) == "ok"}
 
 
 def test_after_a_power_cut_with_fsync_off_check_repair_makes_it_load_with_all_written_back(
@@ -177,12 +180,12 @@ def test_after_a_power_cut_with_fsync_off_check_repair_makes_it_load_with_all_wr
             writers = _writers(root, {"w0": MAIN, "w1": MAIN, "w2": MAIN}, fsync=False)
             durable: set[tuple[str, int]] = set()
             try:
-                durable = {(wid, int(line.split()[1])) for wid, line in _first_acks(writers).items()}
+                durable = {(wid, b) for wid, line in _first_acks(writers).items() for b in _acks(line)}
                 time.sleep(rng.uniform(0.2, 1.0))
                 for p in writers.values():
                     p.send_signal(signal.SIGSTOP)
                 for wid, p in writers.items():
-                    durable |= {(wid, int(line.split()[1])) for line in _drain(p)}
+                    durable |= {(wid, b) for b in _acks(_drain(p))}
                 _mounts.sync_fs(mnt)  # all those acknowledged so far are on disk
                 for p in writers.values():
                     p.send_signal(signal.SIGCONT)
