@@ -33,6 +33,7 @@ the marker existed its ``.fsstore`` marker.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import time
@@ -233,7 +234,8 @@ def _set_aside(fd: int, path: str, names: list[str], judged: dict[str, bytes],
             os.rename(name, aside, src_dir_fd=fd, dst_dir_fd=fd)
         except FileNotFoundError:
             continue
-        os.utime(aside, dir_fd=fd, follow_symlinks=False)  # gc's age counts from now
+        with contextlib.suppress(OSError):  # gc's age counts from now
+            os.utime(aside, dir_fd=fd, follow_symlinks=False)
         actions.append(Action("set-aside", where, f"{what}: its batch is lost; moved aside to "
                               f"{aside} (fsstore gc removes it once old)", True))
     return actions
