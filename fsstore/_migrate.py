@@ -16,8 +16,8 @@ name whose bytes are elsewhere), idempotent, and reported by ``--dry-run`` first
   removed. A batch with a nonce is known by its bytes: one the chain holds already
   only loses its misplaced copies, and copies of one batch are committed once.
 * **Unreadable parts** (repair only). A part of the chain that is empty or ends in a
-  torn line (a power loss with ``fsync=False``) is moved aside, and its number closed
-  as a gap is.
+  torn line (a power loss with ``fsync=False``) is made a lost batch's part in place
+  (one empty line, as a closed gap's), through a descriptor of the file judged.
 * **Gaps** (repair only). A part lost outside fsstore (moved aside by an operator)
   leaves a hole that makes every load warn. Each missing number gets a part of one
   empty line (:data:`_layout.LOST`, no entry), linked no-replace, which closes the
@@ -33,9 +33,6 @@ the marker existed its ``.fsstore`` marker.
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
-import errno
 import os
 import time
 from collections.abc import Callable
@@ -155,11 +152,8 @@ def _fix(fs: _fsio.Fs, fd: int, path: str, dry_run: bool, *, gaps: bool, spare: 
         return actions
     seen = _settled(fd, path)
     if seen is not None and (unreadable := _unreadable_parts(seen)):
-        actions += _set_aside(fs, fd, path, unreadable, seen.data, dry_run)
-        if dry_run:  # what the real run's look after the moves would see
-            items = [it for it in seen.items if it[2] not in unreadable]
-            seen = dataclasses.replace(seen, items=items, gap=plan(items)[1])
-        else:
+        actions += _emptied(fd, path, unreadable, seen.data, dry_run)
+        if not dry_run:
             seen = _settled(fd, path)
     if seen is None:
         return [*actions, Action("repair", path, "not repaired: the transcript changed while it "
@@ -203,73 +197,53 @@ def _fix(fs: _fsio.Fs, fd: int, path: str, dry_run: bool, *, gaps: bool, spare: 
                              else "filled meanwhile by commits: nothing lost", bool(lost))]
 
 
-def _unreadable_parts(seen: Snapshot) -> dict[str, int]:
+def _unreadable_parts(seen: Snapshot) -> list[str]:
     """The parts of the chain that are empty or end in a torn line: what a power loss
     with ``fsync=False`` leaves of the last seconds' parts on ext4. A committed part
     never is (its bytes were written whole before its link), so none is a batch in
     flight. A garbled line in a whole file (bit rot, a hand edit) and segments (many
     batches; compaction fsyncs them) are left for the operator to look at."""
-    parts = {name: first for first, last, name in seen.chain if first == last}
-    return {d.name: parts[d.name] for d in seen.damage if d.name in parts and isinstance(
-        d.error, FsStoreError) and d.name in seen.data and not seen.data[d.name].endswith(b"\n")}
+    parts = {name for first, last, name in seen.chain if first == last}
+    return [d.name for d in seen.damage if d.name in parts and isinstance(d.error, FsStoreError)
+            and d.name in seen.data and not seen.data[d.name].endswith(b"\n")]
 
 
-def _set_aside(fs: _fsio.Fs, fd: int, path: str, names: dict[str, int], judged: dict[str, bytes],
-               dry_run: bool) -> list[Action]:
-    """Move each unreadable part ``names`` (name: number) off its name (to a temp name, which ``fsstore
-    gc`` removes once older than its ``--older-than``, counted from the move): a number
-    below the highest then closes as a gap does, the highest the next append takes.
+def _emptied(fd: int, path: str, names: list[str], judged: dict[str, bytes],
+             dry_run: bool) -> list[Action]:
+    """Make each unreadable part ``names`` a lost batch's part in place:
+    :data:`_layout.LOST` (one empty line, no entry) written over its bytes, through a
+    descriptor of the file whose bytes are the ones judged.
 
-    Moved first, looked at after: what is at the name when the move runs may be another
-    file than the one judged (this repair stalled past its lease, and another repair
-    set the judged one aside and a writer committed at the number, or a delete made the
-    session anew there: found by review, an acknowledged batch moved aside). A moved
-    file that is not the judged bytes (an intact part ends with a newline, so it never
-    is) is committed again, at its number if still free, else above."""
+    Never by name: what is at the name by now may be another file (this repair stalled
+    past its lease, another repair did the same, and a writer committed at the number;
+    a delete made the session anew there). Found by review: a move by name, then a
+    move by name looked at after, moved or left aside an acknowledged batch. A file
+    read through the descriptor that is not the judged bytes is left as it is (an
+    intact part ends with a newline, so it never is); a committed part is written by
+    nobody else, so what was judged stays what the descriptor holds."""
     actions = []
-    for name, n in names.items():
+    for name in names:
         where, data = f"{path}/{name}", judged[name]
         what = "empty" if not data else f"{len(data)} bytes ending in a torn line"
         if dry_run:
-            actions.append(Action("set-aside", where, f"{what}: its batch is lost; would be "
-                                  "moved aside", False))
+            actions.append(Action("mark-lost", where, f"{what}: its batch is lost; would hold "
+                                  "no entry", False))
             continue
-        aside = _fsio.temp_name("-unreadable")
         try:
-            os.rename(name, aside, src_dir_fd=fd, dst_dir_fd=fd)
+            part = os.open(name, os.O_RDWR | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd)
         except FileNotFoundError:
-            continue  # set aside by another repair
+            continue  # gone meanwhile: the look after says what is left
         try:
-            moved: bytes | None = _read.read_file(fd, aside)
-        except OSError:
-            moved = None
-        if moved != data:
-            actions.append(_put_back(fs, fd, where, n, aside, moved))
-            continue
-        with contextlib.suppress(OSError):  # gc's age counts from now
-            os.utime(aside, dir_fd=fd, follow_symlinks=False)
-        actions.append(Action("set-aside", where, f"{what}: its batch is lost; moved aside to "
-                              f"{aside} (fsstore gc removes it once old)", True))
+            if _read.read_fd(part, name) != data:
+                continue  # another file at the name by now: not the one judged
+            os.ftruncate(part, 0)
+            os.pwrite(part, _layout.LOST, 0)
+            os.fsync(part)
+        finally:
+            os.close(part)
+        actions.append(Action("mark-lost", where, f"{what}: its batch is lost; it now holds no "
+                              "entry", True))
     return actions
-
-
-def _put_back(fs: _fsio.Fs, fd: int, where: str, n: int, aside: str, moved: bytes | None) -> Action:
-    """Commit again the file a set-aside moved from part ``n`` that was not the one
-    judged (see :func:`_set_aside`), and drop its ``aside`` name."""
-    try:
-        if moved is None:  # unreadable now: back at its name, or left for the operator
-            if _fsio.link_noreplace(fs, fd, aside, _layout.part_name(n)) is None:
-                raise FileExistsError(errno.EEXIST, "taken meanwhile", _layout.part_name(n))
-            seq = n
-        else:
-            seq, _items = link_and_check(fs, fd, aside, n, moved)
-        _fsio.unlink_quiet(fd, aside)
-    except (OSError, FsStoreError) as exc:
-        return Action("set-aside", where, f"not repaired: the file moved aside as {aside} was not "
-                      f"the one judged (committed at its number since) and could not be put back "
-                      f"({exc}): move it back by hand", False, failed=True)
-    return Action("skip", where, "a batch committed at this number since it was judged: left "
-                  f"(as {_layout.part_name(seq)})", False)
 
 
 # The most part numbers one repair marks lost (a file each).

@@ -31,19 +31,24 @@ def read_file(dir_fd: int, name: str, *, limit: int | None = None) -> bytes:
     """
     fd = os.open(name, READ_FLAGS | os.O_NONBLOCK, dir_fd=dir_fd)
     try:
-        chunks = []
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode) or (limit is not None and st.st_size > limit):
-            raise NotAFile(errno.EINVAL, "not a regular file of the expected size", name)
-        size = _fresh_size(fd) if _on_fuse(st.st_dev) else st.st_size
-        while True:
-            chunk = os.read(fd, max(size, 1 << 16))
-            if not chunk:
-                break
-            chunks.append(chunk)
-        return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+        return read_fd(fd, name, limit=limit)
     finally:
         os.close(fd)
+
+
+def read_fd(fd: int, name: str, *, limit: int | None = None) -> bytes:
+    """:func:`read_file` of a file open as ``fd`` (at its start), named ``name``."""
+    chunks = []
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode) or (limit is not None and st.st_size > limit):
+        raise NotAFile(errno.EINVAL, "not a regular file of the expected size", name)
+    size = _fresh_size(fd) if _on_fuse(st.st_dev) else st.st_size
+    while True:
+        chunk = os.read(fd, max(size, 1 << 16))
+        if not chunk:
+            break
+        chunks.append(chunk)
+    return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
 
 # How many last bytes of a file tell it from another at the same name: the last line
