@@ -46,14 +46,16 @@ MAIN = {"project_key": "p", "session_id": "s"}
 SUB = {**MAIN, "subpath": "subagents/agent-1"}
 JOURNAL_COMMITTED = 2.5  # s: the loop mount commits its journal every second
 
-# A writer: appends batch b = 0, 1, ... to KEY and prints "ok <b>" once append returned
-# with no error logged ("nd <b>": the batch is visible, a fsync after it failed).
+# A writer: appends batch b = 0, 1, ... to KEY and writes "ok <b>" to its ack file (on
+# another file system) once append returned with no error logged ("nd <b>": the batch is
+# visible, a fsync after it failed).
 WRITER = r"""
 import json, logging, sys
 sys.path.insert(0, sys.argv[1])
 from fsstore import FsSessionStore
 from tests.reliability._check import batch
 root, wid, key, fsync = sys.argv[2], sys.argv[3], json.loads(sys.argv[4]), sys.argv[5] == "1"
+acks = open(sys.argv[6], "a", buffering=1)
 errors = []
 class Note(logging.Handler):
     def emit(self, record):
@@ -64,24 +66,48 @@ store = FsSessionStore(root=root, create=True, fsync=fsync, compact_every=4)
 for b in range(100000):
     errors.clear()
     store.sync.append(key, batch(wid, b, 1 + b % 3))
-    print("nd" if errors else "ok", b, flush=True)
+    print("nd" if errors else "ok", b, file=acks, flush=True)
 """
 
 
 REPO = str(Path(__file__).resolve().parents[2])
 
 
-def _writers(root: str, keys: dict[str, dict[str, Any]], *, fsync: bool) -> dict[str, subprocess.Popen[str]]:
-    """A WRITER process per ``wid: key``."""
-    return {wid: subprocess.Popen([sys.executable, "-c", WRITER, REPO, root, wid, json.dumps(key),
-                                   "1" if fsync else "0"],
-                                  stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+class _Writers:
+    """A WRITER process per ``wid: key``, each with its ack file in ``acks`` (a directory
+    off the mount whose power is cut)."""
+
+    def __init__(self, root: str, keys: dict[str, dict[str, Any]], acks: Path, *, fsync: bool) -> None:
+        acks.mkdir(parents=True, exist_ok=True)
+        self.files = {wid: acks / f"{wid}.acks" for wid in keys}
+        self.procs = {wid: subprocess.Popen(
+            [sys.executable, "-c", WRITER, REPO, root, wid, json.dumps(key), "1" if fsync else "0",
+             str(self.files[wid])], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
             for wid, key in keys.items()}
 
+    def wait_first(self, timeout: float = 60) -> None:
+        """Until each has acknowledged a batch."""
+        deadline = time.monotonic() + timeout
+        while not all(self.acks(wid) for wid in self.files):
+            assert time.monotonic() < deadline, "a writer acknowledged nothing"
+            assert all(p.poll() is None for p in self.procs.values()), "a writer died"
+            time.sleep(0.02)
 
-def _first_acks(writers: dict[str, subprocess.Popen[str]]) -> dict[str, str]:
-    """Each writer's first line (its first acknowledged batch): waited for."""
-    return {wid: p.stdout.readline() if p.stdout else "" for wid, p in writers.items()}
+    def acks(self, wid: str, *, durable_only: bool = False) -> set[int]:
+        """The batches its whole lines say were acknowledged (``durable_only``: with no
+        error logged)."""
+        out = self.files[wid].read_text() if self.files[wid].exists() else ""
+        return {int(m.group(2)) for m in re.finditer(r"^(ok|nd) (\d+)\n", out, re.MULTILINE)
+                if not durable_only or m.group(1) == "ok"}
+
+    def signal(self, sig: int) -> None:
+        for p in self.procs.values():
+            p.send_signal(sig)
+
+    def kill(self) -> None:
+        for p in self.procs.values():
+            p.kill()
+            p.wait(30)
 
 
 def _fsstore(*args: str) -> subprocess.CompletedProcess[str]:
@@ -126,20 +152,18 @@ def test_every_acknowledged_batch_survives_a_power_cut_at_any_instant(tmp_path: 
         with _mounts.ext4_loop(tmp_path / f"round{rnd}") as mnt:
             root = f"{mnt}/store"
             other = {"project_key": "p", "session_id": "other"}
-            writers = _writers(root, {"w0": MAIN, "w1": MAIN, "w2": MAIN, "w3": other}, fsync=True)
-            firsts: dict[str, str] = {}
+            writers = _Writers(root, {"w0": MAIN, "w1": MAIN, "w2": MAIN, "w3": other},
+                               tmp_path / f"acks{rnd}", fsync=True)
             try:
-                firsts = _first_acks(writers)  # each has one acknowledged: then a random instant
+                writers.wait_first()  # each has one acknowledged: then a random instant
                 time.sleep(rng.uniform(0.0, 1.0))
                 _mounts.cut_power(mnt)
                 figures.add("power cuts")
             finally:
-                for p in writers.values():
-                    p.kill()
+                writers.kill()
             acked: dict[str, set[tuple[str, int]]] = {"main": set(), "other": set()}
-            for wid, p in writers.items():
-                out, _ = p.communicate(timeout=30)
-                acks = _acks(firsts.get(wid, "") + out, durable_only=True)
+            for wid in writers.files:
+                acks = writers.acks(wid, durable_only=True)
                 acked["other" if wid == "w3" else "main"] |= {(wid, b) for b in acks}
             _mounts.remount(mnt)
             for name, key in (("main", MAIN), ("other", other)):
@@ -152,23 +176,6 @@ def test_every_acknowledged_batch_survives_a_power_cut_at_any_instant(tmp_path: 
                 figures.add("acknowledged batches that survived a power cut", len(acked[name]))
 
 
-def _drain(p: subprocess.Popen[str]) -> str:
-    """What a (stopped) writer has printed so far."""
-    assert p.stdout is not None
-    os.set_blocking(p.stdout.fileno(), False)
-    try:
-        return p.stdout.read() or ""
-    finally:
-        os.set_blocking(p.stdout.fileno(), True)
-
-
-def _acks(out: str, *, durable_only: bool = False) -> set[int]:
-    """The batches a writer's whole lines say were acknowledged (``durable_only``: with
-    no error logged)."""
-    return {int(m.group(2)) for m in re.finditer(r"^(ok|nd) (\d+)\n", out, re.MULTILINE)
-            if not durable_only or m.group(1) == "ok"}
-
-
 def test_after_a_power_cut_with_fsync_off_check_repair_makes_it_load_with_all_written_back(
         tmp_path: Path, figures: Any) -> None:
     """Three writers (fsync=False, compacting every 4 parts); stopped, written back
@@ -177,25 +184,20 @@ def test_after_a_power_cut_with_fsync_off_check_repair_makes_it_load_with_all_wr
     for rnd in range(3):
         with _mounts.ext4_loop(tmp_path / f"round{rnd}") as mnt:
             root = f"{mnt}/store"
-            writers = _writers(root, {"w0": MAIN, "w1": MAIN, "w2": MAIN}, fsync=False)
-            durable: set[tuple[str, int]] = set()
+            writers = _Writers(root, {"w0": MAIN, "w1": MAIN, "w2": MAIN}, tmp_path / f"acks{rnd}",
+                               fsync=False)
             try:
-                durable = {(wid, b) for wid, line in _first_acks(writers).items() for b in _acks(line)}
+                writers.wait_first()
                 time.sleep(rng.uniform(0.2, 1.0))
-                for p in writers.values():
-                    p.send_signal(signal.SIGSTOP)
-                for wid, p in writers.items():
-                    durable |= {(wid, b) for b in _acks(_drain(p))}
+                writers.signal(signal.SIGSTOP)
+                durable = {(wid, b) for wid in writers.files for b in writers.acks(wid)}
                 _mounts.sync_fs(mnt)  # all those acknowledged so far are on disk
-                for p in writers.values():
-                    p.send_signal(signal.SIGCONT)
+                writers.signal(signal.SIGCONT)
                 time.sleep(rng.uniform(0.0, 3.0))
                 _mounts.cut_power(mnt)
                 figures.add("power cuts")
             finally:
-                for p in writers.values():
-                    p.kill()
-                    p.communicate(timeout=30)
+                writers.kill()
             _mounts.remount(mnt)
             out = _fsstore("check", root, "--repair")
             assert out.returncode == 0, (rnd, out.stdout[-3000:], out.stderr[-2000:])
