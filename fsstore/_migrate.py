@@ -33,6 +33,7 @@ the marker existed its ``.fsstore`` marker.
 
 from __future__ import annotations
 
+import errno
 import os
 import time
 from collections.abc import Callable
@@ -239,6 +240,12 @@ def _emptied(fd: int, path: str, names: list[str], judged: dict[str, bytes],
             os.ftruncate(part, 0)
             os.pwrite(part, _layout.LOST, 0)
             os.fsync(part)
+            if os.fstat(part).st_nlink == 0:
+                continue  # deleted meanwhile (with its session): nothing to report
+        except OSError as exc:
+            if exc.errno in (errno.ENOENT, errno.ESTALE):  # deleted meanwhile (another host)
+                continue
+            raise
         finally:
             os.close(part)
         actions.append(Action("mark-lost", where, f"{what}: its batch is lost; it now holds no "
