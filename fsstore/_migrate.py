@@ -216,9 +216,9 @@ def _emptied(fd: int, path: str, names: list[str], judged: dict[str, bytes],
     descriptor of the file whose bytes are the ones judged.
 
     Never by name: what is at the name by now may be another file (this repair stalled
-    past its lease, another repair did the same, and a writer committed at the number;
-    a delete made the session anew there). Found by review: a move by name, then a
-    move by name looked at after, moved or left aside an acknowledged batch. A file
+    past its lease, and a delete and a session made anew put an acknowledged batch
+    there). Found by reviews: a move by name, then a move by name looked at after,
+    moved or left aside an acknowledged batch. A file
     read through the descriptor that is not the judged bytes is left as it is (an
     intact part ends with a newline, so it never is); a committed part is written by
     nobody else, so what was judged stays what the descriptor holds."""

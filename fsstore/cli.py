@@ -162,9 +162,9 @@ def build_parser() -> tuple[argparse.ArgumentParser, _Options]:
     opts.add("check", p, "--stale-lock-seconds", metavar="AGE", type=parse_duration, default=30.0,
              help="the stores' stale_lock_seconds: locks older than this are stale (default 30s)")
     opts.add("check", p, "--repair", action="store_true",
-             help="then commit misplaced batches again, empty parts left empty or torn (a power "
-             "loss) and close gaps (nothing readable that is there is "
-             "lost; what was lost before is named), and check again")
+             help="then commit misplaced batches again, write over parts a power loss left empty "
+             "or torn (their batches named lost) and close gaps (nothing readable that is "
+             "there is lost; what was lost before is named), and check again")
     opts.add("check", p, "--dry-run", action="store_true", help="with --repair: show the repairs only")
 
     p = command("migrate", "Bring a store written by format 1 to format 2 (safe while writers run).")
