@@ -2,13 +2,15 @@
 not flushed and no dirty page written (``EXT4_IOC_SHUTDOWN``, as xfstests' godown), then
 mounted again: the store as a machine would find it after its power came back.
 
-Promises (docs/format.md, "Crashes and power loss"):
+Promises (docs/format.md, "What a crash can leave"; docs/operations.md, "After a power
+loss or a host crash"):
 
 * ``fsync=True``: an append that returned (and logged no failed directory fsync) is in
   every load after the power comes back, whole and once; no load fails.
 * ``fsync=False``: a power loss may lose what was not written back, and leaves those
-  parts empty or torn (every load CORRUPT); ``fsstore check --repair`` moves them
-  aside, and then every transcript loads with every batch that was written back.
+  parts empty or torn (every load CORRUPT); ``fsstore check --repair`` writes them
+  over with one empty line (a lost batch's part), and then every transcript loads with
+  every batch that was written back.
 * Either setting: what was on disk before a compaction, a merge back of what a delete
   moved by mistake (``fsstore gc``) or an import is on disk after it (found by a review
   with this harness: the merge's copies and the imported parts were empty after a cut
