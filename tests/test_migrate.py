@@ -82,13 +82,19 @@ def test_migrate_recovers_a_transcript_format_1_left_corrupt(tmp_path: Path) -> 
     assert _cli("check", str(root), "--older-than", "3650d").returncode == 0
 
 
-def test_check_repair_closes_a_gap_and_names_what_was_lost(tmp_path: Path) -> None:
+def _one_transcript(tmp_path: Path, batches: list[list[dict[str, Any]]]) -> tuple[Path, Any, dict[str, str], Path]:
+    """A store at ``tmp_path/store`` with ``batches`` appended to one main transcript:
+    the root, its blocking store, the key and the transcript's directory."""
     root = tmp_path / "store"
     store = FsSessionStore(root, create=True).sync
     key = {"project_key": "p", "session_id": "s"}
-    for i in range(5):
-        store.append(key, [{"uuid": f"u{i}"}])
-    main = root / "projects/p/sessions/s/main"
+    for entries in batches:
+        store.append(key, entries)
+    return root, store, key, root / "projects/p/sessions/s/main"
+
+
+def test_check_repair_closes_a_gap_and_names_what_was_lost(tmp_path: Path) -> None:
+    root, store, key, main = _one_transcript(tmp_path, [[{"uuid": f"u{i}"}] for i in range(5)])
     (main / "00000000000000000003.jsonl").rename(tmp_path / "moved-aside")  # damaged, moved by hand
     assert _cli("check", str(root)).returncode == 1
     out = _cli("check", str(root), "--repair")
@@ -106,12 +112,8 @@ def test_check_repair_empties_parts_a_power_loss_left_unreadable_and_loses_nothi
     them lost batches' parts (no entry) and says their batches are lost: the rest loads,
     appends go on. A garbled line in a whole file is no power loss's: it stays, for the
     operator."""
-    root = tmp_path / "store"
-    store = FsSessionStore(root, create=True).sync
-    key = {"project_key": "p", "session_id": "s"}
-    for i in range(6):
-        store.append(key, [{"uuid": f"u{i}"}, {"uuid": f"v{i}"}])
-    main = root / "projects/p/sessions/s/main"
+    root, store, key, main = _one_transcript(
+        tmp_path, [[{"uuid": f"u{i}"}, {"uuid": f"v{i}"}] for i in range(6)])
     (main / "00000000000000000003.jsonl").write_bytes(b"")  # empty
     (main / "00000000000000000006.jsonl").write_bytes(b'{"uuid":"u5"}\n{"uu')  # torn, the highest
     (main / "00000000000000000002.jsonl").write_bytes(b'{"uuid":"u1"}\n{"uuid" "v1"}\n')  # garbled
@@ -151,12 +153,7 @@ def test_a_repair_stalled_after_its_look_never_touches_a_batch_committed_at_that
     It writes only through a descriptor of the bytes it judged."""
     from fsstore import _migrate
 
-    root = tmp_path / "store"
-    store = FsSessionStore(root, create=True).sync
-    key = {"project_key": "p", "session_id": "s"}
-    for i in range(3):
-        store.append(key, [{"uuid": f"u{i}"}])
-    main = root / "projects/p/sessions/s/main"
+    root, store, key, main = _one_transcript(tmp_path, [[{"uuid": f"u{i}"}] for i in range(3)])
     part4 = main / "00000000000000000004.jsonl"
     part4.write_bytes(b'{"uuid":"u3"}\n{"uu')  # torn by a power loss
     writer = FsSessionStore(root, stale_lock_seconds=0.5).sync  # takes the stalled repair's lock
