@@ -157,7 +157,7 @@ def test_a_repair_stalled_after_its_look_never_touches_a_batch_committed_at_that
     part4 = main / "00000000000000000004.jsonl"
     part4.write_bytes(b'{"uuid":"u3"}\n{"uu')  # torn by a power loss
     writer = FsSessionStore(root, stale_lock_seconds=0.5).sync  # takes the stalled repair's lock
-    real, staged = os.open, []
+    real, staged = os.open, list[int]()
 
     def stalled(name: Any, flags: int, *args: Any, **kwargs: Any) -> int:
         if not staged and flags & os.O_RDWR and str(name) == part4.name:
