@@ -143,6 +143,11 @@ def other_faults() -> dict[str, Case]:
         "mkdir EROFS of .trash": Case("delete", [rule("mkdir", "{r}/\\.trash$", "EROFS")], "EROFS", None),
         "unlink EIO while emptying .trash": Case(
             "delete", [rule("unlink", "{r}/\\.trash/", "EIO")], None, logged={"TRASH_LEFT"}),
+        # Compaction fsyncs the directory before its unlinks whatever fsync says (power
+        # loss: test_power_loss.py); a mount without directory fsync is no store's warning
+        # then (fsync=False asked for none), and the compaction goes on (stop 34).
+        "fsyncdir EINVAL in compact() of a store without fsync": Case(
+            "compact", [rule("fsyncdir", "", "EINVAL")], None),
         "write ENOSPC of the segment in compact()": Case(
             "compact", [rule("write", f"{T}/\\.tmp-[^/]*-segment$", "ENOSPC")], "ENOSPC", None),
         "read-only mount (EROFS on every change)": Case(
@@ -282,6 +287,8 @@ def test_fault_surfaces_with_code_errno_operation_path_and_store_stays_consisten
     assert case.logged <= logged, (case.logged, logged)
     if "DIR_FSYNC_UNSUPPORTED" in case.logged:
         assert sum(1 for r in caplog.records if getattr(r, "code", "") == "DIR_FSYNC_UNSUPPORTED") == 1
+    if not case.fsync:
+        assert "DIR_FSYNC_UNSUPPORTED" not in logged, logged  # only stores that asked for fsync
     scene.check()
     # and the store keeps working
     scene.append("main")
