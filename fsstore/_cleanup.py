@@ -277,6 +277,7 @@ def _merge_orphan(
               "gone": "left for the delete of its session that runs meanwhile",
               "back": "moved back to its name meanwhile",
               "done": "merged or removed by another process meanwhile",
+              "busy": "left for the next gc: its session's lock was busy",
               "failed": f"not merged into {into} (see the log)"}[how]
     return Action("merge", g.path, detail, how == "merged", age=g.age, failed=how == "failed")
 

@@ -37,8 +37,10 @@ def merge_back(store: SyncStore, orphan: str, comps: list[Component], mark: str,
     removal cut short leaves garbage, never an orphan to merge again.
 
     Returns how it ended: ``"merged"``; ``"claimed"``, ``"gone"``, ``"back"``,
-    ``"done"`` (another process merged or removed it first), as logged; or
-    ``"failed"`` (logged as an error; it stays)."""
+    ``"done"`` (another process merged or removed it first), as logged; ``"busy"``
+    (its session's lock held past the store's lock timeout: another merger's, or a
+    writer's; it stays for the next gc); or ``"failed"`` (logged as an error; it
+    stays)."""
     stopped: str | None = None
     try:
         with store._open_root(create=False) as rfd:
@@ -68,7 +70,18 @@ def merge_back(store: SyncStore, orphan: str, comps: list[Component], mark: str,
                         _fsio.remove_tree(trash, done)
             finally:
                 os.close(trash)
-    except (OSError, FsStoreError, Vanished) as exc:  # Vanished: someone else's work there
+    except FsStoreError as exc:
+        if exc.code != "LOCK_TIMEOUT":
+            _orphaned(orphan, path, exc)
+            return "failed"
+        # Another merger (a gc, a delete) or a busy writer holds the session: nothing
+        # is wrong; the merge is that merger's, or the next gc's (review: logged as
+        # an error while the merge it waited for completed).
+        log.warning("the transcript a delete moved by mistake is busy: %s; left for the "
+                    "process that holds it, or the next gc", exc, extra={
+                        "code": "LOCK_TIMEOUT", "operation": "delete", "path": path})
+        return "busy"
+    except (OSError, Vanished) as exc:  # Vanished: someone else's work there
         _orphaned(orphan, path, exc)
         return "failed"
     log.warning("the transcript a delete moved by mistake is %s", {

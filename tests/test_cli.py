@@ -1399,6 +1399,43 @@ def test_a_stalled_merger_never_appends_into_a_session_made_since_at_the_same_in
     assert SyncStore(root).load(KEY) == [entry(3)]
 
 
+def test_a_merge_that_finds_its_session_busy_is_left_for_later_without_an_error(
+    root: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A merger that cannot have the session's lock within its timeout (another merger,
+    a gc, or a writer holds it) leaves the orphan as it is, says "busy" and logs no
+    error (found by review: a second gc logged "could not move it back or merge it"
+    while the merge it waited for completed); once the lock is free it merges."""
+    import threading
+
+    orphan = orphan_of(root, [[{"type": "user", "n": 0}]])
+    comps = _layout.transcript_dirs(parse_key(KEY, "test"))[:4]
+    holding, done = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        with SyncStore(root).locked(KEY):
+            holding.set()
+            done.wait(30)
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    try:
+        assert holding.wait(10)
+        merger = SyncStore(root, lock_timeout_seconds=0.3)
+        with caplog.at_level("WARNING", logger="fsstore"):
+            assert _merge.merge_back(merger, orphan, comps, _layout.MAIN, "-") == "busy"
+    finally:
+        done.set()
+        holder.join(10)
+    assert not [r for r in caplog.records if r.levelname == "ERROR"], caplog.records
+    assert {getattr(r, "code", None) for r in caplog.records} == {"LOCK_TIMEOUT"}
+    assert [p.name for p in _orphans(root)] == [orphan]
+    assert SyncStore(root).load(KEY) == [entry(2)]
+    assert _merge.merge_back(SyncStore(root), orphan, comps, _layout.MAIN, "-") == "merged"
+    assert SyncStore(root).load(KEY) == [entry(2), {"type": "user", "n": 0}]
+    assert _orphans(root) == []
+
+
 def test_two_gcs_finishing_one_merge_at_once_append_each_batch_once(tmp_path: Path) -> None:
     """Two `fsstore gc` at once on one orphan: each batch is appended once (found by
     review: one finished and removed the orphan while the other, going through the
