@@ -33,6 +33,7 @@ the marker existed its ``.fsstore`` marker.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import time
@@ -126,7 +127,9 @@ def _migrate_one(w: Walker, tref: TranscriptRef, dry_run: bool, older_than: floa
                  gaps: bool) -> list[Action]:
     store = w.store
     path = w.path(tref.comps)
-    with store.locked(tref.key()):
+    # A dry run takes no lock: taking one writes in .locks, and a dry run changes
+    # nothing. What it shows may then include a commit in flight, as a look can.
+    with contextlib.nullcontext() if dry_run else store.locked(tref.key()):
         fd = w.open(tref.comps)
         if fd is None:
             return []
@@ -142,7 +145,7 @@ def _fix(fs: _fsio.Fs, fd: int, path: str, dry_run: bool, *, gaps: bool, spare: 
          older_than: float) -> list[Action]:
     """Misplaced parts committed again, ``.state.spare`` removed (``spare``), gaps
     closed (``gaps``), under the transcript lock, which another holder may have
-    overtaken (see the module)."""
+    overtaken (see the module); a dry run holds none."""
     actions = _recommit(fs, fd, path, dry_run, older_than)
     if spare and _fsio.exists(fd, _layout.STATE_SPARE):
         if not dry_run:

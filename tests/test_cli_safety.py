@@ -293,3 +293,37 @@ def test_names_that_are_not_utf8_do_not_crash_the_output(root: Path, store: Sync
     assert any(p["path"].endswith("\udcff") for p in json.loads(doc.stdout)["problems"])
     imp = run("import", root, projects)
     assert imp.returncode == 1 and "Traceback" not in imp.stderr
+
+
+def test_dry_runs_and_looks_leave_every_file_of_the_store_as_it_was(tmp_path: Path) -> None:
+    """``--dry-run`` of every command that has one, and the commands that only look,
+    change nothing under the store root: no file or directory made, removed or
+    touched (mtime, ctime, inode, size). Before, ``migrate --dry-run`` and ``check
+    --repair --dry-run`` took each transcript's lock, which wrote in ``.locks``."""
+    root = tmp_path / "store"
+    store = SyncStore(root, create=True, compact_every=0, summaries=False)
+    for n in range(5):
+        store.append(KEY, [entry(n)])
+    store.append(SUB, [entry(9)])
+    del store
+    (tdir(root, KEY) / ".tmp-1-0123456789ab").write_bytes(b"{}\n")  # garbage for gc
+    age_tree(root, 40 * DAY)  # old enough for prune and gc to act
+
+    def look() -> dict[str, tuple[int, int, int, int]]:
+        return {str(p.relative_to(root)): (st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+                for p in [root, *root.rglob("*")] for st in [p.lstat()]}
+
+    before = look()
+    commands = [["gc", "--older-than", "0s", "--dry-run"], ["prune", "--older-than", "30d", "--dry-run"],
+                ["compact", "--dry-run"], ["migrate", "--dry-run"], ["check", "--repair", "--dry-run"],
+                ["check"], ["ls"], ["locks"], ["cat", P, S], ["export", P, S, tmp_path / "out", "--dry-run"],
+                ["import", tmp_path / "local", "--dry-run"]]
+    write_jsonl(tmp_path / "local" / P / "new-session.jsonl", [{"type": "user", "uuid": "u1"}])  # to import
+    outs = []
+    for args in commands:
+        proc = fsstore(args[0], root, *args[1:])
+        assert proc.returncode in (0, 1), (args, proc.stdout + proc.stderr)
+        assert look() == before, (args, proc.stdout + proc.stderr)
+        outs.append(proc.stdout)
+    # Each dry run had something to do (check --repair: nothing to repair here).
+    assert [i for i, out in enumerate(outs) if "would" not in out and "dry run" not in out] == [4, 5, 6, 7, 8], outs
