@@ -121,7 +121,7 @@ def local_transcripts(
     try:
         projects = sorted(os.scandir(projects_dir), key=lambda e: e.name)
     except OSError as exc:
-        raise NoStore(f"{projects_dir}: cannot list ({exc.strerror})") from exc
+        raise NoStore(f"{projects_dir}: cannot list ({exc.strerror})", error_code(exc)) from exc
     for pentry in projects:
         if project is not None and pentry.name != project:
             continue

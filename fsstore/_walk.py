@@ -61,7 +61,12 @@ _STORE_NAMES = (_layout.MARKER, _layout.PROJECTS, _layout.LOCKS)
 
 
 class NoStore(Exception):
-    """The store root does not exist or is not a directory."""
+    """The store root does not exist or is not a directory. ``code``: ``NOT_A_STORE``,
+    or the POSIX name of why it could not be looked at."""
+
+    def __init__(self, message: str, code: str = "NOT_A_STORE") -> None:
+        super().__init__(message)
+        self.code = code
 
 
 # -- records ---------------------------------------------------------------------
@@ -264,7 +269,7 @@ def require_store(root: str, *, create: bool = False) -> None:
         try:
             crowded = bool(os.listdir(root))
         except OSError as exc:
-            raise NoStore(f"{root}: cannot list ({exc.strerror})") from exc
+            raise NoStore(f"{root}: cannot list ({exc.strerror})", error_code(exc)) from exc
         if crowded:
             raise NoStore(f"{root}: not an fsstore store, and not empty: not made into one "
                           "(`fsstore init ROOT` marks a directory as a store on purpose)")
@@ -655,14 +660,14 @@ def walking(
     may be a symlink. ``looks_only``: see :class:`Walker`."""
     store = SyncStore(root, summaries=False, stale_lock_seconds=stale_lock_seconds,
                       lock_timeout_seconds=lock_timeout_seconds)
+    require_store(root)  # (what is wrong, in words: a missing root was "not a directory")
     with contextlib.ExitStack() as stack:
         try:
             rfd = stack.enter_context(store.open_root())
         except NotADirectoryError:
             rfd = None
         if rfd is None:
-            raise NoStore(f"{root}: no store here (not a directory)")
-        require_store(root)
+            raise NoStore(f"{root}: no store here (removed, or replaced by a file, just now)")
         yield Walker(rfd, store, stale_lock_seconds=stale_lock_seconds, looks_only=looks_only)
 
 

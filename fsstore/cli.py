@@ -46,7 +46,7 @@ from ._output import (
     when_text,
 )
 from ._store import SyncStore
-from ._walk import NoStore, Problem, is_store, require_store
+from ._walk import NoStore, Problem, error_code, is_store, require_store
 
 EXIT_OK = 0
 EXIT_PROBLEMS = 1
@@ -345,11 +345,7 @@ def cmd_cat(args: argparse.Namespace, out: TextIO, err: TextIO, progress: Progre
         entries = store.load(key)
     if entries is None:
         what = f"subpath {args.subpath!r} of " if args.subpath else ""
-        err.write(f"fsstore: no transcript: {what}session {args.session!r} "
-                  f"in project {args.project!r}\n")
-        if args.json:
-            dump_json(out, {"error": {"code": "NOT_FOUND", "message": "no such transcript"}})
-        return EXIT_PROBLEMS
+        raise _transfer.NotFound(f"no transcript: {what}session {args.session!r} in project {args.project!r}")
     if args.json:
         json.dump(entries, out, separators=(",", ":"))
         out.write("\n")
@@ -638,22 +634,12 @@ def _run(argv: Sequence[str] | None) -> int:
         _check_keys(args)
         return HANDLERS[args.command](args, out, err, progress)
     except NoStore as exc:
-        progress.close()
-        err.write(f"fsstore: error: {clean(str(exc))}\n")
-        return EXIT_USAGE
+        return _failed(args, progress, out, err, exc.code, str(exc), EXIT_USAGE)
     except _transfer.NotFound as exc:
-        progress.close()
-        err.write(f"fsstore: {clean(str(exc))}\n")
-        if args.json:
-            dump_json(out, {"error": {"code": "NOT_FOUND", "message": str(exc)}})
-        return EXIT_PROBLEMS
+        return _failed(args, progress, out, err, "NOT_FOUND", str(exc), EXIT_PROBLEMS)
     except FsStoreError as exc:
-        progress.close()
-        err.write(f"{clean(str(exc))}\n")
-        if args.json:
-            dump_json(out, {"error": {"code": exc.code, "message": exc.message,
-                                  "operation": exc.operation, "path": exc.path}})
-        return EXIT_USAGE if exc.code == "INVALID_KEY" else EXIT_PROBLEMS
+        return _failed(args, progress, out, err, exc.code, exc.message,
+                       EXIT_USAGE if exc.code == "INVALID_KEY" else EXIT_PROBLEMS, exc)
     except KeyboardInterrupt:
         progress.close()
         err.write("fsstore: interrupted\n")
@@ -666,9 +652,21 @@ def _run(argv: Sequence[str] | None) -> int:
         os.close(devnull)
         return 141
     except OSError as exc:
-        progress.close()
-        err.write(f"fsstore: error: {clean(str(exc))}\n")
-        return EXIT_PROBLEMS
+        return _failed(args, progress, out, err, error_code(exc), str(exc), EXIT_PROBLEMS)
+
+
+def _failed(args: argparse.Namespace, progress: Progress, out: TextIO, err: TextIO, code: str,
+            message: str, status: int, exc: FsStoreError | None = None) -> int:
+    """A command that could not do its job: its code and why on stderr (and, with
+    ``--json``, as ``{"error": {...}}`` on stdout), every way it can fail alike:
+    operators alert on the code."""
+    progress.close()
+    err.write(f"{clean(str(exc))}\n" if exc is not None else f"fsstore: error: {code}: {clean(message)}\n")
+    if getattr(args, "json", False):
+        dump_json(out, {"error": {"code": code, "message": message,
+                                  "operation": exc.operation if exc else args.command,
+                                  "path": exc.path if exc else None}})
+    return status
 
 
 if __name__ == "__main__":

@@ -146,3 +146,34 @@ def test_cat_of_a_transcript_with_a_gap_says_so_and_exits_1(root: Path, store: S
     store.append(SUB, [entry(4)])
     whole = fsstore("cat", root, P, S, "--subpath", SUB["subpath"])
     assert whole.returncode == 0 and whole.stderr == "", whole.stderr
+
+
+@pytest.mark.parametrize("case", ["missing root", "not a store", "no such session", "export into a file",
+                                  "import from nowhere", "invalid subpath"])
+def test_every_way_a_command_fails_names_its_code(root: Path, store: SyncStore, tmp_path: Path,
+                                                  case: str) -> None:
+    """An operator alerts on codes: a command that cannot do its job says which one on
+    stderr (``CODE`` in the line) and, with ``--json``, as ``{"error": {"code": ...}}``;
+    a usage error exits 2, the rest 1. Before, a missing or foreign root, a missing
+    session (cat) and an OSError printed no code (and a missing root read "not a
+    directory")."""
+    from fsstore._errors import STORE_CODES
+
+    store.append(KEY, [entry(1)])
+    (tmp_path / "plain").mkdir()
+    (tmp_path / "file").write_text("x")
+    args, code, rc, says = {
+        "missing root": (["ls", tmp_path / "nothing"], "NOT_A_STORE", 2, "does not exist"),
+        "not a store": (["check", tmp_path / "plain"], "NOT_A_STORE", 2, "not an fsstore store"),
+        "no such session": (["cat", root, P, "nosuch"], "NOT_FOUND", 1, "no transcript"),
+        "export into a file": (["export", root, P, S, tmp_path / "file" / "out"], "ENOTDIR", 1, "Not a directory"),
+        "import from nowhere": (["import", root, tmp_path / "nothing"], "ENOENT", 2, "cannot list"),
+        "invalid subpath": (["cat", root, P, S, "--subpath", "/abs"], "INVALID_KEY", 2, "must be relative"),
+    }[case]
+    assert code in STORE_CODES or code.startswith("E")
+    proc = fsstore(*args)
+    assert proc.returncode == rc and code in proc.stderr and says in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr
+    doc = fsstore(*args, "--json")
+    assert doc.returncode == rc, doc.stderr
+    assert json.loads(doc.stdout)["error"]["code"] == code, doc.stdout
