@@ -636,7 +636,7 @@ def _run(argv: Sequence[str] | None) -> int:
     except NoStore as exc:
         return _failed(args, progress, out, err, exc.code, str(exc), EXIT_USAGE)
     except _transfer.NotFound as exc:
-        return _failed(args, progress, out, err, "NOT_FOUND", str(exc), EXIT_PROBLEMS)
+        return _failed(args, progress, out, err, code="NOT_FOUND", message=str(exc), status=EXIT_PROBLEMS)
     except FsStoreError as exc:
         return _failed(args, progress, out, err, exc.code, exc.message,
                        EXIT_USAGE if exc.code == "INVALID_KEY" else EXIT_PROBLEMS, exc)
