@@ -254,7 +254,7 @@ def _append_once(store: SyncStore, t: Appending, payload: bytes, into: Callable[
                 # The directory as it was: the temp file's creation can move its mtime back
                 # (a coarse clock behind the last commit's tick: see _transcript.tick_mtime).
                 before = os.fstat(dfd)
-                store._fs.write_temp(dfd, tmp, payload)
+                store._fs.write_new(dfd, tmp, payload)
             except (FileNotFoundError, FileExistsError) as exc:
                 # Gone on the server while its path still opens here (another host deleted
                 # it; sshfs keeps names longer than attributes). A new random name cannot

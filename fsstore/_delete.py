@@ -257,7 +257,7 @@ def _move_to_trash(
         moving = moving_record(aside)
         try:
             # Named beside it until this delete knows what it moved (restore_named).
-            store._fs.write_temp(parent, moving, name.encode("ascii"))
+            store._fs.write_new(parent, moving, name.encode("ascii"))
             os.rename(name, aside, src_dir_fd=parent, dst_dir_fd=trash)
         except FileNotFoundError:
             _fsio.unlink_quiet(parent, moving)
@@ -296,7 +296,7 @@ def _renew(store: SyncStore, parent: int, moving: str, name: str) -> None:
         try:
             os.utime(moving, dir_fd=parent)
         except FileNotFoundError:
-            store._fs.write_temp(parent, moving, name.encode("ascii"))
+            store._fs.write_new(parent, moving, name.encode("ascii"))
     except OSError as exc:  # a hint: the delete goes on
         log.debug("could not renew a delete's record: %s", exc)
 

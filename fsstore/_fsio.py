@@ -391,24 +391,9 @@ class Fs:
 
     # -- files -------------------------------------------------------------------
 
-    def write_new(
-        self, dir_fd: int, name: str, data: bytes, *, sync: bool | None = None
-    ) -> os.stat_result:
-        """Create ``name`` (must not exist), write ``data``, fsync if on; no file on failure.
-
-        Returns the file's stat as written (an fstat: no lookup).
-        """
-        st = self._write_new(dir_fd, name, data, sync=sync, want_stat=True)
-        assert st is not None
-        return st
-
-    def write_temp(self, dir_fd: int, name: str, data: bytes) -> None:
-        """:meth:`write_new` without the final fstat (a part's temp file: nobody asks)."""
-        self._write_new(dir_fd, name, data, sync=None, want_stat=False)
-
-    def _write_new(
-        self, dir_fd: int, name: str, data: bytes, *, sync: bool | None, want_stat: bool
-    ) -> os.stat_result | None:
+    def write_new(self, dir_fd: int, name: str, data: bytes, *, sync: bool | None = None) -> None:
+        """Create ``name`` (must not exist), write ``data``, fsync if on (or ``sync``);
+        no file on failure."""
         fd = os.open(name, CREATE_FLAGS, self.file_mode, dir_fd=dir_fd)
         try:
             if self._fchmod_files:
@@ -418,13 +403,11 @@ class Fs:
                 view = view[os.write(fd, view) :]
             if self.fsync if sync is None else sync:
                 os.fsync(fd)
-            st = os.fstat(fd) if want_stat else None
         except BaseException:
             os.close(fd)
             unlink_quiet(dir_fd, name)
             raise
         os.close(fd)
-        return st
 
 
 def unlink_quiet(dir_fd: int, name: str) -> None:
@@ -598,29 +581,11 @@ def _same_inode(dir_fd: int, a: str, b: str) -> bool:
 
 
 def remove_tree(parent_fd: int, name: str) -> None:
-    """Remove ``parent/name`` and everything below, never following symlinks."""
-    try:
-        fd = os.open(name, DIR_FLAGS, dir_fd=parent_fd)
-    except FileNotFoundError:
-        return
-    except OSError as exc:
-        if exc.errno in _UNSAFE:  # a file or a symlink: remove the link itself
-            unlink_quiet(parent_fd, name)
-            return
-        raise
-    try:
-        with os.scandir(fd) as entries:  # its own descriptor: closed on an error too
-            for entry in entries:
-                if entry.is_dir(follow_symlinks=False):
-                    remove_tree(fd, entry.name)
-                else:
-                    unlink_quiet(fd, entry.name)
-    finally:
-        os.close(fd)
-    try:
+    """Remove ``parent/name`` and everything below, never following symlinks (a file
+    or a symlink at ``name``: the link itself)."""
+    empty_tree(parent_fd, name)
+    with contextlib.suppress(FileNotFoundError):
         os.rmdir(name, dir_fd=parent_fd)
-    except FileNotFoundError:
-        pass
 
 
 def remove_marked_tree(parent_fd: int, name: str, mark: str) -> None:
@@ -662,13 +627,19 @@ def listdir(dir_fd: int, path: str = ".") -> list[str]:
         os.close(fd)
 
 
-def empty_tree(parent_fd: int, name: str, keep: str) -> bool:
+def empty_tree(parent_fd: int, name: str, keep: str | None = None) -> bool:
     """Remove everything below ``parent/name`` but the files named ``keep`` (and the
-    directories that hold one), never following symlinks; True if something was kept."""
+    directories that hold one), never following symlinks; True if something was kept.
+    Without ``keep``, a file or a symlink at ``name`` is removed itself."""
     try:
         fd = os.open(name, DIR_FLAGS, dir_fd=parent_fd)
     except FileNotFoundError:
         return False
+    except OSError as exc:
+        if keep is None and exc.errno in _UNSAFE:
+            unlink_quiet(parent_fd, name)
+            return False
+        raise
     kept = False
     try:
         with os.scandir(fd) as entries:  # its own descriptor: closed on an error too
