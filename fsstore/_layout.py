@@ -20,6 +20,7 @@ transcript directory:
 from __future__ import annotations
 
 import errno
+import functools
 import hashlib
 import os
 import re
@@ -114,6 +115,7 @@ def segment_name(first: int, last: int) -> str:
     return f"{first:0{_SEQ_DIGITS}d}-{last:0{_SEQ_DIGITS}d}.jsonl"
 
 
+@functools.lru_cache(maxsize=4096)  # every commit's check parses its directory's names twice
 def parse_item(name: str) -> tuple[int, int] | None:
     """``(first, last)`` for a part or segment name; None for anything else."""
     m = _ITEM.fullmatch(name)
