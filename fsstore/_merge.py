@@ -82,8 +82,10 @@ def merge_back(store: SyncStore, orphan: str, comps: list[Component], mark: str,
                         "code": "LOCK_TIMEOUT", "operation": "delete", "path": path})
         return "busy"
     except (OSError, Vanished) as exc:  # Vanished: someone else's work there
-        _orphaned(orphan, path, exc)
-        return "failed"
+        if _in_trash(store, orphan):
+            _orphaned(orphan, path, exc)
+            return "failed"
+        stopped = "done"  # merged and removed by another merger while this one read it (review)
     log.warning("the transcript a delete moved by mistake is %s", {
         None: "merged into the one made since", "claimed": "deleted by a later delete",
         "gone": "left in .trash: the session was deleted while it was merged (that delete takes it)",
@@ -164,6 +166,21 @@ def _merge_transcript(
         return None
     finally:
         os.close(tfd)
+
+def _in_trash(store: SyncStore, orphan: str) -> bool:
+    """Whether ``orphan`` is still in .trash, by a listing made afresh (True where that
+    cannot be told: what failed is then said)."""
+    try:
+        with store._open_root(create=False) as rfd:
+            trash = store._open(rfd, [(_layout.TRASH, None)], "delete") if rfd is not None else None
+            if trash is None:
+                return False
+            try:
+                return _views.refresh_listing(trash) and orphan in _fsio.listdir(trash)
+            finally:
+                os.close(trash)
+    except (OSError, FsStoreError):
+        return True
 
 def _claimed(store: SyncStore, trash: int, orphan: str, names: list[str], mark: str) -> str | None:
     """``"gone"`` where the orphan is no longer in .trash (merged, or claimed and

@@ -254,14 +254,27 @@ def _silly(path: str) -> Problem:
 
 def is_store(root: str) -> bool:
     """Whether the directory ``root`` looks like a store: it holds ``projects/``,
-    ``.locks/`` or ``.fsstore`` (an empty directory, or ``/etc``, does not)."""
-    return any(os.path.lexists(os.path.join(root, name)) for name in _STORE_NAMES)
+    ``.locks/`` or ``.fsstore`` (an empty directory, or ``/etc``, does not). An
+    OSError other than "not there" (EACCES: a store this user may not enter) is
+    raised: it says what is wrong, where "not a store" would not (review)."""
+    for name in _STORE_NAMES:
+        try:
+            os.lstat(os.path.join(root, name))
+            return True
+        except (FileNotFoundError, NotADirectoryError):
+            continue
+    return False
 
 
 def require_store(root: str, *, create: bool = False) -> None:
     """NoStore unless ``root`` is a store directory (or, with ``create``, an empty
-    directory or nothing yet)."""
-    if os.path.isdir(root):
+    directory or nothing yet). Where ``root`` cannot be looked at (EACCES on a parent,
+    ELOOP), that OSError is raised: its code says what is wrong."""
+    try:
+        is_dir = stat.S_ISDIR(os.stat(root).st_mode)
+    except (FileNotFoundError, NotADirectoryError):
+        is_dir = False
+    if is_dir:
         if is_store(root):
             return
         if not create:
@@ -660,14 +673,15 @@ def walking(
     may be a symlink. ``looks_only``: see :class:`Walker`."""
     store = SyncStore(root, summaries=False, stale_lock_seconds=stale_lock_seconds,
                       lock_timeout_seconds=lock_timeout_seconds)
-    require_store(root)  # (what is wrong, in words: a missing root was "not a directory")
     with contextlib.ExitStack() as stack:
         try:
-            rfd = stack.enter_context(store.open_root())
+            rfd = stack.enter_context(store.open_root())  # (EACCES, ELOOP: raised as they are)
         except NotADirectoryError:
             rfd = None
         if rfd is None:
+            require_store(root)  # what is wrong, in words (a missing root: "does not exist")
             raise NoStore(f"{root}: no store here (removed, or replaced by a file, just now)")
+        require_store(root)
         yield Walker(rfd, store, stale_lock_seconds=stale_lock_seconds, looks_only=looks_only)
 
 

@@ -331,8 +331,8 @@ def cmd_ls(args: argparse.Namespace, out: TextIO, err: TextIO, progress: Progres
 
 def _problems(args: argparse.Namespace, err: TextIO, problems: Sequence[Problem]) -> None:
     """What a command could not look at, on stderr (also with --json: stdout has it too)."""
-    err.writelines(f"fsstore: {p.severity}: {rel_path(args.root, p.path)}: {clean(p.message)}\n"
-                   for p in problems)
+    err.writelines(f"fsstore: {p.severity}: {p.code + ': ' if p.code else ''}{rel_path(args.root, p.path)}: "
+                   f"{clean(p.message)}\n" for p in problems)
 
 
 def cmd_cat(args: argparse.Namespace, out: TextIO, err: TextIO, progress: Progress) -> int:
@@ -628,6 +628,10 @@ def _run(argv: Sequence[str] | None) -> int:
     raw = list(sys.argv[1:] if argv is None else argv)
     args = parser.parse_args(_mark_values(raw, opts))
     out, err = sys.stdout, sys.stderr
+    if out is None or err is None:  # started with fd 1 or 2 closed (`>&-`)
+        if err is not None:
+            err.write("fsstore: error: EBADF: standard output is closed\n")
+        return EXIT_PROBLEMS
     _logging(args.verbose, err)
     progress = Progress(f"fsstore {args.command}", err)
     try:
@@ -645,11 +649,7 @@ def _run(argv: Sequence[str] | None) -> int:
         err.write("fsstore: interrupted\n")
         return 130
     except BrokenPipeError:
-        # The reader went away (| head): say nothing more, and keep Python from
-        # complaining when it flushes stdout at exit.
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stdout.fileno())
-        os.close(devnull)
+        _quiet_stdout()  # the reader went away (| head): say nothing more
         return 141
     except OSError as exc:
         return _failed(args, progress, out, err, error_code(exc), str(exc), EXIT_PROBLEMS)
@@ -663,10 +663,21 @@ def _failed(args: argparse.Namespace, progress: Progress, out: TextIO, err: Text
     progress.close()
     err.write(f"{clean(str(exc))}\n" if exc is not None else f"fsstore: error: {code}: {clean(message)}\n")
     if getattr(args, "json", False):
-        dump_json(out, {"error": {"code": code, "message": message,
-                                  "operation": exc.operation if exc else args.command,
-                                  "path": exc.path if exc else None}})
+        try:
+            dump_json(out, {"error": {"code": code, "message": message,
+                                      "operation": exc.operation if exc else args.command,
+                                      "path": exc.path if exc else None}})
+            out.flush()
+        except OSError:  # stdout itself is what failed (a full disk, a reader gone): said above
+            _quiet_stdout()
     return status
+
+
+def _quiet_stdout() -> None:
+    """Keep Python from complaining when it flushes a stdout that cannot be written at exit."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
 
 
 if __name__ == "__main__":

@@ -1436,6 +1436,37 @@ def test_a_merge_that_finds_its_session_busy_is_left_for_later_without_an_error(
     assert _orphans(root) == []
 
 
+def test_a_merge_whose_orphan_another_merger_finishes_while_it_reads_is_done_not_failed(
+    root: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Merger B reads the orphan's parts (no lock: reads run beside the appends); in
+    the middle, merger A merges every batch and removes the orphan. B finds its parts
+    gone: "done" (merged by another), a warning, no error (found by review: B logged
+    "could not move it back or merge it ... its batches are in .trash, in no load" and
+    gc exited 1 while every batch was in the session once; 1 in 641 gcs in a SIGSTOP
+    campaign)."""
+    from fsstore import _read
+
+    batches = [[{"type": "user", "n": n}] for n in range(8)]
+    orphan = orphan_of(root, batches, compact_every=0)
+    comps = _layout.transcript_dirs(parse_key(KEY, "test"))[:4]
+    real, done = _read.read_file, []
+
+    def read_file(dir_fd: int, name: str, *args: Any, **kwargs: Any) -> bytes:
+        if not done and name == _layout.part_name(5) and "/.trash/" in os.readlink(f"/proc/self/fd/{dir_fd}"):
+            done.append("A")
+            done.append(_merge.merge_back(SyncStore(root), orphan, comps, _layout.MAIN, "-"))
+        return real(dir_fd, name, *args, **kwargs)
+
+    monkeypatch.setattr(_read, "read_file", read_file)
+    with caplog.at_level("WARNING", logger="fsstore"):
+        assert _merge.merge_back(SyncStore(root), orphan, comps, _layout.MAIN, "-") == "done"  # B
+    assert done == ["A", "merged"]
+    assert not [r for r in caplog.records if r.levelname == "ERROR"], caplog.records
+    assert SyncStore(root).load(KEY) == [entry(2), *(b[0] for b in batches)]
+    assert _orphans(root) == []
+
+
 def test_two_gcs_finishing_one_merge_at_once_append_each_batch_once(tmp_path: Path) -> None:
     """Two `fsstore gc` at once on one orphan: each batch is appended once (found by
     review: one finished and removed the orphan while the other, going through the

@@ -327,3 +327,37 @@ def test_dry_runs_and_looks_leave_every_file_of_the_store_as_it_was(tmp_path: Pa
         outs.append(proc.stdout)
     # Each dry run had something to do (check --repair: nothing to repair here).
     assert [i for i, out in enumerate(outs) if "would" not in out and "dry run" not in out] == [4, 5, 6, 7, 8], outs
+
+
+@pytest.mark.parametrize("where", ["the store", "its parent"])
+def test_a_store_the_user_may_not_enter_is_eacces_not_no_store(shared: Path, where: str) -> None:
+    """A store in a directory this user may not enter (or below one) is EACCES, exit 1:
+    "not a store" or "does not exist" would send an operator to look for an unmounted
+    share (found by review: NOT_A_STORE, exit 2, for every walking command)."""
+    root = shared / "hidden" / "store"
+    root.parent.mkdir()
+    SyncStore(root, create=True).append(KEY, [entry(1)])
+    (root if where == "the store" else root.parent).chmod(0o700)  # root's: uid 65534 may not enter
+    for command in ("ls", "check", "gc", "locks", "cat"):
+        args = [command, root, *([P, S] if command == "cat" else [])]
+        rc, out = as_nobody(*args)
+        assert rc == 1 and "EACCES" in out and "NOT_A_STORE" not in out, (command, out)
+
+
+def test_a_json_error_to_a_stdout_that_cannot_be_written_is_said_on_stderr(tmp_path: Path) -> None:
+    """``--json`` with stdout on a full device: the error is said on stderr with its
+    code, the exit code is the error's, and no traceback (found by review: the JSON of
+    the error was written to the stdout that had just failed)."""
+    root = tmp_path / "store"
+    SyncStore(root, create=True).append(KEY, [entry(1)])
+    (tmp_path / "plain").mkdir()
+    with open("/dev/full", "w") as full:
+        for where, rc, code in ((tmp_path / "missing", 2, "NOT_A_STORE"), (tmp_path / "plain", 2, "NOT_A_STORE"),
+                                (root, 1, "ENOSPC")):  # (the listing itself cannot be written)
+            proc = subprocess.run([sys.executable, "-m", "fsstore", "ls", str(where), "--json"], check=False,
+                                  stdout=full, stderr=subprocess.PIPE, text=True, timeout=60)
+            assert proc.returncode == rc and code in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+    # Started with stdout closed (`>&-`): said, exit 1 (was an AttributeError traceback).
+    proc = subprocess.run([sys.executable, "-m", "fsstore", "ls", str(root)], check=False, stderr=subprocess.PIPE,
+                          text=True, timeout=60, preexec_fn=lambda: os.close(1))
+    assert proc.returncode == 1 and "EBADF" in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
