@@ -57,7 +57,7 @@ def not_looked_at(w: Walker) -> list[Action]:
     """What the walk so far could not look at (a directory it cannot read, or that is a
     symlink or a file where the layout has a directory): reported FAILED, so that the
     exit code says the job is not all done."""
-    return [Action("skip", p.path, p.message, False, failed=True)
+    return [Action("skip", p.path, p.message, False, failed=True, code=p.code)
             for p in w.problems if p.severity == "error" and p.kind in ("unreadable", "symlink")]
 
 
@@ -71,6 +71,7 @@ class Action:
     done: bool
     age: float | None = None
     failed: bool = False
+    code: str | None = None  # of a failure, where it has one (an errno name, a store code)
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -79,6 +80,7 @@ class Action:
             "detail": self.detail,
             "done": self.done,
             "failed": self.failed,
+            "code": self.code,
             "age_seconds": None if self.age is None else round(self.age, 3),
         }
 
@@ -167,8 +169,8 @@ def _remove_garbage(w: Walker, g: Garbage, older_than: float, dry_run: bool) -> 
         else:
             _fsio.unlink_quiet(pfd, g.name)
     except OSError as exc:
-        return Action(verb, g.path, f"{detail}: {error_code(exc)} {exc.strerror}", False, g.age,
-                      failed=True)
+        return Action(verb, g.path, f"{detail}: {exc.strerror}", False, g.age,
+                      failed=True, code=error_code(exc))
     finally:
         os.close(pfd)
     return Action(verb, g.path, detail, True, g.age)
@@ -201,8 +203,8 @@ def _break(lk: LockInfo, older_than: float, stale_lock_seconds: float, dry_run: 
     except FileNotFoundError:
         return Action("break-lock", lk.path, detail + " (released meanwhile)", False, lk.age)
     except OSError as exc:
-        return Action("break-lock", lk.path, f"{detail}: {error_code(exc)} {exc.strerror}", False,
-                      lk.age, failed=True)
+        return Action("break-lock", lk.path, f"{detail}: {exc.strerror}", False,
+                      lk.age, failed=True, code=error_code(exc))
     if (st.st_ino, st.st_mtime_ns) != lk.ident:
         return Action("keep", lk.path, "lock was taken again meanwhile; left alone", False, lk.age)
     # The very marker judged stale is still there: the reclaim could not move it.
@@ -393,7 +395,7 @@ def prune(
 def _unseen(path: str, problem: Problem) -> Action:
     where = "" if problem.path == path else f" ({problem.path})"
     return Action("skip", path, f"not deleted: part of the session cannot be looked at, so its "
-                  f"age is unknown: {problem.message}{where}", False, failed=True)
+                  f"age is unknown: {problem.message}{where}", False, failed=True, code=problem.code)
 
 
 def _prune_one(w: Walker, ref: SessionRef, older_than: float, dry_run: bool) -> Action | None:
@@ -433,7 +435,7 @@ def _prune_one(w: Walker, ref: SessionRef, older_than: float, dry_run: bool) -> 
                     "keep", path, "written to after the last look; kept (the next prune looks "
                     "again)", False)
     except FsStoreError as err:
-        return Action("delete", path, f"{detail}: {err}", False, age, failed=True)
+        return Action("delete", path, f"{detail}: {err}", False, age, failed=True, code=err.code)
     return Action("delete", path, detail, True, age)
 
 
@@ -546,8 +548,8 @@ def _compact_one(w: Walker, tref: TranscriptRef, dry_run: bool) -> Action | None
     except FsStoreError as err:
         if err.code == "CORRUPT":  # a gap or damage: merging would hide it
             return Action("skip", info.path, f"{detail}: not compacted: {err.message} "
-                          "(see fsstore check)", False, failed=True)
-        return Action("compact", info.path, f"{detail}: {err}", False, failed=True)
+                          "(see fsstore check)", False, failed=True, code=err.code)
+        return Action("compact", info.path, f"{detail}: {err}", False, failed=True, code=err.code)
     what = (f"merged {merged} files into one segment" if merged
             else "nothing to merge (leftovers its segments hold removed)")
     return Action("compact", info.path, what, merged > 0)

@@ -445,7 +445,8 @@ def _actions(
                 verb = (_DRY_VERB if dry else _DONE_VERB)[a.action]
             else:
                 verb = {"keep": "kept", "skip": "skipped"}.get(a.action, "nothing")
-            out.write(f"{verb:<17} {rel_path(args.root, a.path)}  {clean(a.detail)}\n")
+            code = f"{a.code}: " if a.failed and a.code else ""
+            out.write(f"{verb:<17} {rel_path(args.root, a.path)}  {code}{clean(a.detail)}\n")
         done = sum(1 for a in actions if a.done)
         summary = (f"{what}: {len(actions)} action(s) in a dry run; nothing changed" if dry
                    else f"{what}: {done} done, {len(failed)} failed")
