@@ -275,11 +275,17 @@ def _move_to_trash(
 
 
 def holds_batches(parent_fd: int, name: str) -> bool:
-    """Whether a part or segment is anywhere below ``parent/name``."""
+    """Whether a part or segment is anywhere below ``parent/name``; True where that
+    cannot be told (a directory this process may not read now): what decides whether
+    gc may remove it must never take batches it could not see for none (found by
+    review: an orphan whose ``main/`` was unreadable for a moment was removed as "a
+    leftover of a delete" once readable again, its batches lost)."""
     try:
         fd = os.open(name, _fsio.DIR_FLAGS, dir_fd=parent_fd)
-    except OSError:
-        return False
+    except (FileNotFoundError, NotADirectoryError):
+        return False  # gone, or not a directory: no batch
+    except OSError as exc:
+        return exc.errno != errno.ELOOP  # (ELOOP: a symlink, never ours, nothing of ours below it)
     try:
         with os.scandir(fd) as entries:
             return any(holds_batches(fd, e.name) if e.is_dir(follow_symlinks=False)
