@@ -31,10 +31,12 @@ def merge_back(store: SyncStore, orphan: str, comps: list[Component], mark: str,
     (or being deleted) or this one is back at the name, it is left where it is. Each
     batch appended is written back (``syncfs``) and then marked in the orphan
     (:func:`merged_name`), so a merge resumed by ``fsstore gc`` appends the rest (only
-    a batch whose merger died, or lost its power, between its append and its mark
-    twice). Merged whole, it is renamed off its name under the lock before
-    it is removed: a merger still going through it stops at its next look, and a
-    removal cut short leaves garbage, never an orphan to merge again.
+    a batch whose merger died, lost its power or failed between its append and its
+    mark twice). Merged whole, it is renamed off its name under the lock before it is
+    removed: a merger still going through it stops at its next look, and a removal
+    cut short leaves garbage, never an orphan to merge again. So an orphan gone from
+    ``.trash`` was merged whole or taken by a later delete (gc never removes one:
+    :func:`_delete.holds_batches`).
 
     Returns how it ended: ``"merged"``; ``"claimed"``, ``"gone"``, ``"back"``,
     ``"done"`` (another process merged or removed it first), as logged; ``"busy"``
@@ -243,6 +245,7 @@ def _part(comp: Component) -> str:
 
 def _orphaned(name: str, path: str, exc: BaseException) -> None:
     log.error("a delete moved a transcript made anew after its mark and could not move it "
-              "back or merge it (%s): its batches are in .trash/%s, in no load; see "
-              "docs/operations.md", exc, name, extra={
+              "back or merge it (%s): its batches not merged yet are in .trash/%s, in no load "
+              "(the next gc merges them; one appended just before this failure may come "
+              "twice); see docs/operations.md", exc, name, extra={
                   "code": "DELETE_RACED", "operation": "delete", "path": path})
