@@ -628,16 +628,21 @@ def _run(argv: Sequence[str] | None) -> int:
     parser, opts = build_parser()
     raw = list(sys.argv[1:] if argv is None else argv)
     args = parser.parse_args(_mark_values(raw, opts))
-    out, err = sys.stdout, sys.stderr
-    if out is None or err is None:  # started with fd 1 or 2 closed (`>&-`)
-        if err is not None:
-            err.write("fsstore: error: EBADF: standard output is closed\n")
-        return EXIT_PROBLEMS
+    # Started with fd 1 or 2 closed (`>&-`): the command runs, what it would print there
+    # goes nowhere, and a command that succeeded says its output was lost (EBADF).
+    closed = sys.stdout is None
+    out = sys.stdout if sys.stdout is not None else open(os.devnull, "w")  # noqa: SIM115
+    err = sys.stderr if sys.stderr is not None else open(os.devnull, "w")  # noqa: SIM115
     _logging(args.verbose, err)
     progress = Progress(f"fsstore {args.command}", err)
     try:
         _check_keys(args)
-        return HANDLERS[args.command](args, out, err, progress)
+        status = HANDLERS[args.command](args, out, err, progress)
+        out.flush()  # here, not at exit: a stdout that cannot be written is an error with its code
+        if closed:
+            _say(err, "fsstore: error: EBADF: standard output is closed: what the command printed is lost\n")
+            return EXIT_PROBLEMS
+        return status
     except NoStore as exc:
         return _failed(args, progress, out, err, exc.code, str(exc), EXIT_USAGE)
     except _transfer.NotFound as exc:
@@ -650,7 +655,7 @@ def _run(argv: Sequence[str] | None) -> int:
         err.write("fsstore: interrupted\n")
         return 130
     except BrokenPipeError:
-        _quiet_stdout()  # the reader went away (| head): say nothing more
+        _quiet(sys.stdout)  # the reader went away (| head): say nothing more
         return 141
     except OSError as exc:
         return _failed(args, progress, out, err, error_code(exc), str(exc), EXIT_PROBLEMS)
@@ -662,22 +667,38 @@ def _failed(args: argparse.Namespace, progress: Progress, out: TextIO, err: Text
     ``--json``, as ``{"error": {...}}`` on stdout), every way it can fail alike:
     operators alert on the code."""
     progress.close()
-    err.write(f"{clean(str(exc))}\n" if exc is not None else f"fsstore: error: {code}: {clean(message)}\n")
-    if getattr(args, "json", False):
-        try:
+    _say(err, f"{clean(str(exc))}\n" if exc is not None else f"fsstore: error: {code}: {clean(message)}\n")
+    try:
+        if getattr(args, "json", False):
             dump_json(out, {"error": {"code": code, "message": message,
                                       "operation": exc.operation if exc else args.command,
                                       "path": exc.path if exc else None}})
-            out.flush()
-        except OSError:  # stdout itself is what failed (a full disk, a reader gone): said above
-            _quiet_stdout()
+        out.flush()
+    except OSError:  # stdout itself is what failed (a full disk, a reader gone): said above
+        _quiet(sys.stdout)
     return status
 
 
-def _quiet_stdout() -> None:
-    """Keep Python from complaining when it flushes a stdout that cannot be written at exit."""
+def _say(err: TextIO, text: str) -> None:
+    """Write to stderr, which may itself not be writable (a full disk)."""
+    try:
+        err.write(text)
+        err.flush()
+    except OSError:
+        _quiet(sys.stderr)
+
+
+def _quiet(stream: TextIO | None) -> None:
+    """Keep Python from complaining (exit 120) when it flushes, at exit, a standard
+    stream that cannot be written."""
+    if stream is None:
+        return
+    try:
+        fileno = stream.fileno()
+    except (OSError, ValueError):
+        return
     devnull = os.open(os.devnull, os.O_WRONLY)
-    os.dup2(devnull, sys.stdout.fileno())
+    os.dup2(devnull, fileno)
     os.close(devnull)
 
 

@@ -13,6 +13,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -347,23 +348,41 @@ def test_a_store_the_user_may_not_enter_is_eacces_not_no_store(shared: Path, whe
         assert rc == 1 and "EACCES" in out and "NOT_A_STORE" not in out, (command, out)
 
 
-def test_a_json_error_to_a_stdout_that_cannot_be_written_is_said_on_stderr(tmp_path: Path) -> None:
-    """``--json`` with stdout on a full device: the error is said on stderr with its
-    code, the exit code is the error's, and no traceback (found by review: the JSON of
-    the error was written to the stdout that had just failed)."""
+def test_a_standard_stream_that_cannot_be_written_is_an_error_with_its_code(tmp_path: Path) -> None:
+    """stdout on a full device, with and without ``--json``, on the error and the
+    success paths: said on stderr with its code, the exit code the error's (ENOSPC: 1),
+    no traceback and no "Exception ignored" (exit 120) from Python's flush at exit; a
+    reader gone is 141; stdout closed (``>&-``): the command's own error, or EBADF where
+    it succeeded; stderr full: the exit code alone. Found by reviews: the JSON of an
+    error written to the stdout that had just failed (a traceback); a small output's
+    failure left to the flush at exit (120, no code); ``>&-`` an AttributeError.
+    Python's output is block-buffered here, as in a shell (not ``PYTHONUNBUFFERED``)."""
     root = tmp_path / "store"
     SyncStore(root, create=True).append(KEY, [entry(1)])
     (tmp_path / "plain").mkdir()
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}
+
+    def run(*args: object, **kw: Any) -> subprocess.CompletedProcess[str]:
+        kw.setdefault("stderr", subprocess.PIPE)
+        proc = subprocess.run([sys.executable, "-m", "fsstore", *map(str, args)], check=False, text=True,
+                              timeout=60, env=env, **kw)
+        assert "Traceback" not in (proc.stderr or "") and "Exception ignored" not in (proc.stderr or ""), proc.stderr
+        return proc
+
     with open("/dev/full", "w") as full:
         for where, rc, code in ((tmp_path / "missing", 2, "NOT_A_STORE"), (tmp_path / "plain", 2, "NOT_A_STORE"),
                                 (root, 1, "ENOSPC")):  # (the listing itself cannot be written)
-            proc = subprocess.run([sys.executable, "-m", "fsstore", "ls", str(where), "--json"], check=False,
-                                  stdout=full, stderr=subprocess.PIPE, text=True, timeout=60)
-            assert proc.returncode == rc and code in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
-    # Started with stdout closed (`>&-`): said, exit 1 (was an AttributeError traceback).
-    proc = subprocess.run([sys.executable, "-m", "fsstore", "ls", str(root)], check=False, stderr=subprocess.PIPE,
-                          text=True, timeout=60, preexec_fn=lambda: os.close(1))
-    assert proc.returncode == 1 and "EBADF" in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+            for json_flag in (["--json"], []):
+                proc = run("ls", where, *json_flag, stdout=full)
+                assert proc.returncode == rc and code in proc.stderr, (where, json_flag, proc.stderr)
+        assert run("ls", tmp_path / "missing", stdout=subprocess.PIPE, stderr=full).returncode == 2
+    r, w = os.pipe()
+    os.close(r)
+    assert run("ls", root, stdout=w).returncode == 141  # a reader gone
+    os.close(w)
+    for where, rc, code in ((root, 1, "EBADF"), (tmp_path / "missing", 2, "NOT_A_STORE")):
+        proc = run("ls", where, preexec_fn=lambda: os.close(1))
+        assert proc.returncode == rc and code in proc.stderr, proc.stderr
 
 
 def test_gc_never_takes_an_orphan_it_cannot_read_for_a_leftover(shared: Path) -> None:
