@@ -333,9 +333,12 @@ def import_projects(
     ``root`` must be a store directory; with ``create`` it may also not exist yet (a
     new store), so that a mistyped root is not silently made into one.
     """
-    if not create and not os.path.lexists(root):
-        raise NoStore(f"{root}: no store here (does not exist; --create starts a new one)")
-    require_store(root, create=create)
+    try:
+        os.lstat(root)
+    except (FileNotFoundError, NotADirectoryError):
+        if not create:
+            raise NoStore(f"{root}: no store here (does not exist; --create starts a new one)") from None
+    require_store(root, create=create)  # (EACCES, ELOOP: raised as they are)
     projects_dir = os.path.abspath(projects_dir)
     files, problems = local_transcripts(projects_dir, project)
     store = SyncStore(root, create=create)

@@ -388,8 +388,7 @@ def cmd_check(args: argparse.Namespace, out: TextIO, err: TextIO, progress: Prog
                                   stale_lock_seconds=args.stale_lock_seconds)
         if not args.json:
             out.writelines(f"{'FAILED' if a.failed else 'REPAIR' if a.done else 'SKIP' if a.action == 'skip' else 'WOULD':<8} "
-                          f"{rel_path(args.root, a.path)}  "
-                          f"{clean(a.detail)}\n" for a in repairs)
+                          f"{rel_path(args.root, a.path)}  {_detail(a)}\n" for a in repairs)
     report = _check.check(args.root, older_than=args.older_than,
                           stale_lock_seconds=args.stale_lock_seconds, progress=progress)
     progress.close()
@@ -426,6 +425,11 @@ _DRY_VERB = {"mark": "would mark", "recommit": "would commit again", "remove": "
              "skip": "skipped"}
 
 
+def _detail(a: _cleanup.Action) -> str:
+    """An action's detail as printed: a failure's code first, where it has one."""
+    return f"{a.code}: {clean(a.detail)}" if a.failed and a.code else clean(a.detail)
+
+
 def _actions(
     args: argparse.Namespace, out: TextIO, actions: list[_cleanup.Action], what: str,
     extra: dict[str, Any] | None = None,
@@ -445,8 +449,7 @@ def _actions(
                 verb = (_DRY_VERB if dry else _DONE_VERB)[a.action]
             else:
                 verb = {"keep": "kept", "skip": "skipped"}.get(a.action, "nothing")
-            code = f"{a.code}: " if a.failed and a.code else ""
-            out.write(f"{verb:<17} {rel_path(args.root, a.path)}  {code}{clean(a.detail)}\n")
+            out.write(f"{verb:<17} {rel_path(args.root, a.path)}  {_detail(a)}\n")
         done = sum(1 for a in actions if a.done)
         summary = (f"{what}: {len(actions)} action(s) in a dry run; nothing changed" if dry
                    else f"{what}: {done} done, {len(failed)} failed")

@@ -337,13 +337,17 @@ def test_dry_runs_and_looks_leave_every_file_of_the_store_as_it_was(tmp_path: Pa
 def test_a_store_the_user_may_not_enter_is_eacces_not_no_store(shared: Path, where: str) -> None:
     """A store in a directory this user may not enter (or below one) is EACCES, exit 1:
     "not a store" or "does not exist" would send an operator to look for an unmounted
-    share (found by review: NOT_A_STORE, exit 2, for every walking command)."""
+    share (found by reviews: NOT_A_STORE, exit 2, for every walking command, and for
+    import below a parent it may not enter)."""
     root = shared / "hidden" / "store"
     root.parent.mkdir()
     SyncStore(root, create=True).append(KEY, [entry(1)])
     (root if where == "the store" else root.parent).chmod(0o700)  # root's: uid 65534 may not enter
-    for command in ("ls", "check", "gc", "locks", "cat"):
-        args = [command, root, *([P, S] if command == "cat" else [])]
+    write_jsonl(shared / "local" / P / "s.jsonl", [{"type": "user", "uuid": "u1"}])  # for import
+    for d in [shared / "local", *(shared / "local").rglob("*")]:
+        d.chmod(0o755 if d.is_dir() else 0o644)
+    for command in ("ls", "check", "gc", "locks", "cat", "import"):
+        args = [command, root, *({"cat": [P, S], "import": [shared / "local"]}.get(command, []))]
         rc, out = as_nobody(*args)
         assert rc == 1 and "EACCES" in out and "NOT_A_STORE" not in out, (command, out)
 
