@@ -275,17 +275,20 @@ def _move_to_trash(
 
 
 def holds_batches(parent_fd: int, name: str) -> bool:
-    """Whether a part or segment is anywhere below ``parent/name``; True where that
-    cannot be told (a directory this process may not read now): what decides whether
-    gc may remove it must never take batches it could not see for none (found by
-    review: an orphan whose ``main/`` was unreadable for a moment was removed as "a
-    leftover of a delete" once readable again, its batches lost)."""
+    """Whether a part or segment is anywhere below ``parent/name``. Where that cannot
+    be told (a directory this process may not read now), the OSError is raised: what
+    decides whether gc may remove it, or move it back, must not take batches it could
+    not see for none, nor a mark it could not see for none (found by review: an orphan
+    whose ``main/`` was unreadable for a moment was removed as "a leftover of a
+    delete" once readable again, its batches lost)."""
     try:
         fd = os.open(name, _fsio.DIR_FLAGS, dir_fd=parent_fd)
     except (FileNotFoundError, NotADirectoryError):
         return False  # gone, or not a directory: no batch
     except OSError as exc:
-        return exc.errno != errno.ELOOP  # (ELOOP: a symlink, never ours, nothing of ours below it)
+        if exc.errno == errno.ELOOP:
+            return False  # a symlink: never ours, nothing of ours below it
+        raise
     try:
         with os.scandir(fd) as entries:
             return any(holds_batches(fd, e.name) if e.is_dir(follow_symlinks=False)
@@ -558,13 +561,20 @@ def moved_by_mistake(trash: int, comps: list[Component]) -> str | None:
     or merged yet (its batches are the session's); None if there is none."""
     tag = _tags(comps)[0]
     return next((name for name in _fsio.listdir(trash)
-                 if (_tags_of(name) or [""])[0] == tag and orphan(trash, name)), None)
+                 if (_tags_of(name) or [""])[0] == tag and _surely_orphan(trash, name)), None)
+
+
+def _surely_orphan(trash: int, name: str) -> bool:
+    try:
+        return orphan(trash, name)
+    except OSError:
+        return False  # cannot be told now: left where it is (gc reports it)
 
 
 def orphan(trash: int, name: str) -> bool:
     """Whether ``.trash/name`` is what a delete moved there by mistake (a ``-deleted``
     directory with no mark and batches in it: no delete's to remove), not yet moved
-    back, merged or claimed."""
+    back, merged or claimed. OSError where that cannot be told (:func:`holds_batches`)."""
     return (name.endswith(ASIDE_TAG) and not (marked(trash, name, _layout.MAIN) or marked(trash, name, ""))
             and holds_batches(trash, name))
 

@@ -515,12 +515,21 @@ class Walker:
         return out
 
     def trash(self) -> list[Garbage]:
-        """Every entry of ``.trash`` (deletes in progress, or their leftovers)."""
+        """Every entry of ``.trash`` (deletes in progress, or their leftovers), but one
+        this walker cannot tell an orphan from a leftover (it may not read it): that is
+        a problem, and nothing is done to it."""
         comps = (_layout.TRASH,)
-        return [self.garbage_entry("tomb" if entry.name.endswith(_layout.TOMB_TAG) else
-                                   "orphan" if _moved_by_mistake(fd, entry, st) else "trash",
-                                   comps, entry, st)
-                for fd, entry, st in self.entries(comps)]
+        found = []
+        for fd, entry, st in self.entries(comps):
+            try:
+                kind = ("tomb" if entry.name.endswith(_layout.TOMB_TAG) else
+                        "orphan" if _moved_by_mistake(fd, entry, st) else "trash")
+            except OSError as exc:
+                self.problems += unreadable(self.path((*comps, entry.name)),
+                                            "cannot tell whether it holds batches", exc)
+                continue
+            found.append(self.garbage_entry(kind, comps, entry, st))
+        return found
 
     def root_entries(self) -> None:
         """Note anything at the top level that is not ``projects``, ``.trash``, ``.locks``
