@@ -574,9 +574,19 @@ def _surely_orphan(trash: int, name: str) -> bool:
 def orphan(trash: int, name: str) -> bool:
     """Whether ``.trash/name`` is what a delete moved there by mistake (a ``-deleted``
     directory with no mark and batches in it: no delete's to remove), not yet moved
-    back, merged or claimed. OSError where that cannot be told (:func:`holds_batches`)."""
-    return (name.endswith(ASIDE_TAG) and not (marked(trash, name, _layout.MAIN) or marked(trash, name, ""))
+    back, merged or claimed. OSError where that cannot be told: its mark or its batches
+    this process may not see (:func:`holds_batches`; a ``main/`` it may read but not
+    search hid the mark of a deleted session's tomb, which gc then moved back: review)."""
+    return (name.endswith(ASIDE_TAG) and not (_mark_seen(trash, name, _layout.MAIN) or _mark_seen(trash, name, ""))
             and holds_batches(trash, name))
+
+
+def _mark_seen(parent: int, name: str, below: str) -> bool:
+    """:func:`marked`, raising where that cannot be told (EACCES...)."""
+    try:
+        return _fsio.exists(parent, f"{name}/{below}/{_layout.DELETED}" if below else f"{name}/{_layout.DELETED}")
+    except NotADirectoryError:
+        return False  # (``main`` a file: no mark in it)
 
 
 def moved_from(name: str, projects: list[str], sessions: list[tuple[str, ...]]) -> list[Component] | None:

@@ -101,7 +101,8 @@ def parse_duration(value: str) -> float:
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> NoReturn:
         self.print_usage(sys.stderr)
-        self.exit(EXIT_USAGE, f"{self.prog}: error: {message.replace(_MARK, '')}\n")
+        _say(sys.stderr, f"{self.prog}: error: {message.replace(_MARK, '')}\n")  # (stderr may be full)
+        sys.exit(EXIT_USAGE)
 
 
 class _Options:

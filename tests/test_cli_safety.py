@@ -380,6 +380,7 @@ def test_a_standard_stream_that_cannot_be_written_is_an_error_with_its_code(tmp_
                 proc = run("ls", where, *json_flag, stdout=full)
                 assert proc.returncode == rc and code in proc.stderr, (where, json_flag, proc.stderr)
         assert run("ls", tmp_path / "missing", stdout=subprocess.PIPE, stderr=full).returncode == 2
+        assert run("ls", "--bogus", root, stdout=subprocess.PIPE, stderr=full).returncode == 2  # a usage error
     r, w = os.pipe()
     os.close(r)
     assert run("ls", root, stdout=w).returncode == 141  # a reader gone
@@ -409,3 +410,27 @@ def test_gc_never_takes_an_orphan_it_cannot_read_for_a_leftover(shared: Path) ->
     rc, out = as_nobody("gc", root, "--older-than", "0s")
     assert rc == 0 and "merged into" in out, out
     assert SyncStore(root).load(KEY) == [entry(2), *(b[0] for b in batches)]
+
+
+@pytest.mark.parametrize("mode", [0o000, 0o400], ids=["unreadable", "readable, not searchable"])
+def test_gc_never_brings_back_a_deleted_sessions_tomb_it_cannot_look_into(shared: Path, mode: int) -> None:
+    """A deleted session's tomb in .trash (its ``.deleted`` mark in ``main/``, its deleter
+    killed before emptying it, nothing at its name) whose ``main/`` gc may not search:
+    gc cannot see the mark, so it must not take the tomb for a session moved by mistake
+    and move it back (found by review: with ``main/`` 0400, gc moved it back and ``ls``
+    listed the deleted session again). It reports it, and once it can look, removes it."""
+    root = shared / "store"
+    store = SyncStore(root, create=True, compact_every=0)
+    for n in range(3):
+        store.append(KEY, [entry(n)])
+    (tdir(root, KEY) / ".deleted").touch()  # the delete's commit point
+    tomb = moved_by_a_dead_deleter(root)
+    chown_tree(shared, NOBODY)
+    (tomb / "main").chmod(mode)
+    rc, out = as_nobody("gc", root, "--older-than", "0s")
+    assert rc == 1 and "EACCES" in out and "moved back" not in out, out
+    (tomb / "main").chmod(0o700)
+    assert SyncStore(root).list_sessions(P) == []
+    rc, out = as_nobody("gc", root, "--older-than", "0s")
+    assert rc == 0, out
+    assert SyncStore(root).load(KEY) is None and SyncStore(root).list_sessions(P) == []
