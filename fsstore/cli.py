@@ -683,8 +683,10 @@ def _failed(args: argparse.Namespace, progress: Progress, out: TextIO, err: Text
     return status
 
 
-def _say(err: TextIO, text: str) -> None:
-    """Write to stderr, which may itself not be writable (a full disk)."""
+def _say(err: TextIO | None, text: str) -> None:
+    """Write to stderr, which may itself not be writable (a full disk) or be closed."""
+    if err is None:
+        return
     try:
         err.write(text)
         err.flush()

@@ -381,6 +381,8 @@ def test_a_standard_stream_that_cannot_be_written_is_an_error_with_its_code(tmp_
                 assert proc.returncode == rc and code in proc.stderr, (where, json_flag, proc.stderr)
         assert run("ls", tmp_path / "missing", stdout=subprocess.PIPE, stderr=full).returncode == 2
         assert run("ls", "--bogus", root, stdout=subprocess.PIPE, stderr=full).returncode == 2  # a usage error
+    assert run("ls", "--bogus", root, stdout=subprocess.PIPE, stderr=None,
+               preexec_fn=lambda: os.close(2)).returncode == 2  # ... with stderr closed
     r, w = os.pipe()
     os.close(r)
     assert run("ls", root, stdout=w).returncode == 141  # a reader gone
