@@ -230,9 +230,8 @@ def finish(store: SyncStore, comps: list[Component], path: str, *, session: bool
 def marked(parent: int, name: str, below: str) -> bool:
     """Whether ``parent/name`` (``below``: its ``main``) holds a ``.deleted`` mark;
     False where that cannot be told (the caller then leaves the directory where it is)."""
-    rel = f"{name}/{below}/{_layout.DELETED}" if below else f"{name}/{_layout.DELETED}"
     try:
-        return _fsio.exists(parent, rel)
+        return _mark_seen(parent, name, below)
     except OSError:
         return False
 
@@ -582,7 +581,8 @@ def orphan(trash: int, name: str) -> bool:
 
 
 def _mark_seen(parent: int, name: str, below: str) -> bool:
-    """:func:`marked`, raising where that cannot be told (EACCES...)."""
+    """:func:`marked`, raising where that cannot be told (EACCES...): for what must not
+    take a mark it could not see for none (:func:`orphan`)."""
     try:
         return _fsio.exists(parent, f"{name}/{below}/{_layout.DELETED}" if below else f"{name}/{_layout.DELETED}")
     except NotADirectoryError:
