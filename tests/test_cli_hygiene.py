@@ -150,7 +150,7 @@ def test_cat_of_a_transcript_with_a_gap_says_so_and_exits_1(root: Path, store: S
 
 @pytest.mark.parametrize("case", ["missing root", "not a store", "no such session", "export into a file",
                                   "import from nowhere", "invalid subpath"])
-def test_every_way_a_command_fails_names_its_code(root: Path, store: SyncStore, tmp_path: Path,
+def test_a_command_that_fails_names_its_code(root: Path, store: SyncStore, tmp_path: Path,
                                                   case: str) -> None:
     """An operator alerts on codes: a command that cannot do its job says which one on
     stderr (``CODE`` in the line) and, with ``--json``, as ``{"error": {"code": ...}}``;

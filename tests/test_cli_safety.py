@@ -61,6 +61,8 @@ def test_prune_skips_a_session_whose_transcript_it_cannot_read(shared: Path) -> 
     assert rc == 1, out
     assert "FAILED" in out and "cannot" in out
     assert "EACCES: " in out  # operators alert on the code of what failed
+    rc, out = as_nobody("ls", root)  # a problem line on stderr carries its code too
+    assert rc == 1 and "fsstore: error: EACCES: " in out, out
     rc, out = as_nobody("prune", root, "--older-than", "30d", "--json")
     assert rc == 1 and [a["code"] for a in json.loads(out)["actions"] if a["failed"]] == ["EACCES"], out
     assert session.exists()
