@@ -199,10 +199,12 @@ def _check_transcript(w: Walker, report: CheckReport, t: TranscriptInfo, older_t
     report.entries += t.entries or 0
     report.bytes += t.bytes
     w.problems += [_garbage_problem(g, older_than) for g in t.temps]
-    if t.marked:
-        w.problem("warning", "deleting", f"{t.path}/{_layout.DELETED}",
-                  "marked deleted: a delete under way, or one whose process died; load() "
-                  "returns None, and the next append or load under the lock finishes it")
+    if t.marked:  # a young mark is a delete in flight, as a young temp file is
+        w.problem("warning" if t.mark_age > older_than else "info", "deleting",
+                  f"{t.path}/{_layout.DELETED}",
+                  f"marked deleted {age_text(t.mark_age)} ago: a delete under way, or one whose "
+                  "process died; load() returns None, and the next append or load under the "
+                  "lock finishes it")
     segments = [it for it in t.live if it.first != it.last]
     live = {it.name for it in t.live}
     for it in t.items:

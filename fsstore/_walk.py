@@ -161,6 +161,7 @@ class TranscriptInfo:
     temps: list[Garbage]
     entries: int | None = None  # when read: entries in the chain's files (no de-duplication)
     marked: bool = False  # holds a .deleted mark: a delete under way, or interrupted
+    mark_age: float = 0.0  # how old that mark is (0: not in the first listing)
 
     @property
     def parts(self) -> int:
@@ -603,6 +604,7 @@ class Walker:
         files: list[File] = []  # those that are regular files, with their stat
         temps: list[Garbage] = []
         marked = False
+        mark_age = 0.0
         listed, problems = _scandir(fd, path)
         for entry in listed:
             name = entry.name
@@ -629,6 +631,7 @@ class Walker:
                 temps.append(self.garbage_entry("fuse-hidden", ref.comps, entry, st))
             elif name == _layout.DELETED:
                 marked = True  # a delete under way, or its deleter died
+                mark_age = self.age(st.st_mtime)
             elif name.startswith(NFS_SILLY_PREFIX):
                 problems.append(_silly(f"{path}/{name}"))
             elif name not in (_layout.STATE, _layout.STATE_SPARE) and not (
@@ -640,7 +643,7 @@ class Walker:
         chain = {name for _first, _last, name in snap.chain}
         files.sort(key=lambda it: (it.first, -it.last))
         info = TranscriptInfo(ref, path, files, [f for f in files if f.name in chain], temps,
-                              marked=snap.deleted is not None)
+                              marked=snap.deleted is not None, mark_age=mark_age)
         problems += _gaps(path, snap.chain)
         if verify:
             info.entries = sum(len(batch) for _last, batch in snap.batches)

@@ -274,6 +274,30 @@ def test_check_reports_files_inside_a_segments_range_as_leftovers(
     assert store.load(KEY) == [entry(n) for n in range(3)]
 
 
+def test_a_young_delete_mark_is_a_delete_in_flight_and_an_old_one_a_warning(
+    root: Path, store: SyncStore
+) -> None:
+    """A delete marks a session's transcripts, then moves the session: `check` running
+    beside it sees the mark (CI, stop 37: exit 1 next to writers deleting sessions).
+    Like a temp file, a young mark is in-flight work (info); an old one is a delete
+    whose process died (warning)."""
+    store.append(KEY, [entry(1)])
+    mark = tdir(root, KEY) / _layout.DELETED
+    mark.write_bytes(b"")  # a delete that marked, and has not moved the session yet
+
+    def seen(rc: int) -> tuple[str, str]:
+        report = fsstore_json("check", root, "--older-than", "1h", rc=rc)
+        [problem] = [p for p in report["problems"] if p["kind"] == "deleting"]
+        return problem["severity"], problem["message"]
+
+    severity, message = seen(0)
+    assert severity == "info" and "a delete under way" in message
+    old = time.time() - 7200
+    os.utime(mark, (old, old))
+    severity, message = seen(1)
+    assert severity == "warning" and "2h" in message.split(":")[0], message
+
+
 def test_young_temps_and_held_locks_are_in_flight_not_problems(
     root: Path, store: SyncStore
 ) -> None:
