@@ -133,7 +133,9 @@ class SyncStore:
     # -- plumbing ------------------------------------------------------------------
 
     @contextlib.contextmanager
-    def _open_root(self, *, create: bool, path_only: bool = False) -> Iterator[int | None]:
+    def _open_root(
+        self, *, create: bool, path_only: bool = False, operation: str = "append"
+    ) -> Iterator[int | None]:
         """The root, open; None if it does not exist. ``create``: for a write that makes
         directories, which only a store may take (see :meth:`_require_store`).
         ``path_only``: an ``O_PATH`` handle (``*at`` calls only; no open on a server)."""
@@ -146,8 +148,14 @@ class SyncStore:
             if not create:
                 yield None
                 return
+            if os.path.islink(self.root):  # mkdir would say EEXIST: say what is missing
+                why = f"is a symlink to {os.readlink(self.root)}, which does not exist"
+                if not self._create:
+                    raise self._not_a_store(why, operation) from None
+                raise FsStoreError("ENOENT", f"{self.root} {why} (is the share mounted?)",
+                                   operation=operation, path=self.root, errno=errno.ENOENT) from None
             if not self._create:
-                raise self._not_a_store("does not exist") from None
+                raise self._not_a_store("does not exist", operation) from None
             # Only the root itself, never its parents: a missing parent is a missing
             # mount more often than not.
             made = False
@@ -157,7 +165,7 @@ class SyncStore:
             except FileNotFoundError:
                 raise FsStoreError(
                     "ENOENT", f"the parent of {self.root} does not exist; fsstore makes the root "
-                    "only, never its parents (is the share mounted?)", operation="append",
+                    "only, never its parents (is the share mounted?)", operation=operation,
                     path=os.path.dirname(self.root), errno=errno.ENOENT) from None
             except OSError as exc:
                 if not _fsio.lost_race(exc, None, self.root):
@@ -171,12 +179,12 @@ class SyncStore:
                     raise
         try:
             if create:
-                self._require_store(fd)
+                self._require_store(fd, operation)
             yield fd
         finally:
             os.close(fd)
 
-    def _require_store(self, rfd: int) -> None:
+    def _require_store(self, rfd: int, operation: str) -> None:
         """Refuse (NOT_A_STORE) to make directories in a root that is not a store: no
         ``.fsstore`` marker, and none of the directories of a store made before the
         marker existed. An unmounted share's mount point is such a directory; writing
@@ -188,7 +196,7 @@ class SyncStore:
             except FileNotFoundError:
                 continue
         if not self._create:
-            raise self._not_a_store("has no .fsstore marker")
+            raise self._not_a_store("has no .fsstore marker", operation)
         self.init_marker(rfd)
 
     def init_marker(self, rfd: int) -> None:
@@ -201,12 +209,12 @@ class SyncStore:
             if not _fsio.lost_race(exc, rfd, _layout.MARKER):
                 raise
 
-    def _not_a_store(self, why: str) -> FsStoreError:
+    def _not_a_store(self, why: str, operation: str) -> FsStoreError:
         return FsStoreError(
             "NOT_A_STORE",
             f"{self.root} {why}: not an fsstore store (is the share mounted? create a store "
             "with `fsstore init ROOT` or FsSessionStore(root, create=True))",
-            operation="append", path=self.root)
+            operation=operation, path=self.root)
 
     def _open(
         self, rfd: int, comps: list[Component], operation: str, *, create: bool = False,
@@ -240,7 +248,7 @@ class SyncStore:
         try:
             st = os.lstat(locks)
         except FileNotFoundError:
-            with self._open_root(create=True) as rfd:
+            with self._open_root(create=True, operation=operation) as rfd:
                 assert rfd is not None
                 self._fs.make_dir(rfd, _layout.LOCKS, None)
             st = os.lstat(locks)
@@ -642,7 +650,7 @@ class SyncStore:
     def init(self) -> None:
         """Make the store: the root (never its parents; ``create=True`` where it does
         not exist yet) and its ``.fsstore`` marker, unless they are there."""
-        with self._open_root(create=True) as rfd:
+        with translating("init", self.root), self._open_root(create=True, operation="init") as rfd:
             assert rfd is not None
             self.init_marker(rfd)
 

@@ -288,6 +288,8 @@ def require_store(root: str, *, create: bool = False) -> None:
             raise NoStore(f"{root}: not an fsstore store, and not empty: not made into one "
                           "(`fsstore init ROOT` marks a directory as a store on purpose)")
         return
+    if os.path.islink(root) and not os.path.exists(root):
+        raise NoStore(f"{root}: no store here (a symlink to {os.readlink(root)}, which does not exist)")
     if os.path.lexists(root):
         raise NoStore(f"{root}: no store here (not a directory)")
     if not create:

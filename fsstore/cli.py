@@ -459,6 +459,8 @@ def _actions(
 
 
 def cmd_init(args: argparse.Namespace, out: TextIO, err: TextIO, progress: Progress) -> int:
+    if os.path.lexists(args.root) and not os.path.isdir(args.root):
+        require_store(args.root)  # a file, a dangling symlink: says why (exit 2)
     existed = is_store(args.root) if os.path.isdir(args.root) else False
     _migrate.init(args.root)
     if args.json:

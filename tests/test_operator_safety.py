@@ -515,6 +515,36 @@ def test_fsstore_init_creates_a_store_that_opens_without_create(tmp_path: Path) 
     assert r.returncode != 0 and "not an fsstore store" in r.stdout + r.stderr
 
 
+def test_a_root_that_cannot_be_a_store_is_said_plainly_by_init_and_the_library(tmp_path: Path) -> None:
+    """A root that is a file, a FIFO or a symlink to nothing (a share not mounted where
+    the link points) is named for what it is: `fsstore init` exits 2 with
+    ``NOT_A_STORE`` (was: a raw ``[Errno 20]``, exit 1), and an append with
+    ``create=True`` says the symlink's target is missing (was: ``ENOENT`` "transcript
+    directory kept disappearing (concurrent deletes)"). A missing parent is said with
+    the operation that met it (was: "during append" for `init`)."""
+    key = {"project_key": "p", "session_id": "s"}
+    (tmp_path / "file").write_text("x")
+    os.mkfifo(tmp_path / "fifo")
+    (tmp_path / "link").symlink_to(tmp_path / "unmounted" / "share")
+    for name, why in (("file", "not a directory"), ("fifo", "not a directory"),
+                      ("link", f"a symlink to {tmp_path}/unmounted/share, which does not exist")):
+        r = fsstore("init", tmp_path / name, "--json")
+        assert r.returncode == 2, r.stdout + r.stderr
+        error = json.loads(r.stdout)["error"]
+        assert error["code"] == "NOT_A_STORE" and why in error["message"], error
+    with pytest.raises(FsStoreError) as info:
+        FsSessionStore(tmp_path / "link", create=True).sync.append(key, [{"uuid": "u"}])
+    assert info.value.code == "ENOENT" and "a symlink to" in str(info.value), info.value
+    with pytest.raises(FsStoreError) as info:
+        FsSessionStore(tmp_path / "link").sync.append(key, [{"uuid": "u"}])
+    assert info.value.code == "NOT_A_STORE" and "a symlink to" in str(info.value), info.value
+    r = fsstore("init", tmp_path / "no" / "store", "--json")
+    error = json.loads(r.stdout)["error"]
+    assert (r.returncode, error["code"], error["operation"]) == (1, "ENOENT", "init"), error
+    assert not (tmp_path / "no").exists() and not (tmp_path / "unmounted").exists()
+    assert (tmp_path / "file").read_text() == "x"
+
+
 def test_a_store_made_before_the_marker_is_recognized_and_migrate_marks_it(tmp_path: Path) -> None:
     from fsstore import FsSessionStore
 
