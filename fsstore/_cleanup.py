@@ -209,12 +209,13 @@ def _break(lk: LockInfo, older_than: float, stale_lock_seconds: float, dry_run: 
         return Action("keep", lk.path, "lock was taken again meanwhile; left alone", False, lk.age)
     # The very marker judged stale is still there: the reclaim could not move it.
     locks_dir = os.path.dirname(lk.path)
-    why = ("it is not a regular file: remove it by hand" if not stat.S_ISREG(st.st_mode)
-           else f"no permission to rename it in {locks_dir}"
-           if not os.access(locks_dir, os.W_OK | os.X_OK)
-           else "it could not be moved aside")
+    why, code = (("it is not a regular file: remove it by hand", "UNSAFE_PATH")
+                 if not stat.S_ISREG(st.st_mode)
+                 else (f"no permission to rename it in {locks_dir}", "EACCES")
+                 if not os.access(locks_dir, os.W_OK | os.X_OK)
+                 else ("it could not be moved aside", None))
     return Action("break-lock", lk.path, f"{detail}: not broken: {why}", False, lk.age,
-                  failed=True)
+                  failed=True, code=code)
 
 
 def gc(
@@ -281,7 +282,8 @@ def _merge_orphan(
               "done": "merged or removed by another process meanwhile",
               "busy": "left for the next gc: its session's lock was busy",
               "failed": f"not merged into {into} (see the log)"}[how]
-    return Action("merge", g.path, detail, how == "merged", age=g.age, failed=how == "failed")
+    return Action("merge", g.path, detail, how == "merged", age=g.age, failed=how == "failed",
+                  code="DELETE_RACED" if how == "failed" else None)  # the log line's code
 
 
 def _projects(w: Walker) -> list[str]:
@@ -542,7 +544,7 @@ def _compact_one(w: Walker, tref: TranscriptRef, dry_run: bool) -> Action | None
         if damage is None:
             return Action("compact", info.path, detail, False)
         return Action("skip", info.path, f"{detail}: compact would refuse: {damage.message}",
-                      False, failed=True)
+                      False, failed=True, code="CORRUPT")  # as compact's refusal says it
     try:
         merged = w.store.compact(tref.key())
     except FsStoreError as err:

@@ -460,6 +460,9 @@ def test_compact_does_not_paper_over_a_gap(root: Path, store: SyncStore) -> None
     (tdir(root, KEY) / _layout.part_name(2)).unlink()
     proc = fsstore("compact", root)
     assert proc.returncode == 1 and "sequence gap" in proc.stdout
+    for dry in ((), ("--dry-run",)):  # a dry run says the refusal as the run does, code and all
+        doc = fsstore_json("compact", root, *dry, rc=1)
+        assert [(a["action"], a["code"]) for a in doc["actions"] if a["failed"]] == [("skip", "CORRUPT")], doc
     assert sorted(p.name for p in tdir(root, KEY).glob("*.jsonl")) == [
         _layout.part_name(1), _layout.part_name(3)]
 
@@ -1251,6 +1254,12 @@ def test_a_session_a_delete_could_neither_move_back_nor_merge_is_kept_and_an_err
     assert fsstore("gc", root, "--older-than", "1h").returncode == 0 and orphans[0].exists()
     dry = fsstore("gc", root, "--older-than", "1s", "--dry-run")
     assert dry.returncode == 0 and "would merge" in dry.stdout and orphans[0].exists(), dry.stdout
+    monkeypatch.setattr(SyncStore, "_append", lambda self, key, entries, **kw: failing_append(key, entries))
+    failed = [a for a in _cleanup.gc(str(root), older_than=1) if a.failed]  # gc's merge fails too
+    assert [(a.action, a.code) for a in failed] == [("merge", "DELETE_RACED")], failed  # the log's code
+    assert orphans[0].exists()
+    monkeypatch.undo()
+    time.sleep(1.1)  # right after the failed try, gc found nothing older than 1 s
     gc = fsstore("gc", root, "--older-than", "1s")
     assert gc.returncode == 0 and "merged" in gc.stdout, gc.stdout + gc.stderr
     assert SyncStore(root).load(KEY) == [entry(2), entry(1)] and _orphans(root) == []

@@ -185,8 +185,10 @@ def test_gc_fails_on_a_lock_it_cannot_break(shared: Path) -> None:
     age(lock, 7200)
     rc, out = as_nobody("gc", root)  # .locks is root's: the operator cannot rename in it
     assert rc == 1, out
-    assert "FAILED" in out and lock.name in out
+    assert "FAILED" in out and lock.name in out and "EACCES: " in out
     assert "taken again" not in out
+    rc, out = as_nobody("gc", root, "--json")
+    assert rc == 1 and [a["code"] for a in json.loads(out)["actions"] if a["failed"]] == ["EACCES"], out
     assert lock.exists()
 
 
