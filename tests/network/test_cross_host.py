@@ -31,7 +31,7 @@ import pytest
 
 from fsstore import FsSessionStore, FsStoreError
 from tests._helpers import lock_file, moved_by_a_dead_deleter, orphan_of, tdir
-from tests.reliability._check import assert_transcript, batch, ids
+from tests.reliability._check import assert_transcript, batch, ids, verify
 
 from ._netmounts import HOSTS, Pair, Role, ThirdMount, child, child_env, run_roles, third_mount
 
@@ -149,7 +149,8 @@ def test_writers_on_two_hosts_lose_nothing(request: pytest.FixtureRequest, kind:
     """4 writers on each host append to one transcript; a reader loads on each host.
 
     Every acknowledged batch is there exactly once and whole through both mounts,
-    immediately and after the mounts' cache window; every failed one is absent;
+    immediately (a prefix of that where the mount caches listings: sshfs's defaults)
+    and after the mounts' cache window; every failed one is absent;
     every reader snapshot is a prefix of the final order. Then: no append failed.
     (In format 1, GlusterFS's ESTALE on the state.json the other host replaced showed
     here, a few in a thousand appends, and was allowed; format 2 replaces no file on
@@ -171,6 +172,7 @@ def test_writers_on_two_hosts_lose_nothing(request: pytest.FixtureRequest, kind:
     figures.add(f"{kind}: appends", len(acked) + sum(failed.values()))
     figures.add(f"{kind}: failed appends", sum(failed.values()))
     finals = []
+    prefixes = []  # what a mount that caches listings showed at once
     load_errors: collections.Counter[str] = collections.Counter()
     for when in ("now", "after the cache window"):
         if when != "now":
@@ -183,9 +185,17 @@ def test_writers_on_two_hosts_lose_nothing(request: pytest.FixtureRequest, kind:
                     raise
                 load_errors[exc.code] += 1
                 continue
+            if when == "now" and pair.kind == "sshfs":
+                # With sshfs's 20 s caches, a mount may list as it did before the other
+                # host's last commits (docs/operations.md: a prefix). Seen once, on a
+                # loaded machine: the other host's last batch missing at once.
+                assert verify(loaded).ok()
+                prefixes.append(ids(loaded or []))
+                continue
             assert_transcript(loaded, acked, nentries)  # failed batches absent, acked ones once
             finals.append(ids(loaded or []))
     assert all(f == finals[0] for f in finals), "the mounts disagree on the order"
+    assert all(finals[0][: len(p)] == p for p in prefixes), "a cached view is not a prefix"
     for o in routs:
         assert o["problems"] == [], o["problems"][:5]
         assert o["loads"] >= 5, f"a reader hardly ran: {o}"
