@@ -95,6 +95,14 @@ def parse_duration(value: str) -> float:
     return total
 
 
+def parse_lease(value: str) -> float:
+    """:func:`parse_duration`, more than zero (``--stale-lock-seconds``: a store's lease)."""
+    seconds = parse_duration(value)
+    if seconds <= 0:
+        raise argparse.ArgumentTypeError(f"invalid age {_text(value)!r}: must be more than 0s")
+    return seconds
+
+
 # -- the parser --------------------------------------------------------------------
 
 
@@ -160,7 +168,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, _Options]:
     opts.add("check", p, "--older-than", metavar="AGE", type=parse_duration, default=3600.0,
              help="temp files and .trash entries older than this are orphaned, and --repair "
              "commits again only misplaced batches older than this (default 1h)")
-    opts.add("check", p, "--stale-lock-seconds", metavar="AGE", type=parse_duration, default=30.0,
+    opts.add("check", p, "--stale-lock-seconds", metavar="AGE", type=parse_lease, default=30.0,
              help="the stores' stale_lock_seconds: locks older than this are stale (default 30s)")
     opts.add("check", p, "--repair", action="store_true",
              help="then commit misplaced batches again, write over parts a power loss left empty "
@@ -173,7 +181,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, _Options]:
     opts.add("migrate", p, "--older-than", metavar="AGE", type=parse_duration, default=3600.0,
              help="commit again only misplaced batches older than this: a younger one may be "
              "a live writer's, about to commit it again itself (default 1h)")
-    opts.add("migrate", p, "--stale-lock-seconds", metavar="AGE", type=parse_duration, default=30.0,
+    opts.add("migrate", p, "--stale-lock-seconds", metavar="AGE", type=parse_lease, default=30.0,
              help="the stores' stale_lock_seconds (default 30s)")
 
     p = command("gc", "Remove orphaned temp files and .trash leftovers; break stale locks.")
@@ -185,7 +193,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, _Options]:
     opts.add("compact", p, "--project", metavar="P", type=_key_part, help="only this project key")
     opts.add("compact", p, "--session", metavar="S", type=_key_part, help="only this session id")
     opts.add("compact", p, "--dry-run", action="store_true", help="show what would be compacted")
-    opts.add("compact", p, "--stale-lock-seconds", metavar="AGE", type=parse_duration, default=30.0,
+    opts.add("compact", p, "--stale-lock-seconds", metavar="AGE", type=parse_lease, default=30.0,
              help="the stores' stale_lock_seconds (default 30s)")
 
     p = command("prune", "Delete sessions not modified for a while (retention).")
@@ -193,11 +201,11 @@ def build_parser() -> tuple[argparse.ArgumentParser, _Options]:
              help="delete sessions whose newest transcript file is older than this (e.g. 30d)")
     opts.add("prune", p, "--project", metavar="P", type=_key_part, help="only this project key")
     opts.add("prune", p, "--dry-run", action="store_true", help="show what would be deleted")
-    opts.add("prune", p, "--stale-lock-seconds", metavar="AGE", type=parse_duration, default=30.0,
+    opts.add("prune", p, "--stale-lock-seconds", metavar="AGE", type=parse_lease, default=30.0,
              help="the stores' stale_lock_seconds (default 30s)")
 
     p = command("locks", "Show who holds which transcript lock, since when.")
-    opts.add("locks", p, "--stale-lock-seconds", metavar="AGE", type=parse_duration, default=30.0,
+    opts.add("locks", p, "--stale-lock-seconds", metavar="AGE", type=parse_lease, default=30.0,
              help="the stores' stale_lock_seconds: locks older than this are stale (default 30s)")
 
     p = command("import", "Import local ~/.claude/projects transcripts into the store.")

@@ -109,6 +109,18 @@ def test_a_bare_number_is_not_a_duration_in_prune_and_gc(root: Path, store: Sync
     assert store.load(KEY) == [entry(1)]
 
 
+def test_a_lease_of_no_time_is_a_usage_error_not_a_traceback(root: Path, store: SyncStore) -> None:
+    """``--stale-lock-seconds 0s`` parsed as a duration, and the store refused it with
+    a ValueError: a traceback, exit 1 (review, stop 36: 3 of 3 commands)."""
+    store.append(KEY, [entry(1)])
+    for command in ("check", "locks", "migrate", "compact", "prune"):
+        extra = ("--older-than", "1d") if command == "prune" else ()
+        proc = fsstore(command, root, *extra, "--stale-lock-seconds", "0s")
+        assert proc.returncode == 2, (command, proc.stdout + proc.stderr)
+        assert "must be more than 0s" in proc.stderr and "Traceback" not in proc.stderr
+    assert store.load(KEY) == [entry(1)]
+
+
 # -- 3: check only looks; "is it a store" ------------------------------------------------
 
 
