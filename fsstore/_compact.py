@@ -139,8 +139,25 @@ def compact(
                           summary=summary)
         except Vanished:
             continue  # a file merged by an overlapping compaction: look again
+        except OSError as exc:
+            # A session's delete takes its main transcript's lock only: it can mark,
+            # move and empty a subagent transcript under its compaction (review, stop
+            # 36: ENOENT on the segment's temp file, COMPACT_FAILED on routine deletes).
+            if exc.errno not in (errno.ENOENT, errno.ESTALE) or not _deleted(dir_fd):
+                raise
+            return 0
     raise FsStoreError("EAGAIN", f"files kept vanishing under {READ_ATTEMPTS} compactions "
                        "(overlapping compactions, or a client that lists from a stale cache)", operation=operation, path=path, errno=errno.EAGAIN)
+
+
+def _deleted(dir_fd: int) -> bool:
+    """Whether the transcript is marked deleted, or gone (its tomb removed)."""
+    try:
+        return scan(dir_fd)[1]
+    except OSError as exc:
+        if exc.errno not in (errno.ENOENT, errno.ESTALE):
+            raise
+        return True
 
 
 def _merge(

@@ -1064,6 +1064,34 @@ def test_a_transcript_deleted_while_loaded_is_gone_not_damaged(
     assert not [r for r in caplog.records if getattr(r, "code", None) in ("GAP", "CORRUPT")]
 
 
+def test_a_subagent_compaction_its_sessions_delete_overtakes_is_nothing_to_do_not_a_failure(
+    root: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A session's delete takes its main transcript's lock only: it marks, moves and
+    empties a subagent transcript whose compaction (under that transcript's lock) has
+    written its segment's temp file. The compaction then merged nothing, and says so
+    (0); it raised ENOENT, `fsstore compact` exited 1 and writers logged
+    COMPACT_FAILED on routine deletes (review, stop 36: 44 in 320,802 calls)."""
+    sub = {**KEY, "subpath": "subagents/agent-1"}
+    store = SyncStore(root, create=True, compact_every=0)
+    for i in range(4):
+        store.append(sub, [entry(i)])
+    store.append(KEY, [entry(9)])
+    real = store._fs.write_new
+
+    def write_new(dir_fd: int, name: str, data: bytes, **kw: Any) -> None:
+        real(dir_fd, name, data, **kw)
+        if name.endswith("-segment"):  # between the segment's temp file and its move
+            SyncStore(root).delete(KEY)
+
+    monkeypatch.setattr(store._fs, "write_new", write_new)
+    assert store.compact(sub) == 0
+    monkeypatch.undo()
+    assert store.load(sub) is None and store.load(KEY) is None
+    assert store.list_sessions(KEY["project_key"]) == []
+    assert not [r for r in caplog.records if r.levelname == "ERROR"]
+
+
 def test_a_compaction_that_cannot_even_be_queued_never_fails_the_committed_append(
     root: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
