@@ -112,7 +112,7 @@ def remove(
                         except OSError as exc:
                             if exc.errno != errno.ESTALE or attempt or parent is None:
                                 raise
-                            _forget_old_name(parent, name)
+                            forget_old_name(parent, name)
                 finally:
                     if claiming:
                         with contextlib.suppress(OSError, FsStoreError):  # else gc's, once old
@@ -146,7 +146,7 @@ def _move_and_claim(
     return orphan
 
 
-def _forget_old_name(parent: int, name: str) -> None:
+def forget_old_name(parent: int, name: str) -> None:
     """After ESTALE on what this delete moved into ``.trash``: a GlusterFS brick that
     handled another client's listing of ``parent`` after the move links the directory
     under its old ``name`` again, and answers ESTALE for it until that name is looked
@@ -331,7 +331,8 @@ def _empty(trash: int, aside: str, path: str) -> None:
     """Step 5: everything but the marks of the deleted ``.trash/aside`` goes."""
     try:
         if _fsio.empty_tree(trash, aside, _layout.DELETED):
-            os.rename(aside, _fsio.temp_name(_layout.TOMB_TAG), src_dir_fd=trash, dst_dir_fd=trash)
+            # Named as it was, for what it was (old_home): ``-tomb`` for ``-deleted``.
+            os.rename(aside, aside[: -len(ASIDE_TAG)] + _layout.TOMB_TAG, src_dir_fd=trash, dst_dir_fd=trash)
         else:
             _fsio.remove_tree(trash, aside)
     except OSError as exc:
@@ -601,6 +602,21 @@ def moved_from(name: str, projects: list[str], sessions: list[tuple[str, ...]]) 
              if len(tags) == 1 else [(*s, _layout.SUBKEYS, m.group(3)) for s in sessions])
     comps: list[list[Component]] = [[(c, None) for c in h] for h in homes]
     return next((c for c in comps if _tags(c) == tags), None)
+
+
+def old_names(name: str, projects: list[str], sessions: list[tuple[str, ...]]) -> list[tuple[tuple[str, ...], str]]:
+    """The names (parent, name) the directory ``.trash/<name>`` had before, as far as
+    its name says: where a delete moved it from (looked for as :func:`moved_from`
+    does) and, for a tomb (named so since stop 36), its name in ``.trash`` before."""
+    out: list[tuple[tuple[str, ...], str]] = []
+    if name.endswith(_layout.TOMB_TAG):
+        name = name[: -len(_layout.TOMB_TAG)] + ASIDE_TAG
+        out.append(((_layout.TRASH,), name))
+    home = moved_from(name, projects, sessions)
+    if home is not None:
+        moved = home[:4] if home[-1][0] == _layout.MAIN else home
+        out.append((tuple(c for c, _ in moved[:-1]), moved[-1][0]))
+    return out
 
 
 def _tags(comps: list[Component]) -> list[str]:

@@ -19,9 +19,11 @@ Roles:
   ``subkeys``: ``list_subkeys`` of that key) in a loop; counts codes, and listings
   that lack an id of ``expect``.
 * ``churner``: make ``key``'s session (one batch to its main transcript and to each
-  of ``subpaths``) and delete it, again and again, for ``seconds``.
+  of ``subpaths``) and delete it, again and again, for ``seconds`` (``fresh``: a
+  session named anew each round).
 * ``deleter``: delete ``keys`` one by one, ``pause`` seconds apart.
 * ``compactor``: append and ``compact`` ``key`` in turn.
+* ``gc``: ``fsstore gc`` with ``older_than`` in a loop; counts failed actions by code.
 * ``stall``: append one batch (or delete ``key``: ``op``), stopping at a named point of the commit (the
   parent SIGSTOPs it there).
 """
@@ -176,6 +178,8 @@ def churner(spec: dict[str, Any]) -> dict[str, Any]:
     deadline = time.monotonic() + spec.get("seconds", 600)
     while not _stopped(spec) and time.monotonic() < deadline:
         try:
+            if spec.get("fresh"):  # a session of its own each round
+                key = {**spec["key"], "session_id": f"{spec['key']['session_id']}-{rounds}"}
             for sub in [None, *spec.get("subpaths", [])]:
                 store.append(key if sub is None else {**key, "subpath": sub}, batch("c", rounds, 1))
             store.delete(key)
@@ -203,6 +207,23 @@ def compactor(spec: dict[str, Any]) -> dict[str, Any]:
         except FsStoreError as exc:
             codes[exc.code] += 1
     return {"acked": acked, "compactions": compactions, "codes": dict(codes)}
+
+
+def gc(spec: dict[str, Any]) -> dict[str, Any]:
+    """``fsstore gc --older-than older_than`` (in process), again and again; counts the
+    actions that failed, by code."""
+    from fsstore import _cleanup
+
+    failed: collections.Counter[str] = collections.Counter()
+    runs = removed = 0
+    _wait_start(spec)
+    while not _stopped(spec):
+        actions = _cleanup.gc(spec["root"], older_than=spec["older_than"])
+        runs += 1
+        removed += sum(a.done for a in actions)
+        failed.update(str(a.code) for a in actions if a.failed)
+        time.sleep(0.2)
+    return {"runs": runs, "removed": removed, "failed": dict(failed)}
 
 
 class _Say:
@@ -237,7 +258,7 @@ def stall(spec: dict[str, Any]) -> dict[str, Any]:
 
 
 ROLES = {"stall": stall, "writer": writer, "reader": reader, "lister": lister, "deleter": deleter,
-         "churner": churner, "compactor": compactor}
+         "churner": churner, "compactor": compactor, "gc": gc}
 
 
 def main(argv: list[str]) -> None:
