@@ -23,7 +23,8 @@ Roles:
   session named anew each round).
 * ``deleter``: delete ``keys`` one by one, ``pause`` seconds apart.
 * ``compactor``: append and ``compact`` ``key`` in turn.
-* ``gc``: ``fsstore gc`` with ``older_than`` in a loop; counts failed actions by code.
+* ``maintainer``: ``fsstore gc`` (or ``prune``: ``command``) with ``older_than`` in a
+  loop; counts failed actions by code.
 * ``stall``: append one batch (or delete ``key``: ``op``), stopping at a named point of the commit (the
   parent SIGSTOPs it there).
 """
@@ -209,16 +210,19 @@ def compactor(spec: dict[str, Any]) -> dict[str, Any]:
     return {"acked": acked, "compactions": compactions, "codes": dict(codes)}
 
 
-def gc(spec: dict[str, Any]) -> dict[str, Any]:
-    """``fsstore gc --older-than older_than`` (in process), again and again; counts the
-    actions that failed, by code."""
+def maintainer(spec: dict[str, Any]) -> dict[str, Any]:
+    """``fsstore gc`` (or ``prune``: ``command``) ``--older-than older_than``, in process,
+    again and again; counts the actions that failed, by code."""
     from fsstore import _cleanup
 
     failed: collections.Counter[str] = collections.Counter()
     runs = removed = 0
     _wait_start(spec)
     while not _stopped(spec):
-        actions = _cleanup.gc(spec["root"], older_than=spec["older_than"])
+        if spec.get("command") == "prune":
+            actions, _looked = _cleanup.prune(spec["root"], older_than=spec["older_than"])
+        else:
+            actions = _cleanup.gc(spec["root"], older_than=spec["older_than"])
         runs += 1
         removed += sum(a.done for a in actions)
         failed.update(str(a.code) for a in actions if a.failed)
@@ -258,7 +262,7 @@ def stall(spec: dict[str, Any]) -> dict[str, Any]:
 
 
 ROLES = {"stall": stall, "writer": writer, "reader": reader, "lister": lister, "deleter": deleter,
-         "churner": churner, "compactor": compactor, "gc": gc}
+         "churner": churner, "compactor": compactor, "maintainer": maintainer}
 
 
 def main(argv: list[str]) -> None:
