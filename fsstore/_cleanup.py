@@ -458,6 +458,10 @@ def _prune_one(w: Walker, ref: SessionRef, older_than: float, dry_run: bool) -> 
                     "keep", path, "written to after the last look; kept (the next prune looks "
                     "again)", False)
     except FsStoreError as err:
+        if os.path.lexists(os.path.join(path, _layout.MAIN, _layout.DELETED)):
+            # Committed, then failed (review, stop 36: EACCES on .trash read as "kept")
+            detail += (": deleted (committed: load() returns None), but not moved into .trash; "
+                       "the next load or append of it under the lock finishes the delete")
         return Action("delete", path, f"{detail}: {err}", False, age, failed=True, code=err.code)
     return Action("delete", path, detail, True, age)
 

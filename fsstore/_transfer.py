@@ -89,6 +89,20 @@ def file_path_to_session_key(file_path: str, projects_dir: str) -> dict[str, str
     return None
 
 
+def _passed_over(entry: os.DirEntry[str], skipped: list[Problem]) -> bool:
+    """Whether import leaves ``entry`` alone, said in ``skipped``: a symlink, or a
+    ``*.jsonl`` that is neither a file nor a directory (a FIFO, a socket, a device)."""
+    if entry.is_symlink():
+        skipped.append(Problem("info", "symlink", entry.path, "symlink skipped"))
+        return True
+    if entry.name.endswith(".jsonl") and not (
+        entry.is_file(follow_symlinks=False) or entry.is_dir(follow_symlinks=False)
+    ):
+        skipped.append(Problem("info", "not-a-file", entry.path, "not a regular file: skipped"))
+        return True
+    return False
+
+
 def _local_jsonl(directory: str, out: list[str], skipped: list[Problem], depth: int = 0) -> None:
     try:
         entries = sorted(os.scandir(directory), key=lambda e: e.name)
@@ -98,9 +112,9 @@ def _local_jsonl(directory: str, out: list[str], skipped: list[Problem], depth: 
                                    f"cannot list: {exc.strerror}", code=error_code(exc)))
         return
     for entry in entries:
-        if entry.is_symlink():
-            skipped.append(Problem("info", "symlink", entry.path, "symlink skipped"))
-        elif entry.is_dir(follow_symlinks=False):
+        if _passed_over(entry, skipped):
+            continue
+        if entry.is_dir(follow_symlinks=False):
             if depth >= 32:
                 skipped.append(Problem("error", "too-deep", entry.path,
                                        "more than 32 directories below the session: not read"))
@@ -139,8 +153,7 @@ def local_transcripts(
         mains: list[str] = []
         subs: list[str] = []
         for entry in entries:
-            if entry.is_symlink():
-                skipped.append(Problem("info", "symlink", entry.path, "symlink skipped"))
+            if _passed_over(entry, skipped):
                 continue
             if entry.is_file(follow_symlinks=False) and entry.name.endswith(".jsonl"):
                 mains.append(entry.path)
@@ -504,9 +517,12 @@ def export_session(
     if main is not None:
         out.append(_export_file(os.path.join(base, f"{sid}.jsonl"), key, main,
                                 force=force, dry_run=dry_run))
-    for subpath in sorted(subpaths):
+    loaded = [(subpath, store.load({**key, "subpath": subpath})) for subpath in sorted(subpaths)]
+    if main is None and all(entries is None for _subpath, entries in loaded):
+        # Listed, but deleted (its delete committed, not finished: review, stop 36)
+        raise NotFound(f"no session {session!r} in project {project!r}")
+    for subpath, entries in loaded:
         skey = {**key, "subpath": subpath}
-        entries = store.load(skey)
         if not entries:
             continue
         parts = subpath.split("/")

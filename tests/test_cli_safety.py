@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from fsstore import _check, _cleanup, _transfer
+from fsstore import _check, _cleanup, _layout, _transfer
 from fsstore._store import SyncStore
 
 from ._helpers import (
@@ -68,6 +68,35 @@ def test_prune_skips_a_session_whose_transcript_it_cannot_read(shared: Path) -> 
     assert session.exists()
     tdir(root, KEY).chmod(0o700)
     assert store.load(KEY) == [entry(1)]
+
+
+def test_a_prune_committed_but_not_finished_says_so_and_every_command_agrees_the_session_is_gone(
+    shared: Path,
+) -> None:
+    """``.trash`` the operator may not write: prune commits its delete (the mark) and
+    cannot move the session. Review (stop 36): prune said only ``FAILED ... EACCES``
+    (read as "kept"), and `export` exited 0 with "nothing found" where `cat` and
+    load() said it was gone. (`ls`, as list_sessions, lists it until a load or append
+    under the lock finishes the delete: docs/operations.md.)"""
+    root = shared / "store"
+    store = SyncStore(root, create=True, summaries=False)
+    store.append(KEY, [entry(1)])
+    store.append(SUB, [entry(2)])
+    store.append({**KEY, "session_id": "other"}, [entry(3)])
+    store.delete({**KEY, "session_id": "other"})  # .trash exists
+    chown_tree(shared, NOBODY)
+    os.chown(root / _layout.TRASH, 0, 0)
+    (root / _layout.TRASH).chmod(0o700)
+    rc, out = as_nobody("prune", root, "--older-than", "0s", "--json")
+    [action] = json.loads(out)["actions"]
+    assert rc == 1 and action["failed"] and action["code"] == "EACCES", out
+    assert "deleted (committed: load() returns None)" in action["detail"], out
+    for command in (("cat", root, KEY["project_key"], KEY["session_id"]),
+                    ("export", root, KEY["project_key"], KEY["session_id"], shared / "out")):
+        rc, out = as_nobody(*command)
+        assert rc == 1 and "NOT_FOUND" in out, (command, out)
+    assert store.load(KEY) is None and not (shared / "out").exists()
+    assert store.list_sessions(KEY["project_key"]) == []  # root's load finished the delete
 
 
 def test_prune_skips_a_session_with_a_symlink_and_one_with_nothing_committed(
@@ -193,6 +222,29 @@ def test_gc_fails_on_a_lock_it_cannot_break(shared: Path) -> None:
 
 
 # -- import and export -----------------------------------------------------------------
+
+
+def test_import_says_which_jsonl_files_it_skips_because_they_are_no_files(
+    root: Path, tmp_path: Path
+) -> None:
+    """A FIFO or a socket named ``*.jsonl`` (main or subagent) was skipped without a
+    word (review, stop 36), where a symlink gets an info line."""
+    import socket
+
+    SyncStore(root, create=True).init()
+    projects = tmp_path / "projects"
+    write_jsonl(projects / P / f"{S}.jsonl", [entry(1)])
+    (projects / P / "other" / "subagents").mkdir(parents=True)
+    os.mkfifo(projects / P / "fifo.jsonl")
+    os.mkfifo(projects / P / "other" / "subagents" / "agent-1.jsonl")
+    with socket.socket(socket.AF_UNIX) as sock:
+        sock.bind(str(projects / P / "sock.jsonl"))
+        proc = fsstore("import", root, projects, "--json", timeout=20)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    doc = json.loads(proc.stdout)
+    skipped = sorted(Path(p["path"]).name for p in doc["problems"] if p["kind"] == "not-a-file")
+    assert skipped == ["agent-1.jsonl", "fifo.jsonl", "sock.jsonl"], doc["problems"]
+    assert [f["status"] for f in doc["files"]] == ["new"]
 
 
 def test_import_and_export_do_not_hang_on_a_fifo_sidecar(
