@@ -331,7 +331,7 @@ def _empty(trash: int, aside: str, path: str) -> None:
     """Step 5: everything but the marks of the deleted ``.trash/aside`` goes."""
     try:
         if _fsio.empty_tree(trash, aside, _layout.DELETED):
-            # Named as it was, for what it was (old_home): ``-tomb`` for ``-deleted``.
+            # Named as it was, so that it says what it was (old_names): ``-tomb`` for ``-deleted``.
             os.rename(aside, aside[: -len(ASIDE_TAG)] + _layout.TOMB_TAG, src_dir_fd=trash, dst_dir_fd=trash)
         else:
             _fsio.remove_tree(trash, aside)
