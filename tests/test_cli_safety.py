@@ -225,7 +225,7 @@ def test_gc_fails_on_a_lock_it_cannot_break(shared: Path) -> None:
 
 
 def test_import_says_which_jsonl_files_it_skips_because_they_are_no_files(
-    root: Path, tmp_path: Path
+    root: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A FIFO or a socket named ``*.jsonl`` (main or subagent) was skipped without a
     word (review, stop 36), where a symlink gets an info line."""
@@ -237,8 +237,9 @@ def test_import_says_which_jsonl_files_it_skips_because_they_are_no_files(
     (projects / P / "other" / "subagents").mkdir(parents=True)
     os.mkfifo(projects / P / "fifo.jsonl")
     os.mkfifo(projects / P / "other" / "subagents" / "agent-1.jsonl")
+    monkeypatch.chdir(projects / P)  # a socket's path is short (108 bytes): bound by a relative one
     with socket.socket(socket.AF_UNIX) as sock:
-        sock.bind(str(projects / P / "sock.jsonl"))
+        sock.bind("sock.jsonl")
         proc = fsstore("import", root, projects, "--json", timeout=20)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     doc = json.loads(proc.stdout)
