@@ -151,9 +151,10 @@ def compact(
 
 
 def _deleted(dir_fd: int) -> bool:
-    """Whether the transcript is marked deleted, or gone (its tomb removed)."""
+    """Whether the transcript is marked deleted, or gone (its tomb removed: a local
+    disk lists a removed directory as empty, a network mount says ENOENT/ESTALE)."""
     try:
-        return scan(dir_fd)[1]
+        return os.fstat(dir_fd).st_nlink == 0 or scan(dir_fd)[1]
     except OSError as exc:
         if exc.errno not in (errno.ENOENT, errno.ESTALE):
             raise
