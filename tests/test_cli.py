@@ -278,7 +278,7 @@ def test_a_young_delete_mark_is_a_delete_in_flight_and_an_old_one_a_warning(
     root: Path, store: SyncStore
 ) -> None:
     """A delete marks a session's transcripts, then moves the session: `check` running
-    beside it sees the mark (CI, stop 37: exit 1 next to writers deleting sessions).
+    beside it sees the mark (CI of stop 35: exit 1 next to writers deleting sessions).
     Like a temp file, a young mark is in-flight work (info); an old one is a delete
     whose process died (warning)."""
     store.append(KEY, [entry(1)])

@@ -70,7 +70,7 @@ def test_prune_skips_a_session_whose_transcript_it_cannot_read(shared: Path) -> 
     assert store.load(KEY) == [entry(1)]
 
 
-def test_a_prune_committed_but_not_finished_says_so_and_every_command_agrees_the_session_is_gone(
+def test_a_prune_committed_but_not_finished_says_so_and_cat_and_export_say_the_session_is_gone(
     shared: Path,
 ) -> None:
     """``.trash`` the operator may not write: prune commits its delete (the mark) and
