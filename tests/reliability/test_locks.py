@@ -1235,3 +1235,73 @@ def test_a_mtime_tick_stalled_past_its_lease_never_sets_the_session_mtime_below_
     [final] = store.list_sessions(KEY["project_key"])
     assert final["mtime"] > after_later["mtime"]
     assert [e.get("uuid", e.get("w")) for e in store.load(KEY)][-2:] == ["stalled", "later"]
+
+
+def test_a_marker_a_reclaim_put_back_after_its_holder_released_is_taken_in_a_second(tmp_path: Path) -> None:
+    """A reclaimer moves a live holder's marker aside and, finding it young, puts it
+    back; the holder released in between (its unlink found nothing) and retired its
+    record. The marker was back, its holder alive and gone from it: every waiter
+    waited for ``stale_lock_seconds`` (review, stop 36: GlusterFS, `LOCK_TIMEOUT` for
+    30 s in 4 of 5 runs). The record it names is gone, so a waiter takes it once it has
+    seen it unchanged for half a second, as a marker without a record. Staged with the
+    store's own release between the reclaimer's two renames."""
+    root = tmp_path / "store"
+    holder = SyncStore(root, create=True, stale_lock_seconds=30)
+    holder.append(KEY, batch("first", 0, 1))
+    aside = tmp_path / "aside"
+    with holder.locked(KEY):
+        marker = Path(lock_file(str(root)))
+        os.rename(marker, aside)  # the reclaimer's move; the release below finds nothing
+    os.link(aside, marker)  # ... and its put-back
+    os.unlink(aside)
+    waiter = SyncStore(root, stale_lock_seconds=30, lock_timeout_seconds=5)
+    waiter.append({**KEY, "session_id": "other"}, batch("other", 0, 1))  # it knows links work here
+    began = time.monotonic()
+    waiter.append(KEY, batch("next", 0, 1))  # LOCK_TIMEOUT before: the marker looked held
+    assert time.monotonic() - began < MARGIN
+    assert not marker.exists()
+    assert [e["w"] for e in waiter.load(KEY) or []] == ["first", "next"]
+
+
+
+def test_on_a_mount_without_hard_links_a_held_marker_whose_record_was_moved_is_not_taken(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Where the mount has no hard links, a holder's record is moved to the lock name:
+    its own name is gone while it holds. A waiter whose link onto the held marker was
+    refused EEXIST (the kernel's answer, before the mount is asked) has not learned
+    that, and must not take the marker for one whose record is gone (the rule above).
+    Staged: link() answers as on such a mount (EEXIST where the name exists, else
+    EPERM); no mount here has RENAME_NOREPLACE without hard links (vfat's tools are
+    not installed, faultfs has neither)."""
+    root = tmp_path / "store"
+    SyncStore(root, create=True).append(KEY, batch("first", 0, 1))
+
+    def link(src: Any, dst: Any, *args: Any, dst_dir_fd: int | None = None, **kwargs: Any) -> None:
+        if os.path.lexists(dst if dst_dir_fd is None else f"/proc/self/fd/{dst_dir_fd}/{os.fsdecode(dst)}"):
+            raise FileExistsError(17, "File exists", dst)
+        raise PermissionError(1, "Operation not permitted", dst)
+
+    monkeypatch.setattr(os, "link", link)
+    holder = SyncStore(root, stale_lock_seconds=30)
+    held, release = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        with holder.locked(KEY):
+            held.set()
+            release.wait(10)
+
+    thread = threading.Thread(target=hold)
+    thread.start()
+    try:
+        assert held.wait(10)
+        waiter = SyncStore(root, stale_lock_seconds=30, lock_timeout_seconds=1.5)
+        with pytest.raises(FsStoreError) as info:  # the hold stands
+            waiter.append(KEY, batch("waiter", 0, 1))
+        assert info.value.code == "LOCK_TIMEOUT", info.value
+    finally:
+        release.set()
+        thread.join(10)
+    waiter.append(KEY, batch("waiter", 1, 1))
+    monkeypatch.undo()
+    assert [e["w"] for e in SyncStore(root).load(KEY) or []] == ["first", "waiter"]
