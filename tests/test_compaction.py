@@ -993,8 +993,10 @@ def test_a_reader_outpaced_by_compaction_reads_under_the_lock(
         w.start()
     try:
         loads = 0
-        deadline = time.monotonic() + 6
-        while time.monotonic() < deadline:
+        began = time.monotonic()
+        # 6 s of loads, and at least 5 of them (a loaded machine, bindfs: the soak's
+        # whole-suite rerun saw 2 in 6 s), within 60 s
+        while (time.monotonic() < began + 6 or loads < 5) and time.monotonic() < began + 60:
             got = seed.load(KEY)
             assert got is not None and got[:2000] == [entry(i) for i in range(2000)]
             assert len({e["uuid"] for e in got}) == len(got)

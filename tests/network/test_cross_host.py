@@ -561,6 +561,7 @@ def test_appends_on_one_host_while_the_other_prunes_their_sessions_never_fail(
     r1, r2 = pair.fresh("prunes")
     root1, root2 = str(r1 / "store"), str(r2 / "store")
     keys = [{"project_key": "-p", "session_id": f"s{k}"} for k in range(3)]
+    FsSessionStore(root1, create=True).sync.init()  # for the pruner, whichever role starts first
     outs = run_roles([
         *[Role(2, "writer", {"root": root2, "key": key, "wid": f"w{k}", "batches": 10_000,
                              "seconds": 10, "pause": 0.01}) for k, key in enumerate(keys)],
