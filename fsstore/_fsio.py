@@ -167,7 +167,6 @@ class Fs:
         self.openat2_ok = _SYS_OPENAT2 is not None and _syscall is not None
         self.renameat2_ok = _renameat2 is not None
         self.link_ok = True  # turned off for good on a mount without hard links
-        self.linked = False  # a link made here: the mount has hard links
         # Whether a listing's inode numbers are the ones a lookup gives (None: not yet
         # probed): then a listing can tell which directory a name stands for on the
         # server where a lookup answers from a stale cache (see _views.listed_dir).
@@ -441,7 +440,6 @@ def link_noreplace(fs: Fs, dir_fd: int, src: str, dst: str) -> bool | None:
     if fs.link_ok:
         try:
             os.link(src, dst, src_dir_fd=dir_fd, dst_dir_fd=dir_fd, follow_symlinks=False)
-            fs.linked = True
             return True
         except FileExistsError:
             # On NFS a retransmitted LINK whose first reply was lost answers EEXIST

@@ -16,10 +16,8 @@ one judged stale, remove it) when the recorded holder is on this host and dead; 
 it is older than ``stale_lock_seconds`` whoever holds it (a holder on another host is
 judged by age only, never by a local pid check) and the waiter has seen it unchanged
 for half of that (a holder's lease), or for the whole of it whatever its mtime says;
-or when it has no record, or (where the mount has hard links) the record it names is
-gone (its holder released it while a reclaim had it aside, and the reclaim put it
-back), and the waiter saw it unchanged for half a second (a file left by an older
-fsstore, or made by hand). What the waiter saw is timed by its own
+or when it has no record and the waiter saw it unchanged for half a second (a file
+left by an older fsstore, or made by hand). What the waiter saw is timed by its own
 monotonic clock: a waiter whose clock runs ahead of the storage's (every marker looks
 old) or behind it (none ever does) waits as long as one whose clock is right.
 
@@ -54,7 +52,7 @@ import filelock
 from . import _fsio
 from ._errors import FsStoreError, log
 from ._interrupts import HeldOff
-from ._records import RECORD_PREFIX, Records, host_name
+from ._records import Records, host_name
 
 _IDLE_LOCKS = 256
 _WATCHED_MARKERS = 1024
@@ -114,7 +112,6 @@ RECORDLESS_SECONDS = 0.5
 def reclaim_if_stale(
     lock_path: str, *, older_than: float, operation: str,
     watched: dict[str, tuple[Identity, float]] | None = None, mine: Collection[bytes] = (),
-    links: bool = False,
 ) -> bool:
     """Remove the marker at ``lock_path`` if :func:`_stale` judges it so, or if it is one
     of the waiter's own records ``mine`` (a waiter holds no marker: one linked to its
@@ -136,7 +133,7 @@ def reclaim_if_stale(
         return False
     ours = marker.text in mine
     why = "this waiter's own record, left at the lock name" if ours else _stale(
-        marker, lock_path, older_than, watched, links)
+        marker, lock_path, older_than, watched)
     if why is None:
         return False
     before = marker.stat
@@ -181,7 +178,7 @@ def _put_back(aside: str, lock_path: str) -> None:
 
 
 def _stale(marker: Marker, lock_path: str, older_than: float,
-           watched: dict[str, tuple[Identity, float]] | None, links: bool = False) -> str | None:
+           watched: dict[str, tuple[Identity, float]] | None) -> str | None:
     """Why the marker at ``lock_path`` is stale, or None: its holder is provably dead on
     this host, or it is stale by ``watched``, the waiter's memory of the marker at each
     lock path (its identity: inode, size, mtime, content; since when seen so, on the
@@ -211,36 +208,11 @@ def _stale(marker: Marker, lock_path: str, older_than: float,
         if seen_for < RECORDLESS_SECONDS:
             return None
         return f"no holder recorded, unchanged for {RECORDLESS_SECONDS:g}s"
-    if watched is not None and links and _record_gone(marker, lock_path):
-        if seen_for < RECORDLESS_SECONDS:
-            return None
-        return f"its holder's record is gone (released), unchanged for {RECORDLESS_SECONDS:g}s"
     if (marker.age >= older_than and (watched is None or seen_for >= older_than / 2 + grain)) or (
             seen_for >= older_than + grain):
         return (f"holder pid {marker.pid} on {marker.host}, {marker.age:.0f}s old by its mtime, "
                 f"seen unchanged for {seen_for:.1f}s")
     return None
-
-
-def _record_gone(marker: Marker, lock_path: str) -> bool:
-    """Whether the record the marker names is gone: a holder retires its record when
-    its release finds the marker moved away, and a reclaimer that moved it and found
-    it young puts it back (:func:`_put_back`), belonging to nobody (review, stop 36:
-    30 s of LOCK_TIMEOUT on GlusterFS). Only where the mount has hard links
-    (``links``: this store has made one; a link onto an existing name says EEXIST
-    even where the mount has none): elsewhere a holder's record is moved to the lock
-    name and its own name is gone while it holds."""
-    lines = marker.text.split(b"\n")
-    name = lines[3].decode("utf-8", "replace") if len(lines) > 4 else ""
-    if not name.startswith(RECORD_PREFIX) or "/" in name:
-        return False  # an older fsstore's marker, or a hand-made one: judged by age
-    try:
-        os.lstat(os.path.join(os.path.dirname(lock_path), name))
-    except FileNotFoundError:
-        return True
-    except OSError:
-        return False
-    return False
 
 
 def _alive(pid: int) -> bool:
@@ -640,7 +612,7 @@ class Locks:
                 # .locks is not a real directory (swapped for a symlink): never followed
                 raise _fsio.unsafe(os.path.dirname(lock_path), operation) from exc
             reclaim_if_stale(lock_path, older_than=self.stale, operation=operation, watched=self._watched,
-                             mine=self._records.texts(), links=self._fs.linked)
+                             mine=self._records.texts())
             wait = poll
 
     def _timeout(self, path: str, operation: str, exc: filelock.Timeout | None) -> FsStoreError:
