@@ -91,6 +91,8 @@ def test_a_prune_committed_but_not_finished_says_so_and_cat_and_export_say_the_s
     [action] = json.loads(out)["actions"]
     assert rc == 1 and action["failed"] and action["code"] == "EACCES", out
     assert "deleted (committed: load() returns None)" in action["detail"], out
+    rc, out = as_nobody("ls", root, "--json")  # as list_sessions: listed till a load finishes it
+    assert rc == 0 and [s["session_id"] for s in json.loads(out)["sessions"]] == [KEY["session_id"]], out
     for command in (("cat", root, KEY["project_key"], KEY["session_id"]),
                     ("export", root, KEY["project_key"], KEY["session_id"], shared / "out")):
         rc, out = as_nobody(*command)
