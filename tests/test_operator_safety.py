@@ -550,6 +550,9 @@ def test_a_root_that_cannot_be_a_store_is_said_plainly_by_init_and_the_library(t
     with pytest.raises(FsStoreError) as info:
         FsSessionStore(tmp_path / "link").sync.append(key, [{"uuid": "u"}])
     assert info.value.code == "NOT_A_STORE" and "a symlink to" in str(info.value), info.value
+    (tmp_path / "loop").symlink_to(tmp_path / "loop")  # cannot be looked at: its code, exit 1
+    r = fsstore("check", tmp_path / "loop", "--json")
+    assert (r.returncode, json.loads(r.stdout)["error"]["code"]) == (1, "ELOOP"), r.stdout + r.stderr
     r = fsstore("init", tmp_path / "no" / "store", "--json")
     error = json.loads(r.stdout)["error"]
     assert (r.returncode, error["code"], error["operation"]) == (1, "ENOENT", "init"), error
