@@ -110,12 +110,26 @@ class Records:
                 self._free.append((name, text))
 
     def retire(self, name: str) -> None:
-        """Record ``name`` is not to be linked again: removed, and no longer ours."""
+        """Record ``name`` is not to be linked again: emptied, removed, and no longer ours.
+
+        Its hold found its marker taken away. A reclaimer that moved it aside and then
+        found it was not the marker it had judged stale puts it back, maybe after this
+        release looked: a marker naming a live process here, which waiters took for a
+        live holder's until it aged out (review helper-90: 30 s of LOCK_TIMEOUT on
+        GlusterFS). Emptied first, every link of the record (that marker too) names
+        nobody, and waiters reclaim it after :data:`fsstore._lock.RECORDLESS_SECONDS`."""
         with self._guard:
             if self._texts.pop(name, None) is None:
                 return  # a name it was moved to, not a record
+        path = f"{self._directory}/{name}"
         with contextlib.suppress(OSError):
-            os.unlink(f"{self._directory}/{name}")
+            fd = os.open(path, os.O_WRONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+            try:
+                os.ftruncate(fd, 0)
+            finally:
+                os.close(fd)
+        with contextlib.suppress(OSError):
+            os.unlink(path)
 
     def _take(self, directory: str, dir_fd: int) -> tuple[str, bytes]:
         with self._guard:

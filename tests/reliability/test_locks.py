@@ -1172,6 +1172,58 @@ def test_a_reclaim_that_puts_back_a_marker_whose_record_moved_on_leaves_no_lock_
     assert [e["w"] for e in store.load(KEY) or []] == ["first", "skewed", "skewed"]
 
 
+def test_a_marker_put_back_after_its_holder_released_is_taken_within_a_second(
+    procs: Any, base: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A waiter judges a killed holder's marker dead and moves it aside; in between, the
+    marker was reclaimed by someone else and a new holder took the lock, so the waiter
+    moved the new holder's marker, and that holder released meanwhile (its unlink found
+    nothing). The waiter puts the marker back, as it must for a live holder's. Before,
+    that marker named a live process here for good, and every writer waited for it to
+    age out: 30 s of LOCK_TIMEOUT (review helper-90, 4 of 5 GlusterFS runs, where a
+    client's cached marker made the wrong judgements). The released holder's record is
+    emptied, so the marker names nobody and is taken like any marker without a record.
+    The interleaving is staged in the waiter's rename; the holders are real."""
+    root = str(base / "store")
+    SyncStore(root, create=True).append(KEY, batch("first", 0, 1))
+    kill_a_holder(procs, root)  # M1: a dead holder's marker
+    path = str(lock_file(root))
+    other = SyncStore(root, stale_lock_seconds=30)
+    took, release = threading.Event(), threading.Event()
+
+    def new_holder() -> None:
+        with other.locked(KEY):
+            took.set()
+            release.wait(10)
+
+    real_rename = os.rename
+    staged: list[str] = []
+
+    def rename(src: Any, dst: Any, *args: Any, **kwargs: Any) -> Any:
+        if staged or os.fspath(src) != path:
+            return real_rename(src, dst, *args, **kwargs)
+        staged.append(os.fspath(dst))
+        os.unlink(path)  # M1 reclaimed by another waiter
+        holder = threading.Thread(target=new_holder)
+        holder.start()
+        assert took.wait(10)  # M2: a live holder's
+        out = real_rename(src, dst, *args, **kwargs)
+        release.set()
+        holder.join(10)  # its release finds no marker of its own
+        return out
+
+    waiter = SyncStore(root, stale_lock_seconds=30, lock_timeout_seconds=10)
+    monkeypatch.setattr(os, "rename", rename)
+    t0 = time.monotonic()
+    waiter.append(KEY, batch("waiter", 1, 1))
+    waited = time.monotonic() - t0
+    monkeypatch.undo()
+    assert staged, "the waiter never moved the marker"
+    assert waited < MARGIN, waited
+    assert [e["w"] for e in waiter.load(KEY) or []] == ["first", "waiter"]
+    assert lock_files(root) == []
+
+
 def test_siblings_that_leave_a_stuck_holder_behind_still_take_the_lock_one_at_a_time(tmp_path: Path) -> None:
     """A holder overruns ``stale_lock_seconds`` (1 s) and then releases; two sibling
     threads of its store waited for it. The first left it behind for a new in-process
