@@ -186,18 +186,19 @@ def append(
     caller's lock may have been overtaken since it looked."""
     for attempt in range(_APPEND_ATTEMPTS):
         try:
-            _append_once(store, t, payload, into)
-            return
-        except Deleted as exc:
-            if into is not None:
-                raise Gone(t.path) from exc
-            # A delete is committed once marked: finish it (its deleter may
-            # have died) and start over in a new directory. Nothing of ours
-            # is visible. Not under our lock: finishing takes the lock of
-            # what it moves (the session's: its main transcript's).
-            _delete.finish(store, t.comps, t.path, session=exc.session)
+            try:
+                _append_once(store, t, payload, into)
+                return
+            except Deleted as exc:
+                if into is not None:
+                    raise Gone(t.path) from exc
+                # A delete is committed once marked: finish it (its deleter may
+                # have died) and start over in a new directory. Nothing of ours
+                # is visible. Not under our lock: finishing takes the lock of
+                # what it moves (the session's: its main transcript's).
+                _delete.finish(store, t.comps, t.path, session=exc.session)
             # Where this client still reaches the deleted directory by its path.
-            with contextlib.suppress(Deleted, FileNotFoundError):
+            with contextlib.suppress(Deleted):
                 if _recreate(store, t, payload):
                     t.next_seq, t.last_name = 2, _layout.part_name(1)
                     return
@@ -207,7 +208,9 @@ def append(
             if exc.errno != errno.ESTALE or attempt == _APPEND_ATTEMPTS - 1:
                 raise
             # NFS: a directory another host replaced (deleted and made anew)
-            # since this client looked it up; looked up again next time.
+            # since this client looked it up; looked up again next time (also
+            # where it was replaced again while this append made it anew: review,
+            # stop 37, 2 appends of 4,786 on GlusterFS failed ESTALE there).
         t.last_name = None
         time.sleep(min(0.001 * attempt, 0.05))
     raise FsStoreError(

@@ -1293,6 +1293,36 @@ def test_a_writer_finishing_a_delete_never_moves_the_session_made_anew(
     assert trash_left(root) == []
 
 
+def test_a_writer_making_a_deleted_session_anew_retries_a_stale_handle(
+    root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A writer finds a committed delete (``main/.deleted``), finishes it and makes the
+    session anew; the session's directory, looked up again there, answers ESTALE (on
+    GlusterFS: another host deleted and made it anew meanwhile; review, stop 37, 2
+    appends of 4,786 failed with it beside prunes and deletes on both hosts). That is
+    another host's normal work: the append starts over and commits. Staged: ESTALE
+    once, at the first lookup of the session's name after the delete moved it."""
+    store = SyncStore(root, create=True)
+    store.append(KEY, [entry(0)])
+    session = tdir(root, KEY).parent
+    (tdir(root, KEY) / ".deleted").touch()
+    real_open = os.open
+    stale: list[str] = []
+
+    def open_(path: Any, flags: int, *args: Any, **kwargs: Any) -> int:
+        if not stale and path == session.name and "dir_fd" in kwargs and not session.exists():
+            stale.append(path)
+            raise OSError(errno.ESTALE, os.strerror(errno.ESTALE), path)
+        return real_open(path, flags, *args, **kwargs)
+
+    monkeypatch.setattr(os, "open", open_)
+    store.append(KEY, [entry(1)])
+    monkeypatch.undo()
+    assert stale, "the stale lookup was never staged"
+    assert SyncStore(root).load(KEY) == [entry(1)]
+    assert trash_left(root) == []
+
+
 def test_a_session_with_only_subagent_transcripts_is_deleted_whole(root: Path) -> None:
     store = SyncStore(root, create=True)
     store.append(SUB, [entry(0)])
