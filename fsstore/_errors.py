@@ -77,6 +77,8 @@ STORE_CODES: dict[str, Code] = {
                                 "check the mount"),
     # the command line (cat --json, export)
     "NOT_FOUND": Code("no such transcript or session", "—"),
+    "USAGE": Code("the command line is wrong (an unknown option, a bad value, a missing "
+                  "argument): exit 2, nothing was done", "no: fix the command"),
 }
 
 

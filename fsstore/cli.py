@@ -23,6 +23,7 @@ marked as a value (see :func:`_mark_values`): keys are accepted exactly as
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
@@ -106,11 +107,20 @@ def parse_lease(value: str) -> float:
 # -- the parser --------------------------------------------------------------------
 
 
+class _UsageError(SystemExit):
+    """A command line argparse refused (exit 2), its message and command."""
+
+    def __init__(self, message: str, command: str | None) -> None:
+        super().__init__(EXIT_USAGE)
+        self.message, self.command = message, command
+
+
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> NoReturn:
+        message = message.replace(_MARK, "")
         self.print_usage(sys.stderr)
-        _say(sys.stderr, f"{self.prog}: error: {message.replace(_MARK, '')}\n")  # (stderr may be full)
-        sys.exit(EXIT_USAGE)
+        _say(sys.stderr, f"{self.prog}: error: {message}\n")  # (stderr may be full)
+        raise _UsageError(message, self.prog.partition(" ")[2] or None)
 
 
 class _Options:
@@ -641,7 +651,16 @@ def _run(argv: Sequence[str] | None) -> int:
     _tolerant_output()
     parser, opts = build_parser()
     raw = list(sys.argv[1:] if argv is None else argv)
-    args = parser.parse_args(_mark_values(raw, opts))
+    try:
+        args = parser.parse_args(_mark_values(raw, opts))
+    except _UsageError as exc:
+        # A script that asked for JSON gets its error as JSON too (code USAGE).
+        if "--json" in raw[: raw.index("--") if "--" in raw else None] and sys.stdout is not None:
+            with contextlib.suppress(OSError):
+                dump_json(sys.stdout, {"error": {"code": "USAGE", "message": exc.message,
+                                                 "operation": exc.command, "path": None}})
+                sys.stdout.flush()
+        raise
     # Started with fd 1 or 2 closed (`>&-`): the command runs, what it would print there
     # goes nowhere, and a command that succeeded says its output was lost (EBADF).
     closed = sys.stdout is None

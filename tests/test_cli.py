@@ -61,6 +61,25 @@ def test_usage_errors_exit_2(root: Path, store: SyncStore) -> None:
     assert "exit codes" in fsstore("check", "--help").stdout
 
 
+def test_a_usage_error_with_json_is_a_json_error_with_code_usage(root: Path) -> None:
+    """Scripts that pass ``--json`` parse stdout: a command line the parser refuses is
+    an error object there too (code USAGE, exit 2), as every other failure is; the
+    message stays on stderr. Without ``--json`` stdout stays empty."""
+    cases = [(("gc", root, "--older-than", "5x", "--json"), "gc", "invalid duration"),
+             (("prune", root, "--json"), "prune", "--older-than"),
+             (("--json",), None, "COMMAND")]
+    for argv, command, says in cases:
+        proc = fsstore(*argv)
+        assert proc.returncode == 2, proc
+        error = json.loads(proc.stdout)["error"]
+        assert error["code"] == "USAGE" and error["operation"] == command and says in error["message"]
+        assert says in proc.stderr
+    plain = fsstore("gc", root, "--older-than", "5x")
+    assert plain.returncode == 2 and plain.stdout == ""
+    # "--json" after "--" is an operand, not the option
+    assert fsstore("cat", root, "--", "--json").stdout == ""
+
+
 # -- ls and cat -----------------------------------------------------------------------
 
 
