@@ -651,14 +651,18 @@ def _run(argv: Sequence[str] | None) -> int:
     _tolerant_output()
     parser, opts = build_parser()
     raw = list(sys.argv[1:] if argv is None else argv)
+    marked = _mark_values(raw, opts)
     try:
-        args = parser.parse_args(_mark_values(raw, opts))
+        args = parser.parse_args(marked)
     except _UsageError as exc:
-        # A script that asked for JSON gets its error as JSON too (code USAGE).
-        if "--json" in raw[: raw.index("--") if "--" in raw else None] and sys.stdout is not None:
+        # A script that asked for JSON gets its error as JSON too (code USAGE); an
+        # option's value (marked) or an operand after "--" is not asking.
+        options = marked[: marked.index("--") if "--" in marked else None]
+        if "--json" in options and sys.stdout is not None:
+            command = exc.command or next((a for a in options if a in opts.by_command), None)
             with contextlib.suppress(OSError):
                 dump_json(sys.stdout, {"error": {"code": "USAGE", "message": exc.message,
-                                                 "operation": exc.command, "path": None}})
+                                                 "operation": command, "path": None}})
                 sys.stdout.flush()
         raise
     # Started with fd 1 or 2 closed (`>&-`): the command runs, what it would print there

@@ -74,9 +74,12 @@ def test_a_usage_error_with_json_is_a_json_error_with_code_usage(root: Path) -> 
         error = json.loads(proc.stdout)["error"]
         assert error["code"] == "USAGE" and error["operation"] == command and says in error["message"]
         assert says in proc.stderr
+    unknown = fsstore("gc", root, "--bogus", "--json")  # refused by the top parser
+    assert json.loads(unknown.stdout)["error"]["operation"] == "gc"
     plain = fsstore("gc", root, "--older-than", "5x")
     assert plain.returncode == 2 and plain.stdout == ""
-    # "--json" after "--" is an operand, not the option
+    # "--json" as an option's value, or after "--", is not the option
+    assert fsstore("gc", root, "--older-than", "--json").stdout == ""
     assert fsstore("cat", root, "--", "--json").stdout == ""
 
 
