@@ -646,17 +646,13 @@ def _recreate(store: SyncStore, t: Appending, payload: bytes) -> bool:
                 return False
             store._locks_dir("append")
             with store._locks.hold(t.lock_path, "append") as held:
-                for again in (False, True):
+                def make() -> bool:
                     held.check("append")
-                    try:
-                        made = store._fs.new_dir(fd, name, original, _filler(store, t.comps[i + 1:], payload))
-                        break
-                    except OSError as exc:
-                        # A GlusterFS brick that linked the deleted directory under its
-                        # name again refuses a rename onto it (review, stop 36: ESTALE
-                        # returned by appends after another host's prune).
-                        if exc.errno != errno.ESTALE or again or not _views.forgot_stale_dir(fd, name):
-                            raise
+                    return store._fs.new_dir(fd, name, original, _filler(store, t.comps[i + 1:], payload))
+                # A GlusterFS brick that linked the deleted directory under its name again
+                # refuses a rename onto it (review, stop 36: ESTALE returned by appends
+                # after another host's prune).
+                made = _views.rename_onto(fd, name, make)
             if made:
                 _check_made(fd, [n for n, _ in t.comps[i:]], t)
             elif store._fs.listed_ino_ok:

@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import functools
 import os
 import re
 from collections.abc import Callable, Iterator
@@ -388,7 +389,9 @@ def restore(store: SyncStore, rfd: int, comps: list[Component], *, listing: bool
                 if parent is None:
                     continue
                 try:
-                    _rename_back(trash, name, parent, target[-1][0])
+                    to = target[-1][0]
+                    _views.rename_onto(parent, to, functools.partial(
+                        os.rename, name, to, src_dir_fd=trash, dst_dir_fd=parent))
                     _fsio.unlink_quiet(parent, moving_record(name))
                     deleted = listing and marked(parent, target[-1][0], mark)
                 except OSError:
@@ -406,16 +409,6 @@ def restore(store: SyncStore, rfd: int, comps: list[Component], *, listing: bool
     finally:
         os.close(trash)
     return restored
-
-
-def _rename_back(trash: int, name: str, parent: int, to: str) -> None:
-    """Rename ``.trash/name`` to ``parent/to`` (:func:`_views.forgot_stale_dir`)."""
-    try:
-        os.rename(name, to, src_dir_fd=trash, dst_dir_fd=parent)
-    except OSError as exc:
-        if exc.errno != errno.ESTALE or not _views.forgot_stale_dir(parent, to):
-            raise
-        os.rename(name, to, src_dir_fd=trash, dst_dir_fd=parent)
 
 
 def restore_named(store: SyncStore, rfd: int, parent: int, comps: list[Component], records: list[str]) -> bool:

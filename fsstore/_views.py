@@ -14,8 +14,12 @@ from __future__ import annotations
 import errno
 import os
 import time
+from collections.abc import Callable
+from typing import TypeVar
 
 from ._fsio import CREATE_FLAGS, DIR_FLAGS, READ_FLAGS, Fs, temp_name, unlink_quiet
+
+T = TypeVar("T")
 
 
 def refresh_listing(dir_fd: int) -> bool:
@@ -65,6 +69,18 @@ def forgot_stale_dir(parent: int, name: str) -> bool:
     except OSError:
         pass  # ENOENT: dropped
     return True
+
+
+def rename_onto(parent: int, name: str, rename: Callable[[], T]) -> T:
+    """``rename()``, a rename onto ``parent/name``; once more after ESTALE where this
+    client has dropped a directory another host moved away from that name
+    (:func:`forgot_stale_dir`)."""
+    try:
+        return rename()
+    except OSError as exc:
+        if exc.errno != errno.ESTALE or not forgot_stale_dir(parent, name):
+            raise
+    return rename()
 
 
 def listed_ino(parent: int, name: str) -> int | None:
