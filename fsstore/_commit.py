@@ -617,7 +617,7 @@ def _first_commit(
             made = store._fs.new_dir(parent, name, original, lambda tfd: store._fs.write_new(
                 tfd, _layout.part_name(1), payload))
             if made:
-                _check_made(parent, [name], t)
+                _published(store, t, parent, [name])
             return made
     finally:
         os.close(parent)
@@ -654,7 +654,7 @@ def _recreate(store: SyncStore, t: Appending, payload: bytes) -> bool:
                 # after another host's prune).
                 made = _views.rename_onto(fd, name, make)
             if made:
-                _check_made(fd, [n for n, _ in t.comps[i:]], t)
+                _published(store, t, fd, [n for n, _ in t.comps[i:]])
             elif store._fs.listed_ino_ok:
                 # Another directory is there on the server, and this client reaches the
                 # old one: its view lapses once unused (GlusterFS: about 1 s). Not
@@ -683,6 +683,23 @@ def _filler(store: SyncStore, comps: list[Component], payload: bytes) -> Callabl
         finally:
             os.close(sub)
     return fill
+
+
+def _published(store: SyncStore, t: Appending, parent: int, names: list[str]) -> None:
+    """After the directory ``parent/names[0]``, holding part 1, was renamed into place:
+    readers see the batch, so nothing from here starts the append over (it would
+    commit the batch twice). :class:`Deleted` where its session was marked deleted
+    (what was made is removed); a check that fails says the batch may be committed;
+    the parent's fsync is logged if it fails, as a commit's directory fsync is."""
+    try:
+        _check_made(parent, names, t)
+    except OSError as exc:
+        err = from_oserror(exc, "append", t.path)
+        raise FsStoreError(err.code, f"{err.message}; the batch was published as the transcript's "
+                           "first and could not be checked: it may be committed (retrying is "
+                           "safe with uuids)", operation="append", path=t.path, errno=err.errno) from exc
+    _after_commit(t, lambda: store._fs.sync_dir(parent),
+                  "the directory fsync failed (%s): it may not survive a power loss")
 
 
 def _check_made(fd: int, names: list[str], t: Appending) -> None:

@@ -264,7 +264,8 @@ class Fs:
     def make_dir(self, parent_fd: int, name: str, original: str | None) -> None:
         """Create a directory; hashed names appear atomically with their ``.key`` file."""
         if original is not None:
-            self.new_dir(parent_fd, name, original)
+            if self.new_dir(parent_fd, name, original):
+                self.sync_dir(parent_fd)
             return
         try:
             os.mkdir(name, self.dir_mode, dir_fd=parent_fd)
@@ -282,7 +283,9 @@ class Fs:
         """Publish ``parent/name`` with its content: made as ``tmp/tmp`` (``tmp`` a temp
         name in ``parent``), given its ``.key`` (hashed names) and whatever ``fill`` writes
         into it, then renamed into place. False (nothing left behind) if ``name`` exists
-        already.
+        already. The caller fsyncs ``parent`` (``sync_dir``) once it may: the rename
+        is a commit point for some callers, after which a failure must not be raised
+        as if nothing was published.
 
         rename() would replace an *empty* directory, but a directory published this
         way is never empty, so a racing creator gets EEXIST/ENOTEMPTY and uses the
@@ -322,7 +325,6 @@ class Fs:
                     os.rmdir(tmp, dir_fd=parent_fd)  # empty once published
                 except OSError:
                     remove_tree(parent_fd, tmp)
-        self.sync_dir(parent_fd)
         return True
 
     def fix_mode(self, fd: int) -> None:

@@ -1323,6 +1323,35 @@ def test_a_writer_making_a_deleted_session_anew_retries_a_stale_handle(
     assert trash_left(root) == []
 
 
+def test_a_first_batch_whose_check_fails_after_it_was_published_is_not_committed_again(
+    root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A subagent transcript's first batch is published by renaming its new directory
+    into place, then checked against its session's delete mark. That check failing
+    with ESTALE (on GlusterFS: the session replaced by another host just then) must not
+    start the append over, as ESTALE before the rename does: the batch is visible
+    already, and it was committed a second time (review helper-92, read in the code).
+    The append says the batch may be committed; it is there once. Staged: ESTALE once,
+    from the check."""
+    store = SyncStore(root, create=True)
+    store.append(KEY, [{"type": "user", "n": 0}])
+    real = _commit.check_session_marker
+    failed: list[str] = []
+
+    def check_session_marker(fd: int, marker: str | None) -> None:
+        if not failed:
+            failed.append(str(marker))
+            raise OSError(errno.ESTALE, os.strerror(errno.ESTALE))
+        real(fd, marker)
+
+    monkeypatch.setattr(_commit, "check_session_marker", check_session_marker)
+    with pytest.raises(FsStoreError) as err:
+        store.append(SUB, [{"type": "user", "n": 1}])  # no uuid: a second copy would load twice
+    monkeypatch.undo()
+    assert failed and err.value.code == "ESTALE" and "may be committed" in err.value.message
+    assert SyncStore(root).load(SUB) == [{"type": "user", "n": 1}]
+
+
 def test_a_session_with_only_subagent_transcripts_is_deleted_whole(root: Path) -> None:
     store = SyncStore(root, create=True)
     store.append(SUB, [entry(0)])
