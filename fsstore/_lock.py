@@ -145,8 +145,7 @@ def reclaim_if_stale(
     if ours:  # by content: where inode numbers go by name (sshfs), the moved one has another
         judged = _content(aside) == marker.text
     else:
-        after = os.lstat(aside)
-        judged = (after.st_ino, after.st_mtime_ns) == (before.st_ino, before.st_mtime_ns)
+        judged = _moved(aside) == (before.st_ino, before.st_mtime_ns)
     if not judged:  # a new holder took the lock since we looked
         _put_back(aside, lock_path)
         return False
@@ -157,6 +156,40 @@ def reclaim_if_stale(
         extra={"code": "LOCK_RECLAIMED", "operation": operation, "path": lock_path},
     )
     return True
+
+
+def _moved(aside: str) -> tuple[int, int] | None:
+    """The inode number and mtime of what a rename just moved to ``aside``, as the
+    server has it. A network client can carry its view of the lock name over to the
+    new name: a GlusterFS client that still saw the marker it judged there (its record
+    still links that inode) answered its inode and mtime for another waiter's live
+    marker, which the rename had moved, and the reclaim removed it (review helper-92:
+    two waiters on two mounts in the lock at once, 7 of 19 runs). So where the mount's
+    listings give the inode numbers its lookups do (local disks, NFS, GlusterFS; not
+    sshfs), the listing, which reaches the server, has the last word. None if not listed
+    or not looked at (then it is put back, and judged again)."""
+    directory, name = os.path.split(aside)
+    try:
+        if not _listings_number_alike(directory):
+            st = os.lstat(aside)
+            return st.st_ino, st.st_mtime_ns
+        with os.scandir(directory) as it:
+            for entry in it:
+                if entry.name == name:
+                    st = entry.stat(follow_symlinks=False)  # after the listing: its attributes
+                    return (st.st_ino, st.st_mtime_ns) if st.st_ino == entry.inode() else (entry.inode(), 0)
+    except OSError:
+        pass
+    return None
+
+
+def _listings_number_alike(locks_dir: str) -> bool:
+    """Whether a listing of the store's root gives ``.locks`` the inode number a lookup
+    does (see :func:`fsstore._views.listings_number_alike`)."""
+    parent, name = os.path.split(locks_dir)
+    with os.scandir(parent) as it:
+        listed = next((e.inode() for e in it if e.name == name), None)
+    return listed == os.lstat(locks_dir).st_ino
 
 
 def _aside(lock_path: str) -> str:
@@ -171,7 +204,7 @@ def _put_back(aside: str, lock_path: str) -> None:
     live holder's marker; ``fsstore gc`` removes ``.stale-*`` files once old."""
     try:
         os.link(aside, lock_path)
-    except (FileExistsError, PermissionError):
+    except (FileExistsError, PermissionError, FileNotFoundError):  # (ENOENT: not ours to put back now)
         return
     with contextlib.suppress(FileNotFoundError):
         os.unlink(aside)

@@ -25,6 +25,9 @@ Roles:
 * ``compactor``: append and ``compact`` ``key`` in turn.
 * ``maintainer``: ``fsstore gc`` (or ``prune``: ``command``) with ``older_than`` in a
   loop; counts failed actions by code.
+* ``holder``: take ``key``'s lock and keep it ``hold`` seconds (touching ``inside``
+  once in); reports when it was in, by the monotonic clock, which every "host" here
+  shares.
 * ``stall``: append one batch (or delete ``key``: ``op``), stopping at a named point of the commit (the
   parent SIGSTOPs it there).
 """
@@ -261,7 +264,19 @@ def stall(spec: dict[str, Any]) -> dict[str, Any]:
     return {"acked": [[0, 3]], "codes": {}}
 
 
-ROLES = {"stall": stall, "writer": writer, "reader": reader, "lister": lister, "deleter": deleter,
+def holder(spec: dict[str, Any]) -> dict[str, Any]:
+    store = FsSessionStore(spec["root"], create=True, **spec.get("opts", {})).sync
+    _wait_start(spec)
+    with store.locked(spec["key"]):
+        tin = time.monotonic()
+        if spec.get("inside"):
+            open(spec["inside"], "w").close()
+        time.sleep(spec["hold"])
+        tend = time.monotonic()
+    return {"tin": tin, "tend": tend, "codes": {}}
+
+
+ROLES = {"holder": holder, "stall": stall, "writer": writer, "reader": reader, "lister": lister, "deleter": deleter,
          "churner": churner, "compactor": compactor, "maintainer": maintainer}
 
 

@@ -288,6 +288,46 @@ def test_lock_excludes_the_other_host_and_a_killed_holder_is_reclaimed_by_age(
         assert_transcript(FsSessionStore(root, create=True).sync.load(KEY), [("seed", 0), ("h2", 0)], 2)
 
 
+@pytest.mark.parametrize("kind", params())
+def test_two_hosts_waiting_on_a_holder_past_its_lease_never_both_take_the_lock(
+    request: pytest.FixtureRequest, kind: str, tmp_path: Path
+) -> None:
+    """A holder on host 1 keeps the lock past its lease; a waiter on each host reclaims
+    it by age at about the same moment. One of them gets it, the other waits for it.
+    On GlusterFS the second reclaim moved the first waiter's live marker aside while its
+    client still showed the stale holder's there, took it for that one by that view
+    and removed it: both waiters held the lock, within their leases (review helper-92,
+    7 of 19 rounds; 3 of 10 here before the fix, each round a chance)."""
+    r1, r2 = pair_of(request, kind).fresh("reclaim")
+    root1, root2 = str(r1 / "store"), str(r2 / "store")
+    FsSessionStore(root1, create=True).sync.append(KEY, batch("seed", 0, 1))
+    stale = 2.0
+    opts = {"stale_lock_seconds": stale, "lock_timeout_seconds": 20.0}
+    for rnd in range(5):
+        key = {**KEY, "session_id": f"reclaim-{rnd}"}
+        inside = tmp_path / f"inside-{rnd}"
+        start = tmp_path / f"start-{rnd}"
+        start.touch()
+        stuck = _start(1, "holder", {"root": root1, "key": key, "hold": stale + 1.5, "opts": opts,
+                                     "inside": str(inside), "start": str(start)})
+        try:
+            deadline = time.monotonic() + 30
+            while not inside.exists():
+                assert stuck.poll() is None and time.monotonic() < deadline, stuck.communicate()
+                time.sleep(0.01)
+            # each waiter holds for less than its lease (stale / 2), from when it is in
+            waiters = [Role(host, "holder", {"root": root, "key": key, "hold": stale / 2 - 0.1, "opts": opts})
+                       for host, root in ((1, root1), (2, root2))]
+            a, b = run_roles(waiters, tmp_path, timeout=60)
+            stuck.communicate(timeout=30)
+        finally:
+            if stuck.poll() is None:
+                stuck.kill()
+            stuck.wait(10)
+        both = min(a["tend"], b["tend"]) - max(a["tin"], b["tin"])  # type: ignore[operator]
+        assert both <= 0, f"round {rnd}: both waiters held the lock for {both:.2f} s: {a}, {b}"
+
+
 STALL_POINTS = [
     "holding_lock_before_move",
     *(pytest.param(p, marks=pytest.mark.soak) for p in (
