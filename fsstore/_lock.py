@@ -291,7 +291,7 @@ class _MarkerLock(filelock.BaseFileLock):
     _text = b""  # and its content
     _poll_backoff_cap = 0.05  # waiters poll from 2 ms, backing off to 50 ms, with jitter
     _refused = 0  # permission errors in a row with no marker there
-    lease_ends = math.inf  # monotonic; set by the hold before it releases (Held.__exit__)
+    unlink_until = math.inf  # monotonic: half the lease; set by the hold before it releases (Held.__exit__)
 
     def _acquire(self) -> None:
         directory, name = os.path.split(self.lock_file)
@@ -334,14 +334,18 @@ class _MarkerLock(filelock.BaseFileLock):
         try:
             if not self._ours(self.lock_file, identity):
                 pass  # reclaimed, and taken by another: not ours to touch
-            elif time.monotonic() < self.lease_ends:
+            elif time.monotonic() < self.unlink_until:
+                # A stall from here to the unlink must outlast half a lease before a
+                # waiter may reclaim the marker (and the unlink remove the next holder's).
                 os.unlink(self.lock_file)
                 released = True
             else:
-                # Past the lease a waiter may reclaim the marker and take the lock between
-                # the look and an unlink, which then removed the new holder's marker (a
-                # release stalled 3 s there let a third process in beside it: stop 31).
-                # Ours is moved aside (atomic) and checked there; another's is put back.
+                # Near or past the lease's end a waiter may reclaim the marker and take the
+                # lock between the look and an unlink, which then removed the new holder's
+                # marker (a release stalled 3 s there let a third process in beside it: stop
+                # 31; one 1.5 s in its unlink, 0.1 s before its lease ended, review
+                # helper-92). Ours is moved aside (atomic) and checked there; another's is
+                # put back.
                 aside = _aside(self.lock_file)
                 os.rename(self.lock_file, aside)
                 if self._ours(aside, identity):
@@ -462,7 +466,7 @@ class Held:
         try:
             try:
                 assert entry.soft is not None
-                entry.soft.lease_ends = self.since + self.budget
+                entry.soft.unlink_until = self.since + self.budget / 2
                 entry.soft.release()
             except OSError as exc:
                 # The work under the lock is done (a commit may be visible);

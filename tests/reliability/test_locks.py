@@ -992,9 +992,10 @@ sys.path.insert(0, {repo!r})
 from fsstore._store import SyncStore
 store = SyncStore({root!r}, stale_lock_seconds=4)
 with store.locked({key!r}):
+    began = time.monotonic()
     print(glob.glob({root!r} + "/.locks/*.lock")[0], flush=True)
     sys.stdin.readline()  # strace attached
-    time.sleep(2.1)  # past its lease (2 s): a waiter may reclaim it from now on
+    time.sleep(max(0.0, {hold} - (time.monotonic() - began)))  # its lease is 2 s
 """
 
 TIMED_HOLDER = """
@@ -1011,18 +1012,22 @@ with store.locked({key!r}):
 
 
 @pytest.mark.skipif(shutil.which("strace") is None, reason="needs strace")
-def test_a_release_stalled_past_its_lease_never_removes_the_marker_of_the_holder_who_reclaimed_it(
-        tmp_path: Path) -> None:
-    """A holder past its lease (stale 4 s) releases; its release stalls 3 s in its system
-    call on the lock name (strace). Meanwhile a waiter reclaims the marker and takes the
-    lock. The release looked, then unlinked the name: it removed the new holder's marker,
-    and a third process got in beside that holder (stop 31: 2 of 2). Past the lease the
-    release moves its marker aside before it removes it, and puts back what is not its
-    own (what is left: a waiter taking the name in the instant between the two)."""
+@pytest.mark.parametrize("hold", [pytest.param(2.1, id="past_its_lease"),
+                                  pytest.param(1.8, id="just_before_its_lease_ends")])
+def test_a_release_stalled_near_its_lease_end_never_removes_the_marker_of_the_holder_who_reclaimed_it(
+        tmp_path: Path, hold: float) -> None:
+    """A holder past its lease (stale 4 s), or just before its end, releases; its release
+    stalls 3 s in its system call on the lock name (strace). Meanwhile a waiter reclaims
+    the marker and takes the lock. The release looked, then unlinked the name: it removed
+    the new holder's marker, and a third process got in beside that holder (stop 31: 2
+    of 2 past the lease; review helper-92: 3 of 3 within it, 0.1 s before its end). In
+    the second half of its lease, and past it, the release moves its marker aside before
+    it removes it, and puts back what is not its own (what is left: a waiter taking the
+    name in the instant between the two)."""
     root = tmp_path / "store"
     SyncStore(root, create=True).append(KEY, batch("first", 0, 1))
     fmt = {"repo": str(REPO), "root": str(root), "key": KEY}
-    holder = subprocess.Popen([sys.executable, "-c", STALLED_RELEASE_HOLDER.format(**fmt)],
+    holder = subprocess.Popen([sys.executable, "-c", STALLED_RELEASE_HOLDER.format(**fmt, hold=hold)],
                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     procs: list[subprocess.Popen[Any]] = [holder]
     tracer = None
