@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 
-from fsstore import FsStoreError, _cleanup, _delete, _layout, _listing, _merge
+from fsstore import FsStoreError, _cleanup, _delete, _layout, _listing, _merge, _views
 from fsstore._keys import parse_key
 from fsstore._store import SyncStore
 
@@ -974,7 +974,7 @@ def test_gc_keeps_the_record_of_an_orphan_it_could_not_move_back(
         raise OSError(30, "Read-only file system")
 
     with monkeypatch.context() as m:
-        m.setattr(_delete, "_rename_back", refused)
+        m.setattr(_views, "rename_onto", refused)  # the move back
         actions = _cleanup.gc(str(root), older_than=1.0)
     assert [a.action for a in actions if a.path.endswith(moved.name)] == ["restore"]
     assert moved.exists() and record.exists(), [a.as_dict() for a in actions]
