@@ -166,30 +166,33 @@ def _moved(aside: str) -> tuple[int, int] | None:
     marker, which the rename had moved, and the reclaim removed it (review helper-92:
     two waiters on two mounts in the lock at once, 7 of 19 runs). So where the mount's
     listings give the inode numbers its lookups do (local disks, NFS, GlusterFS; not
-    sshfs), the listing, which reaches the server, has the last word. None if not listed
-    or not looked at (then it is put back, and judged again)."""
+    sshfs), the listing, which reaches the server, has the last word (where this user
+    may not list, a lookup). None if it cannot be looked at now (then it is put back,
+    and judged again)."""
     directory, name = os.path.split(aside)
     try:
-        if not _listings_number_alike(directory):
-            st = os.lstat(aside)
-            return st.st_ino, st.st_mtime_ns
-        with os.scandir(directory) as it:
-            for entry in it:
-                if entry.name == name:
-                    st = entry.stat(follow_symlinks=False)  # after the listing: its attributes
-                    return (st.st_ino, st.st_mtime_ns) if st.st_ino == entry.inode() else (entry.inode(), 0)
-    except OSError:
-        pass
-    return None
+        try:
+            listing = _listings_number_alike(directory)
+            listed = _listed_ino(directory, name) if listing else None
+        except PermissionError:  # a root or .locks this user may not list: a lookup
+            listing, listed = False, None
+        if listing and listed is None:
+            return None
+        st = os.lstat(aside)  # (after the listing: its attributes)
+    except OSError:  # (EIO, ESTALE: not judged now)
+        return None
+    return (st.st_ino, st.st_mtime_ns) if not listing or listed == st.st_ino else (listed or 0, 0)
+
+
+def _listed_ino(directory: str, name: str) -> int | None:
+    with os.scandir(directory) as it:
+        return next((e.inode() for e in it if e.name == name), None)
 
 
 def _listings_number_alike(locks_dir: str) -> bool:
     """Whether a listing of the store's root gives ``.locks`` the inode number a lookup
     does (see :func:`fsstore._views.listings_number_alike`)."""
-    parent, name = os.path.split(locks_dir)
-    with os.scandir(parent) as it:
-        listed = next((e.inode() for e in it if e.name == name), None)
-    return listed == os.lstat(locks_dir).st_ino
+    return _listed_ino(*os.path.split(locks_dir)) == os.lstat(locks_dir).st_ino
 
 
 def _aside(lock_path: str) -> str:
