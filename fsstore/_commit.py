@@ -121,19 +121,13 @@ def _last_of(items: list[Item]) -> tuple[int, str | None]:
 def encode_batch(entries: object, operation: str) -> bytes:
     """The part-file bytes for a batch: one JSON object per line, ASCII only."""
     if not isinstance(entries, list):
-        raise FsStoreError(
-            "INVALID_ENTRY",
-            f"entries must be a list, not {type(entries).__name__}",
-            operation=operation,
-        )
+        raise FsStoreError("INVALID_ENTRY", f"entries must be a list, not {type(entries).__name__}",
+                           operation=operation)
     lines = []
     for i, entry in enumerate(entries):
         if not isinstance(entry, dict):
-            raise FsStoreError(
-                "INVALID_ENTRY",
-                f"entry {i} must be a JSON object (dict), not {type(entry).__name__}",
-                operation=operation,
-            )
+            raise FsStoreError("INVALID_ENTRY", f"entry {i} must be a JSON object (dict), not "
+                               f"{type(entry).__name__}", operation=operation)
         try:
             line = ENCODER.encode(entry)
         except (TypeError, ValueError, RecursionError) as exc:
@@ -192,34 +186,26 @@ def append(
             except Deleted as exc:
                 if into is not None:
                     raise Gone(t.path) from exc
-                # A delete is committed once marked: finish it (its deleter may
-                # have died) and start over in a new directory. Nothing of ours
-                # is visible. Not under our lock: finishing takes the lock of
-                # what it moves (the session's: its main transcript's).
+                # A delete is committed once marked: finish it (its deleter may have died)
+                # and start over in a new directory. Nothing of ours is visible. Not under
+                # our lock: finishing takes the lock of what it moves (the session's).
                 _delete.finish(store, t.comps, t.path, session=exc.session)
             # Where this client still reaches the deleted directory by its path.
             with contextlib.suppress(Deleted):
                 if _recreate(store, t, payload):
-                    t.next_seq, t.last_name = 2, _layout.part_name(1)
                     return
         except FileNotFoundError:
             pass  # moved away by a delete before our commit: start over
         except OSError as exc:
             if exc.errno != errno.ESTALE or attempt == _APPEND_ATTEMPTS - 1:
                 raise
-            # NFS: a directory another host replaced (deleted and made anew)
-            # since this client looked it up; looked up again next time (also
-            # where it was replaced again while this append made it anew: review,
-            # stop 37, 2 appends of 4,786 on GlusterFS failed ESTALE there).
+            # NFS: a directory another host replaced (deleted and made anew) since this
+            # client looked it up; looked up again next time (also where it was replaced
+            # again while this append made it anew: stop 37, 2 of 4,786 on GlusterFS).
         t.last_name = None
         time.sleep(min(0.001 * attempt, 0.05))
-    raise FsStoreError(
-        "ENOENT",
-        "transcript directory kept disappearing (concurrent deletes)",
-        operation="append",
-        path=t.path,
-        errno=errno.ENOENT,
-    )
+    raise FsStoreError("ENOENT", "transcript directory kept disappearing (concurrent deletes)",
+                       operation="append", path=t.path, errno=errno.ENOENT)
 
 
 def _append_once(store: SyncStore, t: Appending, payload: bytes, into: Callable[[int], bool] | None) -> None:
@@ -247,7 +233,6 @@ def _append_once(store: SyncStore, t: Appending, payload: bytes, into: Callable[
                     raise
                 made = _recreate(store, t, payload)
             if made:
-                t.next_seq, t.last_name = 2, _layout.part_name(1)
                 return
         raise FileNotFoundError(errno.ENOENT, "created and deleted meanwhile", t.path)
     try:
@@ -267,7 +252,6 @@ def _append_once(store: SyncStore, t: Appending, payload: bytes, into: Callable[
                 if into is not None:
                     raise Gone(t.path) from exc
                 if _recreate(store, t, payload):
-                    t.next_seq, t.last_name = 2, _layout.part_name(1)
                     return
                 raise FileNotFoundError(errno.ENOENT, "transcript directory gone", t.path) from exc
             store._locks_dir(op)
@@ -419,7 +403,8 @@ def link_and_check(
             seq = top(others) + 1
     except (OSError, FsStoreError) as exc:
         if kept and "may be committed" not in str(exc):
-            raise _may_be_committed(exc, kept[0]) from exc
+            raise _may_be_committed(exc, kept[0], f"{kept[0]}, a misplaced copy of the batch, could "
+                                    "not be removed (fsstore check --repair commits it)") from exc
         raise
     finally:
         _remove_unchecked(dir_fd, misplaced)
@@ -435,15 +420,15 @@ def _remove_unchecked(dir_fd: int, names: list[str]) -> None:
                                errno=errno.EIO)
 
 
-def _may_be_committed(exc: OSError | FsStoreError, kept: str) -> FsStoreError:
-    """The error of an append that fails after a misplaced copy of its batch could not be
-    removed: `check --repair` commits that copy once old, so the append can neither say
-    that nothing of it is committed nor start over (found by review: committed twice
-    after a retry, or after the writer started over)."""
-    err = exc if isinstance(exc, FsStoreError) else from_oserror(exc, "append", kept)
-    return FsStoreError(err.code, f"{err.message}; {kept}, a misplaced copy of the batch, could "
-                        "not be removed: the batch may be committed (fsstore check --repair "
-                        "commits it)", operation="append", path=kept, errno=err.errno)
+def _may_be_committed(exc: OSError | FsStoreError, path: str, why: str) -> FsStoreError:
+    """The error of an append that fails where its batch may be committed (``why``): after
+    a misplaced copy of it could not be removed (`check --repair` commits that copy once
+    old), or after its new directory was published. It can neither say that nothing of
+    it is committed nor start over (found by review: committed twice after a retry, or
+    after the writer started over)."""
+    err = exc if isinstance(exc, FsStoreError) else from_oserror(exc, "append", path)
+    return FsStoreError(err.code, f"{err.message}; {why}: the batch may be committed",
+                        operation="append", path=path, errno=err.errno)
 
 
 def _removed(dir_fd: int, name: str) -> bool:
@@ -614,8 +599,7 @@ def _first_commit(
         store._locks_dir("append")
         with store._locks.hold(t.lock_path, "append") as held:
             held.check("append")
-            made = store._fs.new_dir(parent, name, original, lambda tfd: store._fs.write_new(
-                tfd, _layout.part_name(1), payload))
+            made = store._fs.new_dir(parent, name, original, _filler(store, [], payload))
             if made:
                 _published(store, t, parent, [name])
             return made
@@ -650,8 +634,7 @@ def _recreate(store: SyncStore, t: Appending, payload: bytes) -> bool:
                     held.check("append")
                     return store._fs.new_dir(fd, name, original, _filler(store, t.comps[i + 1:], payload))
                 # A GlusterFS brick that linked the deleted directory under its name again
-                # refuses a rename onto it (review, stop 36: ESTALE returned by appends
-                # after another host's prune).
+                # refuses a rename onto it (review, stop 36: ESTALE after another host's prune).
                 made = _views.rename_onto(fd, name, make)
             if made:
                 _published(store, t, fd, [n for n, _ in t.comps[i:]])
@@ -686,20 +669,17 @@ def _filler(store: SyncStore, comps: list[Component], payload: bytes) -> Callabl
 
 
 def _published(store: SyncStore, t: Appending, parent: int, names: list[str]) -> None:
-    """After the directory ``parent/names[0]``, holding part 1, was renamed into place:
-    readers see the batch, so nothing from here starts the append over (it would
-    commit the batch twice). :class:`Deleted` where its session was marked deleted
-    (what was made is removed); a check that fails says the batch may be committed;
-    the parent's fsync is logged if it fails, as a commit's directory fsync is."""
+    """After ``parent/names[0]`` (part 1 in it) was renamed into place, nothing starts the
+    append over (review: committed twice): :class:`Deleted` (what was made is removed),
+    a failed check "may be committed", a failed fsync logged (step 8)."""
     try:
         _check_made(parent, names, t)
     except OSError as exc:
-        err = from_oserror(exc, "append", t.path)
-        raise FsStoreError(err.code, f"{err.message}; the batch was published as the transcript's "
-                           "first and could not be checked: it may be committed (retrying is "
-                           "safe with uuids)", operation="append", path=t.path, errno=err.errno) from exc
+        raise _may_be_committed(exc, t.path, "its batch was published as the transcript's first "
+                                "and could not be checked (retrying is safe with uuids)") from exc
     _after_commit(t, lambda: store._fs.sync_dir(parent),
                   "the directory fsync failed (%s): it may not survive a power loss")
+    t.next_seq, t.last_name = 2, _layout.part_name(1)
 
 
 def _check_made(fd: int, names: list[str], t: Appending) -> None:
