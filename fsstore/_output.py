@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import shlex
+import sys
 import time
 from collections.abc import Sequence
 from typing import Any, TextIO
@@ -162,3 +163,28 @@ def age_text(seconds: float) -> str:
     if s < 86400:
         return f"{s // 3600}h{s % 3600 // 60:02d}m"
     return f"{s // 86400}d{s % 86400 // 3600:02d}h"
+
+
+def say(err: TextIO | None, text: str) -> None:
+    """Write to stderr, which may itself not be writable (a full disk) or be closed."""
+    if err is None:
+        return
+    try:
+        err.write(text)
+        err.flush()
+    except OSError:
+        quiet(sys.stderr)
+
+
+def quiet(stream: TextIO | None) -> None:
+    """Keep Python from complaining (exit 120) when it flushes, at exit, a standard
+    stream that cannot be written."""
+    if stream is None:
+        return
+    try:
+        fileno = stream.fileno()
+    except (OSError, ValueError):
+        return
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, fileno)
+    os.close(devnull)
