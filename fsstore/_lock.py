@@ -137,6 +137,8 @@ def reclaim_if_stale(
     if why is None:
         return False
     before = marker.stat
+    if not ours and _listing_says(lock_path) not in (_CANNOT_TELL, before.st_ino):
+        return False  # this client's view of the name is old: another marker is there now
     aside = _aside(lock_path)
     try:
         os.rename(lock_path, aside)
@@ -160,39 +162,51 @@ def reclaim_if_stale(
 
 def _moved(aside: str) -> tuple[int, int] | None:
     """The inode number and mtime of what a rename just moved to ``aside``, as the
-    server has it. A network client can carry its view of the lock name over to the
-    new name: a GlusterFS client that still saw the marker it judged there (its record
-    still links that inode) answered its inode and mtime for another waiter's live
-    marker, which the rename had moved, and the reclaim removed it (review helper-92:
-    two waiters on two mounts in the lock at once, 7 of 19 runs). So where the mount's
-    listings give the inode numbers its lookups do (local disks, NFS, GlusterFS; not
-    sshfs), the listing, which reaches the server, has the last word (where this user
-    may not list, a lookup). None if it cannot be looked at now (then it is put back,
-    and judged again)."""
-    directory, name = os.path.split(aside)
-    try:
-        try:
-            listing = _listings_number_alike(directory)
-            listed = _listed_ino(directory, name) if listing else None
-        except PermissionError:  # a root or .locks this user may not list: a lookup
-            listing, listed = False, None
-        if listing and listed is None:
-            return None
-        st = os.lstat(aside)  # (after the listing: its attributes)
-    except OSError:  # (EIO, ESTALE: not judged now)
+    server has it (:func:`_listing_says`); None if it cannot be looked at now (then it
+    is put back, and judged again)."""
+    said = _listing_says(aside)
+    if said is None:
         return None
-    return (st.st_ino, st.st_mtime_ns) if not listing or listed == st.st_ino else (listed or 0, 0)
+    try:
+        st = os.lstat(aside)  # (after the listing: its attributes)
+    except OSError:
+        return None
+    return (st.st_ino, st.st_mtime_ns) if said in (_CANNOT_TELL, st.st_ino) else (said, 0)
+
+
+_CANNOT_TELL = -1
+_NUMBERED: dict[str, bool] = {}  # per .locks directory: see _listing_says
+
+
+def _listing_says(path: str) -> int | None:
+    """The inode number a listing of ``path``'s directory (``.locks``) gives it, None if
+    not listed, or :data:`_CANNOT_TELL` where the mount's listings do not number inodes
+    as its lookups do (sshfs; learned once per directory from the root's listing of it)
+    or this user may not list.
+
+    A lookup may answer from the client's view of the name: a GlusterFS client that
+    still saw a stuck holder's marker at the lock name judged it stale after another
+    waiter had taken the lock, moved that waiter's live marker aside, and carried its
+    view over to the new name (``lstat`` answered the stuck holder's inode), so the
+    reclaim removed it; with three waiters, its put-back came too late. A listing
+    reaches the server (review helper-92: two waiters on two hosts in the lock at
+    once, 7 of 19 rounds; helper-93, 6 of 10 with three waiters)."""
+    directory, name = os.path.split(path)
+    try:
+        numbered = _NUMBERED.get(directory)
+        if numbered is None:
+            numbered = _NUMBERED[directory] = _listed_ino(*os.path.split(directory)) == os.lstat(
+                directory).st_ino
+        return _listed_ino(directory, name) if numbered else _CANNOT_TELL
+    except PermissionError:
+        return _CANNOT_TELL
+    except OSError:  # (EIO, ESTALE: nothing to go by now)
+        return None
 
 
 def _listed_ino(directory: str, name: str) -> int | None:
     with os.scandir(directory) as it:
         return next((e.inode() for e in it if e.name == name), None)
-
-
-def _listings_number_alike(locks_dir: str) -> bool:
-    """Whether a listing of the store's root gives ``.locks`` the inode number a lookup
-    does (see :func:`fsstore._views.listings_number_alike`)."""
-    return _listed_ino(*os.path.split(locks_dir)) == os.lstat(locks_dir).st_ino
 
 
 def _aside(lock_path: str) -> str:
@@ -351,7 +365,9 @@ class _MarkerLock(filelock.BaseFileLock):
                 # put back.
                 aside = _aside(self.lock_file)
                 os.rename(self.lock_file, aside)
-                if self._ours(aside, identity):
+                said = _listing_says(aside)  # (not a lookup of it: see _listing_says)
+                if self._ours(aside, identity) if said == _CANNOT_TELL else (
+                        identity is not None and said == identity[1]):
                     os.unlink(aside)
                     released = True
                 else:
