@@ -1177,7 +1177,7 @@ def test_a_reclaim_that_puts_back_a_marker_whose_record_moved_on_leaves_no_lock_
     assert [e["w"] for e in store.load(KEY) or []] == ["first", "skewed", "skewed"]
 
 
-def test_a_marker_put_back_after_its_holder_released_is_taken_within_a_second(
+def test_a_marker_put_back_after_its_holder_released_is_taken_in_under_two_seconds(
     procs: Any, base: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A waiter judges a killed holder's marker dead and moves it aside; in between, the
