@@ -621,7 +621,7 @@ def _recreate(store: SyncStore, t: Appending, payload: bytes) -> bool:
         try:
             for i, (name, original) in enumerate(t.comps):
                 nfd = os.open(name, _fsio.PATH_FLAGS, dir_fd=fd)
-                if _views.gone_on_server(store._fs, rfd, fd, name, nfd):
+                if _views.gone_on_server(rfd, fd, name, nfd):
                     os.close(nfd)
                     break  # comps[i] is gone on the server: make comps[i:] anew
                 fd, nfd = nfd, fd
@@ -638,7 +638,7 @@ def _recreate(store: SyncStore, t: Appending, payload: bytes) -> bool:
                 made = _views.rename_onto(fd, name, make)
             if made:
                 _published(store, t, fd, [n for n, _ in t.comps[i:]])
-            elif store._fs.listed_ino_ok:
+            elif _views.listings_number_alike(rfd, "projects"):
                 # Another directory is there on the server, and this client reaches the
                 # old one: its view lapses once unused (GlusterFS: about 1 s). Not
                 # touching it meanwhile is what lets it lapse.

@@ -254,7 +254,7 @@ def _move_to_trash(
     trash = store._open(rfd, [(_layout.TRASH, None)], "delete", create=True)
     assert trash is not None
     try:
-        ident = _views.listed_dir(store._fs, rfd, parent, name, wait=wait)
+        ident = _views.listed_dir(rfd, parent, name, wait=wait)
         if ident is None:
             return None  # never written, or deleted already
         if not finishing:

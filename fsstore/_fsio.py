@@ -167,10 +167,6 @@ class Fs:
         self.openat2_ok = _SYS_OPENAT2 is not None and _syscall is not None
         self.renameat2_ok = _renameat2 is not None
         self.link_ok = True  # turned off for good on a mount without hard links
-        # Whether a listing's inode numbers are the ones a lookup gives (None: not yet
-        # probed): then a listing can tell which directory a name stands for on the
-        # server where a lookup answers from a stale cache (see _views.listed_dir).
-        self.listed_ino_ok: bool | None = None
         self._fchmod_files = (file_mode & ~UMASK) != file_mode
         self._fchmod_dirs = (dir_mode & ~UMASK) != dir_mode
 

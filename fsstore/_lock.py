@@ -49,7 +49,7 @@ from collections.abc import Collection, Iterator, Mapping
 
 import filelock
 
-from . import _fsio
+from . import _fsio, _views
 from ._errors import FsStoreError, log
 from ._interrupts import HeldOff
 from ._records import Records, host_name
@@ -175,14 +175,13 @@ def _moved(aside: str) -> tuple[int, int] | None:
 
 
 _CANNOT_TELL = -1
-_NUMBERED: dict[str, bool] = {}  # per .locks directory: see _listing_says
 
 
 def _listing_says(path: str) -> int | None:
     """The inode number a listing of ``path``'s directory (``.locks``) gives it, None if
     not listed, or :data:`_CANNOT_TELL` where the mount's listings do not number inodes
-    as its lookups do (sshfs; learned once per directory from the root's listing of it)
-    or this user may not list.
+    as its lookups do (sshfs: :func:`_views.listings_number_alike`) or this user may not
+    list.
 
     A lookup may answer from the client's view of the name: a GlusterFS client that
     still saw a stuck holder's marker at the lock name judged it stale after another
@@ -191,22 +190,24 @@ def _listing_says(path: str) -> int | None:
     reclaim removed it; with three waiters, its put-back came too late. A listing
     reaches the server (review helper-92: two waiters on two hosts in the lock at
     once, 7 of 19 rounds; helper-93, 6 of 10 with three waiters)."""
-    directory, name = os.path.split(path)
+    locks, name = os.path.split(path)
+    root, locks_name = os.path.split(locks)
     try:
-        numbered = _NUMBERED.get(directory)
-        if numbered is None:
-            numbered = _NUMBERED[directory] = _listed_ino(*os.path.split(directory)) == os.lstat(
-                directory).st_ino
-        return _listed_ino(directory, name) if numbered else _CANNOT_TELL
+        rfd = os.open(root, _fsio.PATH_FLAGS)
+        try:
+            if not _views.listings_number_alike(rfd, locks_name):
+                return _CANNOT_TELL
+            lfd = os.open(locks_name, _fsio.PATH_FLAGS, dir_fd=rfd)
+            try:
+                return _views.listed_ino(lfd, name)
+            finally:
+                os.close(lfd)
+        finally:
+            os.close(rfd)
     except PermissionError:
         return _CANNOT_TELL
     except OSError:  # (EIO, ESTALE: nothing to go by now)
         return None
-
-
-def _listed_ino(directory: str, name: str) -> int | None:
-    with os.scandir(directory) as it:
-        return next((e.inode() for e in it if e.name == name), None)
 
 
 def _aside(lock_path: str) -> str:

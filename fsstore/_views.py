@@ -17,7 +17,7 @@ import time
 from collections.abc import Callable
 from typing import TypeVar
 
-from ._fsio import CREATE_FLAGS, DIR_FLAGS, READ_FLAGS, Fs, temp_name, unlink_quiet
+from ._fsio import CREATE_FLAGS, DIR_FLAGS, READ_FLAGS, temp_name, unlink_quiet
 
 T = TypeVar("T")
 
@@ -101,29 +101,35 @@ def looked_up_ino(parent: int, name: str) -> int | None:
         return None
 
 
-def listings_number_alike(fs: Fs, root_fd: int) -> bool:
-    """Whether the mount's listings give the inode numbers its lookups do (learned once,
-    on the store's ``projects`` directory, which is never replaced): true on local
-    disks, NFS and GlusterFS; not on sshfs or overlayfs."""
-    if fs.listed_ino_ok is None:
-        listed, looked = listed_ino(root_fd, "projects"), looked_up_ino(root_fd, "projects")
+_NUMBERED: dict[int, bool] = {}  # by device (a mount): see listings_number_alike
+
+
+def listings_number_alike(parent: int, name: str) -> bool:
+    """Whether the mount ``parent`` is on gives in its listings the inode numbers its
+    lookups give: true on local disks, NFS and GlusterFS; not on sshfs or overlayfs.
+    Learned once per mount (its device number) from ``parent/name``, a directory that
+    is never replaced (the store's ``projects``, or ``.locks``)."""
+    dev = os.fstat(parent).st_dev
+    known = _NUMBERED.get(dev)
+    if known is None:
+        listed, looked = listed_ino(parent, name), looked_up_ino(parent, name)
         if listed is None or looked is None:
             return False  # nothing to learn from yet
-        fs.listed_ino_ok = listed == looked
-    return fs.listed_ino_ok
+        known = _NUMBERED[dev] = listed == looked
+    return known
 
 
-def gone_on_server(fs: Fs, root_fd: int, parent: int, name: str, fd: int) -> bool:
+def gone_on_server(root_fd: int, parent: int, name: str, fd: int) -> bool:
     """Whether the directory ``fd`` that ``parent/name`` opened here is no longer what the
     server has at that name: gone there (a name created in it fails: sshfs's cached
     names), or, where listings can tell, another directory or none is listed there
     (GlusterFS's lookups, see listed_dir)."""
     if not refresh_listing(fd):
         return True
-    return listings_number_alike(fs, root_fd) and listed_ino(parent, name) != os.fstat(fd).st_ino
+    return listings_number_alike(root_fd, "projects") and listed_ino(parent, name) != os.fstat(fd).st_ino
 
 
-def listed_dir(fs: Fs, root_fd: int, parent: int, name: str, *, wait: bool) -> int | None:
+def listed_dir(root_fd: int, parent: int, name: str, *, wait: bool) -> int | None:
     """The inode of the directory at ``parent/name`` as the server has it, once this
     client's lookups agree with it; None if not listed; 0 where the mount's listings
     cannot tell (their inode numbers are not the lookups': sshfs, overlayfs).
@@ -136,7 +142,7 @@ def listed_dir(fs: Fs, root_fd: int, parent: int, name: str, *, wait: bool) -> i
     again for about a second (the cache lapses within about a second unused); ESTALE
     if it keeps disagreeing.
     ``root_fd``: the store's root (see listings_number_alike)."""
-    if not listings_number_alike(fs, root_fd):
+    if not listings_number_alike(root_fd, "projects"):
         return 0
     for attempt in range(6 if wait else 1):
         if attempt:
