@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from . import _delete, _fsio, _layout, _merge
-from ._errors import FsStoreError
+from ._errors import FsStoreError, posix_code
 from ._layout import Component
 from ._lock import reclaim_if_stale
 from ._lockfiles import LockInfo, name_locks, scan_locks
@@ -43,7 +43,6 @@ from ._walk import (
     TranscriptRef,
     Walker,
     changed_at,
-    error_code,
     gone,
     tick,
     walking,
@@ -170,7 +169,7 @@ def _remove_garbage(w: Walker, g: Garbage, older_than: float, dry_run: bool) -> 
             _fsio.unlink_quiet(pfd, g.name)
     except OSError as exc:
         return Action(verb, g.path, f"{detail}: {exc.strerror}", False, g.age,
-                      failed=True, code=error_code(exc))
+                      failed=True, code=posix_code(exc.errno))
     finally:
         os.close(pfd)
     return Action(verb, g.path, detail, True, g.age)
@@ -223,7 +222,7 @@ def _break(lk: LockInfo, older_than: float, stale_lock_seconds: float, dry_run: 
         return Action("break-lock", lk.path, detail + " (released meanwhile)", False, lk.age)
     except OSError as exc:
         return Action("break-lock", lk.path, f"{detail}: {exc.strerror}", False,
-                      lk.age, failed=True, code=error_code(exc))
+                      lk.age, failed=True, code=posix_code(exc.errno))
     if (st.st_ino, st.st_mtime_ns) != lk.ident:
         return Action("keep", lk.path, "lock was taken again meanwhile; left alone", False, lk.age)
     # The very marker judged stale is still there: the reclaim could not move it.
@@ -370,7 +369,7 @@ def _unreadable_file(w: Walker, info: TranscriptInfo) -> Problem | None:
             except OSError as exc:
                 if not gone(exc):  # a file merged away meanwhile is not unreadable
                     return Problem("error", "unreadable", f"{info.path}/{it.name}",
-                                   f"cannot read: {exc.strerror}", code=error_code(exc))
+                                   f"cannot read: {exc.strerror}", code=posix_code(exc.errno))
     finally:
         os.close(fd)
     return None

@@ -69,7 +69,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from . import _delete, _fsio, _layout, _read, _transcript, _views
-from ._errors import FsStoreError, from_oserror, log
+from ._errors import FsStoreError, from_oserror, log, posix_code
 from ._keys import TranscriptKey
 from ._layout import Component
 from ._limits import beyond_limits
@@ -556,9 +556,8 @@ def _after_commit(t: Appending, step: Callable[[], None], failed: str) -> None:
     try:
         step()
     except OSError as exc:
-        code = errno.errorcode.get(exc.errno or 0, "EIO")
         log.error("batch committed and visible, but " + failed, exc,
-                  extra={"code": code, "operation": "append", "path": t.path, "errno": exc.errno})
+                  extra={"code": posix_code(exc.errno), "operation": "append", "path": t.path, "errno": exc.errno})
 
 
 def _compaction_due(store: SyncStore, items: list[Item]) -> bool:

@@ -125,10 +125,15 @@ def _rebuild(
     return FsStoreError(code, message, operation=operation, path=path, errno=err)
 
 
+def posix_code(err: int | None) -> str:
+    """The POSIX name of an errno, the code an OSError gets (``EIO`` where it has none)."""
+    return _errno.errorcode.get(err or 0, "EIO")
+
+
 def from_oserror(exc: OSError, operation: str, path: str | None) -> FsStoreError:
     """Wrap an OSError, keeping its POSIX name as the code."""
     num = exc.errno
-    code = _errno.errorcode.get(num, "EIO") if num is not None else "EIO"
+    code = posix_code(num)
     where = exc.filename if isinstance(exc.filename, str) and exc.filename.startswith("/") else path
     err = FsStoreError(code, exc.strerror or str(exc), operation=operation, path=where, errno=num)
     err.__cause__ = exc

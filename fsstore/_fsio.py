@@ -21,7 +21,7 @@ import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from ._errors import FsStoreError, log
+from ._errors import FsStoreError, log, posix_code
 
 _CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | _CLOEXEC
@@ -383,7 +383,7 @@ class Fs:
             log.warning(
                 "directory fsync is not supported on this mount (%s); continuing with file "
                 "fsync only",
-                errno.errorcode.get(exc.errno or 0, exc.errno),
+                posix_code(exc.errno),
                 extra={"code": "DIR_FSYNC_UNSUPPORTED", "operation": "fsync", "path": None},
             )
 
@@ -504,7 +504,7 @@ _NO_LINK = {errno.EPERM, errno.EIO, errno.ENOTSUP, errno.EOPNOTSUPP, errno.ENOSY
 
 
 def unsupported_fs(exc: OSError, path: str) -> FsStoreError:
-    name = errno.errorcode.get(exc.errno or 0, str(exc.errno))
+    name = posix_code(exc.errno)
     return FsStoreError(
         "UNSUPPORTED_FS",
         f"this mount cannot host a store: it refuses renameat2(RENAME_NOREPLACE) and "

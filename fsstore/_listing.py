@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, TypeVar
 
 from . import _delete, _fsio, _keys, _layout
-from ._errors import FsStoreError, log
+from ._errors import FsStoreError, log, posix_code
 from ._layout import Component
 
 if TYPE_CHECKING:
@@ -114,7 +114,7 @@ def left_out(exc: OSError, op: str, path: str) -> None:
     err = exc.errno or errno.EIO
     if err not in (errno.ELOOP, errno.EXDEV, errno.ENOENT, errno.ENOTDIR):
         log.warning("left out of the listing: %s", os.strerror(err), extra={
-            "code": errno.errorcode.get(err, "EIO"), "operation": op, "path": path, "errno": err})
+            "code": posix_code(err), "operation": op, "path": path, "errno": err})
 
 
 @contextlib.contextmanager

@@ -42,10 +42,10 @@ from collections.abc import Callable
 from . import _fsio, _layout, _read
 from ._cleanup import Action, not_looked_at
 from ._commit import link_and_check
-from ._errors import FsStoreError
+from ._errors import FsStoreError, posix_code
 from ._store import SyncStore
 from ._transcript import UNLOCKED_READS, Item, Snapshot, misplaced, plan, scan, snapshot, top
-from ._walk import Progress, TranscriptRef, Walker, error_code, tick, walking
+from ._walk import Progress, TranscriptRef, Walker, tick, walking
 
 
 def init(root: str) -> None:
@@ -136,7 +136,7 @@ def _migrate_one(w: Walker, tref: TranscriptRef, dry_run: bool, older_than: floa
         try:
             return _fix(store.fs, fd, path, dry_run, gaps=gaps, spare=not gaps, older_than=older_than)
         except (OSError, FsStoreError) as exc:
-            code = exc.code if isinstance(exc, FsStoreError) else error_code(exc)
+            code = exc.code if isinstance(exc, FsStoreError) else posix_code(exc.errno)
             return [Action("repair", path, f"not repaired: {exc}", False, failed=True, code=code)]
         finally:
             os.close(fd)

@@ -21,10 +21,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from . import _fsio, _keys, _read
-from ._errors import FsStoreError, from_oserror
+from ._errors import FsStoreError, from_oserror, posix_code
 from ._store import SyncStore
 from ._transcript import dedupe
-from ._walk import NoStore, Problem, Progress, error_code, gone, require_store, tick
+from ._walk import NoStore, Problem, Progress, gone, require_store, tick
 
 #: Entries per append() when importing (each append is one part file).
 _IMPORT_BATCH = 1000
@@ -109,7 +109,7 @@ def _local_jsonl(directory: str, out: list[str], skipped: list[Problem], depth: 
     except OSError as exc:
         if not gone(exc):
             skipped.append(Problem("error", "unreadable", directory,
-                                   f"cannot list: {exc.strerror}", code=error_code(exc)))
+                                   f"cannot list: {exc.strerror}", code=posix_code(exc.errno)))
         return
     for entry in entries:
         if _passed_over(entry, skipped):
@@ -135,7 +135,7 @@ def local_transcripts(
     try:
         projects = sorted(os.scandir(projects_dir), key=lambda e: e.name)
     except OSError as exc:
-        raise NoStore(f"{projects_dir}: cannot list ({exc.strerror})", error_code(exc)) from exc
+        raise NoStore(f"{projects_dir}: cannot list ({exc.strerror})", posix_code(exc.errno)) from exc
     for pentry in projects:
         if project is not None and pentry.name != project:
             continue
@@ -148,7 +148,7 @@ def local_transcripts(
             entries = sorted(os.scandir(pentry.path), key=lambda e: e.name)
         except OSError as exc:
             skipped.append(Problem("error", "unreadable", pentry.path,
-                                   f"cannot list: {exc.strerror}", code=error_code(exc)))
+                                   f"cannot list: {exc.strerror}", code=posix_code(exc.errno)))
             continue
         mains: list[str] = []
         subs: list[str] = []
@@ -296,7 +296,7 @@ def _import_file(
     except OSError as exc:
         if gone(exc):
             return Transfer(path, key, "gone", detail="removed while importing")
-        return Transfer(path, key, "failed", detail=f"{error_code(exc)} {exc.strerror}", failed=True)
+        return Transfer(path, key, "failed", detail=f"{posix_code(exc.errno)} {exc.strerror}", failed=True)
     t, todo, meta_entry = _compare(store, path, key, local, note)
     if dry_run or not t.added:
         return t

@@ -41,7 +41,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from . import _delete, _fsio, _keys, _layout, _output
-from ._errors import FsStoreError
+from ._errors import FsStoreError, posix_code
 from ._keys import TranscriptKey
 from ._store import SyncStore
 from ._transcript import READ_ATTEMPTS, UNLOCKED_READS, Damage, Item, Snapshot, snapshot
@@ -207,16 +207,11 @@ def gone(exc: OSError) -> bool:
     return exc.errno in _GONE
 
 
-def error_code(exc: OSError) -> str:
-    """The POSIX name of an OSError (``EIO`` when it has none)."""
-    return errno.errorcode.get(exc.errno or 0, "EIO")
-
-
 def unreadable(path: str, what: str, exc: OSError) -> list[Problem]:
     """An OSError as a problem, unless it says the thing is gone."""
     if gone(exc):
         return []
-    return [Problem("error", "unreadable", path, f"{what}: {exc.strerror}", code=error_code(exc))]
+    return [Problem("error", "unreadable", path, f"{what}: {exc.strerror}", code=posix_code(exc.errno))]
 
 
 def changed_at(st: os.stat_result) -> float:
@@ -245,12 +240,6 @@ def _lstat(entry: os.DirEntry[str], path: str) -> tuple[os.stat_result | None, l
         return entry.stat(follow_symlinks=False), []
     except OSError as exc:
         return None, unreadable(f"{path}/{entry.name}", "cannot stat", exc)
-
-
-def _silly(path: str) -> Problem:
-    return Problem("info", "nfs-silly-rename", path,
-                   "NFS silly-rename: a deleted file still open on some client; the client "
-                   "removes it when the file is closed")
 
 
 def is_store(root: str) -> bool:
@@ -283,7 +272,7 @@ def require_store(root: str, *, create: bool = False) -> None:
         try:
             crowded = bool(os.listdir(root))
         except OSError as exc:
-            raise NoStore(f"{root}: cannot list ({exc.strerror})", error_code(exc)) from exc
+            raise NoStore(f"{root}: cannot list ({exc.strerror})", posix_code(exc.errno)) from exc
         if crowded:
             raise NoStore(f"{root}: not an fsstore store, and not empty: not made into one "
                           "(`fsstore init ROOT` marks a directory as a store on purpose)")
@@ -309,20 +298,13 @@ class Walker:
     to break.
     """
 
-    def __init__(
-        self,
-        rfd: int,
-        store: SyncStore,
-        *,
-        now: float | None = None,
-        stale_lock_seconds: float = 30.0,
-        looks_only: bool = False,
-    ) -> None:
+    def __init__(self, rfd: int, store: SyncStore, *, stale_lock_seconds: float = 30.0,
+                 looks_only: bool = False) -> None:
         self.rfd = rfd
         self.looks_only = looks_only
         self.store = store
         self.root = store.root
-        self.now = time.time() if now is None else now
+        self.now = time.time()
         self.stale_lock_seconds = stale_lock_seconds
         self.problems: list[Problem] = []
         self.garbage: list[Garbage] = []  # temp entries found outside transcript dirs
@@ -443,15 +425,26 @@ class Walker:
 
     def stray(self, comps: tuple[str, ...], entry: os.DirEntry[str], st: os.stat_result) -> bool:
         """Note a temp or ``.nfs*`` entry (True), or leave the entry to the caller (False)."""
+        found = self._leftover(comps, entry, st)
+        if isinstance(found, Garbage):
+            self.garbage.append(found)
+        elif found is not None:
+            self.problems.append(found)
+        return found is not None
+
+    def _leftover(
+        self, comps: tuple[str, ...], entry: os.DirEntry[str], st: os.stat_result
+    ) -> Garbage | Problem | None:
+        """A temp file or FUSE's hidden file (garbage), an NFS silly-rename (an info), or None."""
         if entry.name.startswith(_fsio.TEMP_PREFIX):
-            self.garbage.append(self.garbage_entry("temp", comps, entry, st))
-        elif entry.name.startswith(FUSE_HIDDEN_PREFIX):
-            self.garbage.append(self.garbage_entry("fuse-hidden", comps, entry, st))
-        elif entry.name.startswith(NFS_SILLY_PREFIX):
-            self.problems.append(_silly(self.path((*comps, entry.name))))
-        else:
-            return False
-        return True
+            return self.garbage_entry("temp", comps, entry, st)
+        if entry.name.startswith(FUSE_HIDDEN_PREFIX):
+            return self.garbage_entry("fuse-hidden", comps, entry, st)
+        if entry.name.startswith(NFS_SILLY_PREFIX):
+            return Problem("info", "nfs-silly-rename", self.path((*comps, entry.name)),
+                           "NFS silly-rename: a deleted file still open on some client; the "
+                           "client removes it when the file is closed")
+        return None
 
     def _container(self, comps: tuple[str, ...], allowed: set[str]) -> list[str]:
         """Check a directory that holds only known names; return the allowed ones present."""
@@ -627,15 +620,13 @@ class Walker:
                                             "is not a regular file; load() cannot read it"))
             elif st is None:
                 continue
-            elif name.startswith(_fsio.TEMP_PREFIX):
-                temps.append(self.garbage_entry("temp", ref.comps, entry, st))
-            elif name.startswith(FUSE_HIDDEN_PREFIX):
-                temps.append(self.garbage_entry("fuse-hidden", ref.comps, entry, st))
+            elif isinstance(found := self._leftover(ref.comps, entry, st), Garbage):
+                temps.append(found)
+            elif found is not None:
+                problems.append(found)
             elif name == _layout.DELETED:
                 marked = True  # a delete under way, or its deleter died
                 mark_age = self.age(st.st_mtime)
-            elif name.startswith(NFS_SILLY_PREFIX):
-                problems.append(_silly(f"{path}/{name}"))
             elif name not in (_layout.STATE, _layout.STATE_SPARE) and not (
                 name == _fsio.KEY_FILE and ref.subpath
             ):
@@ -675,7 +666,7 @@ def _damage(path: str, damage: Damage) -> Problem:
     if isinstance(err, FsStoreError):
         return Problem("error", "corrupt", fpath, err.message, damage.line, err.code)
     return Problem("error", "unreadable", fpath, f"cannot read: {err.strerror}",
-                   code=error_code(err))
+                   code=posix_code(err.errno))
 
 
 @contextlib.contextmanager

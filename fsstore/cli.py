@@ -33,7 +33,7 @@ from typing import Any, TextIO, final
 
 from . import _check, _cleanup, _lockfiles, _migrate, _transfer
 from ._cliargs import EXIT_OK, EXIT_PROBLEMS, EXIT_USAGE, UsageError, build_parser, mark_values
-from ._errors import FsStoreError
+from ._errors import FsStoreError, posix_code
 from ._keys import check_part
 from ._output import (
     Progress,
@@ -49,7 +49,7 @@ from ._output import (
     when_text,
 )
 from ._store import SyncStore
-from ._walk import NoStore, Problem, error_code, is_store, require_store
+from ._walk import NoStore, Problem, is_store, require_store
 
 # -- commands ----------------------------------------------------------------------
 
@@ -428,7 +428,7 @@ def _run(argv: Sequence[str] | None) -> int:
         quiet(sys.stdout)  # the reader went away (| head): say nothing more
         return 141
     except OSError as exc:
-        return _failed(args, progress, out, err, error_code(exc), str(exc), EXIT_PROBLEMS)
+        return _failed(args, progress, out, err, posix_code(exc.errno), str(exc), EXIT_PROBLEMS)
 
 
 def _failed(args: argparse.Namespace, progress: Progress, out: TextIO, err: TextIO, code: str,
