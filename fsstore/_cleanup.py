@@ -180,8 +180,13 @@ def _remove_trash(w: Walker, g: Garbage, older_than: float, dry_run: bool,
     """:func:`_remove_garbage` for what a delete left in ``.trash``. ``ESTALE``: a
     GlusterFS brick that handled a listing of the directory's old parent while it was
     moved answers so until its old name is looked up (gluster#1411; review, stop 36:
-    every gc failing on the same tombs for minutes): looked up, and removed again."""
+    every gc failing on the same tombs for minutes): looked up, and removed again. A
+    tomb that holds batches and no mark is an orphan again (:func:`_delete.untomb`)."""
+    if g.kind == "tomb" and (act := _untombed(w, g, dry_run)) is not None:
+        return act
     act = _remove_garbage(w, g, older_than, dry_run)
+    if g.kind == "tomb" and act.code == "ENOTEMPTY":
+        return _untombed(w, g, dry_run, unremovable=True) or act
     if act.code != "ESTALE":
         return act
     for where, name in _delete.old_names(g.name, *homes):
@@ -192,6 +197,25 @@ def _remove_trash(w: Walker, g: Garbage, older_than: float, dry_run: bool,
             finally:
                 os.close(pfd)
     return _remove_garbage(w, g, older_than, dry_run)
+
+
+def _untombed(w: Walker, g: Garbage, dry_run: bool, *, unremovable: bool = False) -> Action | None:
+    """gc's :func:`_delete.untomb` of the tomb ``g``: None where it stays one."""
+    trash = w.open(g.parent)
+    if trash is None:
+        return None
+    try:
+        back = _delete.untomb(trash, g.name, dry_run=dry_run, unremovable=unremovable)
+    except OSError as exc:
+        return Action("remove-tomb", g.path, f"deleted transcript's marks: {exc.strerror}", False,
+                      g.age, failed=True, code=posix_code(exc.errno))
+    finally:
+        os.close(trash)
+    why = ("a writer's files landed in it as its marks were removed" if unremovable
+           else "holds batches committed after its marks were removed")
+    return None if back is None else Action(
+        "restore", g.path, f"{why}: renamed back ({back}); an orphan where it holds batches (a "
+        "load moves it back, gc merges it), else a delete's leftover", not dry_run, g.age)
 
 
 def _break(lk: LockInfo, older_than: float, stale_lock_seconds: float, dry_run: bool) -> Action | None:

@@ -582,6 +582,27 @@ def orphan(trash: int, name: str) -> bool:
             and holds_batches(trash, name))
 
 
+def untomb(trash: int, name: str, *, dry_run: bool = False, unremovable: bool = False) -> str | None:
+    """Rename the tomb ``.trash/name`` back to the name the delete gave it, and return
+    that name, where it holds batches and no mark, or (``unremovable``) gc removed its
+    marks and could not remove the rest (``ENOTEMPTY``); None where it stays a tomb.
+
+    A writer that still reaches the directory (held open, or through a client cache)
+    writes there; while the marks are there its check sees them and it starts over. One
+    whose file landed as gc removed the tomb, after the marks, made the removal fail,
+    and committed there: its check saw no mark (found staged: the next gc removed it,
+    the acknowledged batch with it). Under its delete's name, marks gone, what holds
+    batches is an orphan (:func:`orphan`: a load moves it back, gc merges it into a
+    session made at its name since) and the rest a delete's leftover."""
+    if not unremovable and (_mark_seen(trash, name, _layout.MAIN) or _mark_seen(trash, name, "")
+                            or not holds_batches(trash, name)):
+        return None
+    back = name[: -len(_layout.TOMB_TAG)] + ASIDE_TAG
+    if not dry_run:
+        os.rename(name, back, src_dir_fd=trash, dst_dir_fd=trash)
+    return back
+
+
 def _mark_seen(parent: int, name: str, below: str) -> bool:
     """:func:`marked`, raising where that cannot be told (EACCES...): for what must not
     take a mark it could not see for none (:func:`orphan`)."""

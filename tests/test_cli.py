@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 
-from fsstore import FsStoreError, _cleanup, _delete, _layout, _listing, _merge, _views
+from fsstore import FsStoreError, _cleanup, _delete, _fsio, _layout, _listing, _merge, _views
 from fsstore._keys import parse_key
 from fsstore._store import SyncStore
 
@@ -754,6 +754,71 @@ def test_a_deletes_tombstone_is_info_for_check_and_removed_by_gc_once_old(root: 
     time.sleep(1.1)  # gc ages by the later of mtime and ctime: wait, not utime
     gc = fsstore("gc", root, "--older-than", "1s")
     assert gc.returncode == 0 and not tombs[0].exists(), gc.stdout + gc.stderr
+
+
+def test_a_batch_committed_into_a_tomb_as_gc_removed_its_marks_is_not_removed_with_it(
+    root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A tomb keeps a deleted transcript's marks for a writer that still reaches the
+    directory (it held it open, or its client resolves the old path to it: GlusterFS):
+    that writer's check sees the mark and starts over in the session at the name. gc
+    removes a tomb's marks last and then the directory; a writer whose temp file landed
+    in between made the removal fail (``ENOTEMPTY``: seen with ``--older-than 0s`` on
+    GlusterFS, 4 of 9 stress runs at stop 37), and its check, finding no mark, committed
+    there. The next gc removed that tomb, batch and all. Now gc renames a tomb it could
+    not remove back to its delete's name, where what holds batches is an orphan: moved
+    back by the next load. Staged: the writer stalled between opening its directory and
+    writing its temp file, the delete and gc in that stall, the temp file landing just
+    before gc's rmdir of the writer's directory."""
+    writer, deleter = SyncStore(root, create=True), SyncStore(root)
+    writer.append(KEY, [entry(0)])
+    real_write_new, real_rmdir = _fsio.Fs.write_new, os.rmdir
+    staged: list[str] = []
+
+    def write_new(self: _fsio.Fs, dir_fd: int, name: str, data: bytes, **kw: Any) -> None:
+        if staged or not data.startswith(b"{"):  # (the batch's temp file, once)
+            return real_write_new(self, dir_fd, name, data, **kw)
+        staged.append("writer stalled")
+        deleter.delete(KEY)  # the writer's directory is a tomb in .trash now
+
+        def rmdir(path: Any, *, dir_fd: int | None = None) -> None:
+            if path == _layout.MAIN and len(staged) == 1:  # the writer's directory, emptied
+                staged.append("temp file landed")
+                real_write_new(self, dir_fd_w, name, data, **kw)
+            real_rmdir(path, dir_fd=dir_fd)
+
+        dir_fd_w = dir_fd
+        time.sleep(0.05)
+        with monkeypatch.context() as m:
+            m.setattr(os, "rmdir", rmdir)
+            actions = _cleanup.gc(str(root), older_than=0.0)
+        assert [a.action for a in actions if a.failed or "tomb" in a.path] == ["restore"], actions
+        return None
+
+    monkeypatch.setattr(_fsio.Fs, "write_new", write_new)
+    writer.append(KEY, [entry(1)])  # acknowledged
+    monkeypatch.undo()
+    assert staged == ["writer stalled", "temp file landed"]
+    assert SyncStore(root).load(KEY) == [entry(1)]
+    time.sleep(0.05)
+    assert not [a for a in _cleanup.gc(str(root), older_than=0.0) if a.failed]
+    assert SyncStore(root).load(KEY) == [entry(1)]
+
+
+def test_a_tomb_holding_batches_and_no_mark_is_moved_back_not_removed(root: Path, store: SyncStore) -> None:
+    """The same writer's batch where gc's removal was cut short before it could rename
+    the tomb (a crash): a tomb with batches and no mark is renamed back to its delete's
+    name by the next gc, an orphan, which a load then moves back."""
+    store.append(KEY, [entry(0)])
+    main = tdir(root, KEY)
+    store.delete(KEY)
+    (tomb,) = [p for p in (root / _layout.TRASH).iterdir() if p.name.endswith(_layout.TOMB_TAG)]
+    (tomb / _layout.MAIN / _layout.DELETED).unlink()
+    write_jsonl(tomb / _layout.MAIN / _layout.part_name(1), [entry(1)])
+    time.sleep(0.05)
+    actions = _cleanup.gc(str(root), older_than=0.0)
+    assert [a.action for a in actions if "tomb" in a.path] == ["restore"], actions
+    assert not main.exists() and store.load(KEY) == [entry(1)]
 
 
 def _delete_racing_remakes(root: Path, store: SyncStore, deleter: SyncStore,
