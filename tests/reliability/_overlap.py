@@ -10,12 +10,14 @@ one line per load: the batch names of that snapshot, in order.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import random
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -91,11 +93,36 @@ while time.monotonic() < deadline:
 """
 
 
+def faketime_unavailable() -> str | None:
+    """Why a process with a skewed clock cannot be started here (None: it can)."""
+    if not os.path.exists(FAKETIME_LIB):
+        return "needs libfaketime (apt-get install faketime)"
+    if _wallclock_shim() is None:
+        return "needs a C compiler for the wall-clock shim (apt-get install gcc libc6-dev)"
+    return None
+
+
 def faketime_env(offset: str) -> dict[str, str]:
-    """The environment of a process whose clock is ``offset`` off (libfaketime; file
-    times stay the storage's, as on NFS)."""
-    return {**os.environ, "LD_PRELOAD": FAKETIME_LIB, "FAKETIME": offset,
-            "FAKETIME_DONT_RESET": "1", "FAKETIME_NO_CACHE": "1"}
+    """The environment of a process whose wall clock is ``offset`` off, its monotonic
+    clock right (libfaketime, with tests/reliability/wallclock_shim.c preloaded before
+    it; file times stay the storage's, as on NFS)."""
+    shim = _wallclock_shim()
+    assert shim is not None, faketime_unavailable()
+    return {**os.environ, "LD_PRELOAD": f"{shim} {FAKETIME_LIB}", "FAKETIME": offset,
+            "FAKETIME_DONT_FAKE_MONOTONIC": "1", "FAKETIME_DONT_RESET": "1", "FAKETIME_NO_CACHE": "1"}
+
+
+@functools.lru_cache(maxsize=1)
+def _wallclock_shim() -> str | None:
+    """tests/reliability/wallclock_shim.c built (once per run); None without a compiler."""
+    src = Path(__file__).with_name("wallclock_shim.c")
+    out = Path(tempfile.mkdtemp(prefix="fsstore-shim-")) / "wallclock_shim.so"
+    try:
+        subprocess.run(["cc", "-O2", "-shared", "-fPIC", "-o", str(out), str(src), "-ldl"],
+                       check=True, capture_output=True, timeout=120)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return str(out)
 
 
 # (system call, delay in microseconds, strace's when=first+step or None for every call)

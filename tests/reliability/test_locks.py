@@ -861,8 +861,8 @@ def test_summaries_of_a_transcript_with_a_missing_part_do_not_wait_for_its_lock(
         holder.wait(10)
 
 
-needs_faketime = pytest.mark.skipif(not os.path.exists(_overlap.FAKETIME_LIB),
-                                    reason="needs libfaketime (apt-get install faketime)")
+needs_faketime = pytest.mark.skipif(_overlap.faketime_unavailable() is not None,
+                                    reason=str(_overlap.faketime_unavailable()))
 
 SKEWED_APPEND = """
 import logging, sys, time

@@ -11,6 +11,7 @@ snapshot a prefix of the final order, no CORRUPT, no failed append's batch prese
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -28,8 +29,8 @@ from ._overlap import KEY, start_compactor, start_reader, start_writer, verify, 
 
 pytestmark = pytest.mark.timeout(240)
 
-needs_faketime = pytest.mark.skipif(not os.path.exists(_overlap.FAKETIME_LIB),
-                                    reason="needs libfaketime (apt-get install faketime)")
+needs_faketime = pytest.mark.skipif(_overlap.faketime_unavailable() is not None,
+                                    reason=str(_overlap.faketime_unavailable()))
 needs_strace = pytest.mark.skipif(shutil.which("strace") is None, reason="needs strace")
 
 # Every lock is judged stale after 1 s: overlaps come often.
@@ -52,6 +53,25 @@ def _campaign(tmp_path: Path, figures: Any, odd: dict[str, dict[str, Any]], *, n
     figures.add("writer processes", len(procs))
     figures.add("reader loads checked", got["snapshots"])
     return got
+
+
+@needs_faketime
+@pytest.mark.parametrize("offset", ["+10m", "-10m"])
+def test_a_skewed_process_has_its_wall_clock_off_and_its_sleeps_and_waits_on_time(offset: str) -> None:
+    """The skewed writers below are a host whose wall clock is wrong: ``time.time()`` is
+    off by the offset, while sleeps, timed thread waits and lock timeouts take the time
+    they say (review 99: with libfaketime faking the monotonic clock too, as the suite
+    did before stop 38, a timed wait of one thread on another never timed out, so the
+    skewed writers never took the store's in-process timeout paths)."""
+    code = ("import json, os, threading, time\n"
+            "skew = time.time() - os.stat('/proc/self').st_mtime\n"
+            "t0 = time.monotonic(); time.sleep(0.2); threading.Event().wait(0.2)\n"
+            "held = threading.Lock(); held.acquire(); held.acquire(timeout=0.2)\n"
+            "print(json.dumps([skew, time.monotonic() - t0]))")
+    out = subprocess.run([sys.executable, "-c", code], env=_overlap.faketime_env(offset), capture_output=True,
+                         text=True, timeout=30, check=True)
+    skew, waited = json.loads(out.stdout)
+    assert abs(skew - (600 if offset == "+10m" else -600)) < 60 and 0.5 < waited < 5, out.stdout
 
 
 @needs_faketime
