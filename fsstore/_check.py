@@ -245,11 +245,17 @@ def check(
         w.problems += [_lock_problem(lk, stale_lock_seconds) for lk in report.locks]
         w.problems += [_garbage_problem(g, older_than)
                        for g in (*w.garbage, *w.trash(), *lock_garbage)]
+        if abs(w.offset) > _SKEW_TOLERANCE:
+            w.problem("warning", "clock-skew", w.root,
+                      f"this host's clock is {age_text(abs(w.offset))} "
+                      f"{'behind' if w.offset > 0 else 'ahead of'} the file server's (a file "
+                      "made in the store): fsstore's commands here age files by the server's "
+                      "clock, but this host's writers and listings time summaries by their own")
         if w.max_skew > _SKEW_TOLERANCE:
             w.problem("warning", "clock-skew", w.root,
-                      f"a file time is {age_text(w.max_skew)} ahead of this host's clock: "
-                      "clocks differ between this host and the file server, so ages (and "
-                      "stale-lock expiry) are off by as much")
+                      f"a file time is {age_text(w.max_skew)} ahead of the file server's clock: "
+                      "a client set it (sshfs sends its own time), and clocks differ between "
+                      "that client and the server")
     rank = {"error": 0, "warning": 1, "info": 2}
     report.problems = sorted(w.problems, key=lambda p: (rank[p.severity], p.path, p.line or 0))
     return report

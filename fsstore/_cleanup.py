@@ -23,7 +23,6 @@ from __future__ import annotations
 import contextlib
 import os
 import stat
-import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -470,7 +469,7 @@ def _prune_one(w: Walker, ref: SessionRef, older_than: float, dry_run: bool) -> 
                 # whose check passed before the marks shows here; one after them removes
                 # them, and this prune then keeps it (fsstore._delete._prune). So
                 # whatever stalls prune, no acknowledged batch is deleted unseen.
-                w.now = time.time()
+                w.now = w.clock()
                 reason = _reason_to_keep(w, ref, first, older_than)
                 if reason is not None:
                     kept.append(reason)

@@ -40,6 +40,26 @@ def refresh_listing(dir_fd: int) -> bool:
     return True
 
 
+def server_clock_offset(dir_fd: int) -> float:
+    """How far the file server's clock is ahead of this host's (negative: behind), in
+    seconds: the mtime it gives a file made in ``dir_fd`` (``.tmp-…-probe``, removed at
+    once) against this host's clock around it. 0 where none can be made (a read-only
+    mount: this host's clock it is), or where within a second (coarse file times)."""
+    name = temp_name("-probe")
+    before = time.time()
+    try:
+        fd = os.open(name, CREATE_FLAGS, 0o600, dir_fd=dir_fd)
+    except OSError:
+        return 0.0
+    try:
+        made = os.fstat(fd).st_mtime
+    finally:
+        os.close(fd)
+        unlink_quiet(dir_fd, name)
+    offset = made - (before + time.time()) / 2
+    return offset if abs(offset) > 1.0 else 0.0
+
+
 def forgot_stale_name(dir_fd: int, name: str) -> bool:
     """Whether ``name`` (a link to it was refused: EEXIST) was there for this client
     only, and is forgotten now: an open of it that the server answers ENOENT makes a

@@ -24,9 +24,10 @@ Everything here runs while other processes (on other hosts too) write to the sto
   and ``.trash`` entries are aged by the later of mtime and ctime (ctime cannot be
   set back, and a rename sets it).
 
-Ages are measured against this host's clock (``time.time()``) while file times
-come from the file server; the walker notes how far ahead of this host's clock the
-newest file time is (``max_skew``; see docs/operations.md about clock skew).
+File times come from the file server: ages go by its clock, read once from a file made
+in the root (``offset``, :func:`_views.server_clock_offset`; review 99: ``prune
+--older-than 1h`` on a host 2 h ahead deleted sessions being appended to). ``max_skew``:
+how far ahead of that the newest file time is (docs/operations.md, clock skew).
 """
 
 from __future__ import annotations
@@ -37,10 +38,10 @@ import os
 import stat
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any
 
-from . import _delete, _fsio, _keys, _layout, _output
+from . import _delete, _fsio, _keys, _layout, _output, _views
 from ._errors import FsStoreError, posix_code
 from ._keys import TranscriptKey
 from ._store import SyncStore
@@ -88,14 +89,7 @@ class Problem:
         return self.severity in ("error", "warning")
 
     def as_dict(self) -> dict[str, Any]:
-        return {
-            "severity": self.severity,
-            "kind": self.kind,
-            "path": self.path,
-            "line": self.line,
-            "code": self.code,
-            "message": self.message,
-        }
+        return asdict(self)
 
 
 @dataclass(frozen=True)
@@ -304,7 +298,8 @@ class Walker:
         self.looks_only = looks_only
         self.store = store
         self.root = store.root
-        self.now = time.time()
+        self.offset = _views.server_clock_offset(rfd)
+        self.now = self.clock()
         self.stale_lock_seconds = stale_lock_seconds
         self.problems: list[Problem] = []
         self.garbage: list[Garbage] = []  # temp entries found outside transcript dirs
@@ -356,6 +351,10 @@ class Walker:
                     yield fd, entry, st
         finally:
             os.close(fd)
+
+    def clock(self) -> float:
+        """Now, by the file server's clock as this walk measured it."""
+        return time.time() + self.offset
 
     def age(self, ts: float) -> float:
         """How old a file time is by this host's clock (0 if ahead: noted as skew)."""

@@ -255,7 +255,7 @@ def test_check_reports_every_kind_of_damage_with_file_and_line(
     assert "without its .key" in out
     assert "symlink" in out and "linked" in out
     assert "notes.txt" in out
-    assert "ahead of this host's clock" in out
+    assert "ahead of the file server's clock" in out
     assert out.rstrip().endswith("warning(s)")
 
     doc = fsstore_json("check", root, "--older-than", "1s", rc=1)

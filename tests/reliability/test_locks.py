@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -36,7 +37,7 @@ import pytest
 from fsstore import FsStoreError
 from fsstore._store import SyncStore
 
-from .._helpers import stall
+from .._helpers import stall, tdir
 from . import _children, _mounts, _overlap
 from ._check import (
     assert_summaries_consistent,
@@ -984,6 +985,40 @@ def test_gc_on_a_host_whose_clock_runs_ahead_leaves_a_live_holder_here_its_lock(
             other.append(KEY, batch("other", 0, 1))
         assert info.value.code == "LOCK_TIMEOUT"
     assert gc.returncode == 0, gc.stdout + gc.stderr
+
+
+@needs_faketime
+@pytest.mark.parametrize("offset", ["+2h", "-2h"])
+def test_the_commands_on_a_host_whose_clock_is_off_age_files_by_the_file_servers_clock(
+        tmp_path: Path, offset: str) -> None:
+    """Review 99: ``fsstore prune --older-than 1h`` on a host 2 h ahead deleted sessions
+    being appended to, and gc took live writers' temp files for old: they aged files by
+    their own clock against times the file server set. They now read the server's clock
+    from a file they make in the store, and `check` says how far off this host is. (A
+    host behind made nothing old: a clock 2 h behind kept 3 h old garbage.)"""
+    root = tmp_path / "store"
+    store = SyncStore(root, create=True)
+    store.append(KEY, batch("live", 0, 1))  # just now
+    temp = tdir(root, KEY) / ".tmp-999999-0123456789ab-1"  # a live writer's, just made
+    temp.write_bytes(b"{}\n")
+    old = {"project_key": KEY["project_key"], "session_id": "old"}
+    store.append(old, batch("old", 0, 1))
+    for f in tdir(root, old).iterdir():
+        os.utime(f, (time.time() - 3 * 3600,) * 2)  # written 3 h ago by the server's clock
+    env = {**_overlap.faketime_env(offset), "PYTHONPATH": str(REPO)}
+
+    def fsstore(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "fsstore", *args], check=False, env=env,
+                              capture_output=True, text=True, timeout=60)
+
+    pruned = fsstore("prune", str(root), "--older-than", "1h")
+    gc = fsstore("gc", str(root), "--older-than", "1h")
+    check = fsstore("check", str(root))
+    assert pruned.returncode == 0 and gc.returncode == 0, pruned.stdout + gc.stdout
+    assert SyncStore(root).load(KEY) == batch("live", 0, 1) and temp.exists(), pruned.stdout + gc.stdout
+    assert SyncStore(root).load(old) is None, pruned.stdout  # 3 h old by the server's clock
+    ahead = "ahead of" if offset == "+2h" else "behind"
+    assert re.search(f"this host's clock is (1h59m|2h00m) {ahead} the file server's", check.stdout), check.stdout
 
 
 STALLED_RELEASE_HOLDER = """
