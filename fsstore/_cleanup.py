@@ -271,6 +271,7 @@ def gc(
     younger is touched."""
     actions: list[Action] = []
     with walking(root) as w:
+        w.root_entries()  # (a command's clock probe left by a kill: garbage)
         refs = w.sessions()
         seen: list[TranscriptRef] = []
         for i, ref in enumerate(refs):

@@ -527,10 +527,11 @@ class Walker:
         return found
 
     def root_entries(self) -> None:
-        """Note anything at the top level that is not ``projects``, ``.trash``, ``.locks``
-        or the ``.fsstore`` marker."""
-        for entry in self.scan(self.rfd, ()):
-            if entry.name in (_layout.PROJECTS, _layout.TRASH, _layout.LOCKS, _layout.MARKER):
+        """Note anything at the top level that is not ``projects``, ``.trash``, ``.locks``,
+        the ``.fsstore`` marker or a temp file (a command's clock probe: garbage once old)."""
+        for _fd, entry, st in self.entries(()):
+            if entry.name in (_layout.PROJECTS, _layout.TRASH, _layout.LOCKS, _layout.MARKER) or (
+                    self.stray((), entry, st)):
                 continue
             self.problem("info", "unexpected", self.path((entry.name,)),
                          "not part of the store layout (left alone)")

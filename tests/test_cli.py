@@ -805,6 +805,20 @@ def test_a_batch_committed_into_a_tomb_as_gc_removed_its_marks_is_not_removed_wi
     assert SyncStore(root).load(KEY) == [entry(1)]
 
 
+def test_a_clock_probe_a_killed_command_left_in_the_root_is_garbage_for_gc(root: Path, store: SyncStore) -> None:
+    """Every command reads the file server's clock from a ``.tmp-…-probe`` file it makes
+    and removes in the root; one killed in between leaves it: `check` lists it as a temp
+    file (not as something outside the store's layout), and gc removes it once old."""
+    store.append(KEY, [entry(1)])
+    probe = root / ".tmp-424242-0123456789ab-1-probe"
+    probe.write_bytes(b"")
+    time.sleep(0.05)  # (temp files are aged by their ctime too)
+    check = fsstore_json("check", root, "--older-than", "0s", rc=1)
+    assert [p["kind"] for p in check["problems"] if p["path"] == str(probe)] == ["orphaned-temp"], check
+    gc = fsstore("gc", root, "--older-than", "0s")
+    assert gc.returncode == 0 and not probe.exists(), gc.stdout + gc.stderr
+
+
 def test_a_tomb_holding_batches_and_no_mark_is_moved_back_not_removed(root: Path, store: SyncStore) -> None:
     """The same writer's batch where gc's removal was cut short before it could rename
     the tomb (a crash): a tomb with batches and no mark is renamed back to its delete's
