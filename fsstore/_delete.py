@@ -143,12 +143,9 @@ def _move_and_claim(
 
 
 def _again_if_stale(parent: int | None, name: str, step: Callable[[], T]) -> T:
-    """``step()``, once more after ESTALE from ``parent/name`` (a path): a GlusterFS
-    brick that handled a client's listing of a directory after another host moved a
-    directory in it away (a delete; this delete's own move too) links that under its old
-    name again, and answers ESTALE for it until the name is looked up and found gone
-    (gluster#1411). The lookup is made, and the step taken again (every step of a
-    delete can be)."""
+    """``step()``, once more after ESTALE from ``parent/name`` (a path) and a lookup of
+    it (:func:`forget_old_name`: another host's delete, or this one's move); every step
+    of a delete can be taken again."""
     try:
         return step()
     except OSError as exc:
@@ -159,8 +156,9 @@ def _again_if_stale(parent: int | None, name: str, step: Callable[[], T]) -> T:
 
 
 def forget_old_name(parent: int, name: str) -> None:
-    """Look ``parent/name`` up: a GlusterFS brick that answers ESTALE for a directory
-    moved away from there stops once the name is found gone (gluster#1411)."""
+    """Look ``parent/name`` up: a GlusterFS brick that handled a client's listing of a
+    directory after another host moved a directory in it away links that under its old
+    name again, and answers ESTALE for it until the name is looked up (gluster#1411)."""
     with contextlib.suppress(OSError):
         _views.looked_up_ino(parent, name)
 
@@ -578,29 +576,12 @@ def orphan(trash: int, name: str) -> bool:
     back, merged or claimed. OSError where that cannot be told: its mark or its batches
     this process may not see (:func:`holds_batches`; a ``main/`` it may read but not
     search hid the mark of a deleted session's tomb, which gc then moved back: review)."""
-    return (name.endswith(ASIDE_TAG) and not (_mark_seen(trash, name, _layout.MAIN) or _mark_seen(trash, name, ""))
-            and holds_batches(trash, name))
+    return name.endswith(ASIDE_TAG) and unmarked_with_batches(trash, name)
 
 
-def untomb(trash: int, name: str, *, dry_run: bool = False, unremovable: bool = False) -> str | None:
-    """Rename the tomb ``.trash/name`` back to the name the delete gave it, and return
-    that name, where it holds batches and no mark, or (``unremovable``) gc removed its
-    marks and could not remove the rest (``ENOTEMPTY``); None where it stays a tomb.
-
-    A writer that still reaches the directory (held open, or through a client cache)
-    writes there; while the marks are there its check sees them and it starts over. One
-    whose file landed as gc removed the tomb, after the marks, made the removal fail,
-    and committed there: its check saw no mark (found staged: the next gc removed it,
-    the acknowledged batch with it). Under its delete's name, marks gone, what holds
-    batches is an orphan (:func:`orphan`: a load moves it back, gc merges it into a
-    session made at its name since) and the rest a delete's leftover."""
-    if not unremovable and (_mark_seen(trash, name, _layout.MAIN) or _mark_seen(trash, name, "")
-                            or not holds_batches(trash, name)):
-        return None
-    back = name[: -len(_layout.TOMB_TAG)] + ASIDE_TAG
-    if not dry_run:
-        os.rename(name, back, src_dir_fd=trash, dst_dir_fd=trash)
-    return back
+def unmarked_with_batches(trash: int, name: str) -> bool:
+    """Whether ``.trash/name`` holds batches and no mark (see :func:`orphan`)."""
+    return not (_mark_seen(trash, name, _layout.MAIN) or _mark_seen(trash, name, "")) and holds_batches(trash, name)
 
 
 def _mark_seen(parent: int, name: str, below: str) -> bool:
@@ -706,9 +687,7 @@ def _transcript_dirs(
     opened: list[int] = []
     try:
         for names in dirs:
-            # ESTALE: another host's delete (found by review: 4 of 9 GlusterFS stress runs
-            # had a delete fail at its tickets, where another host had deleted the
-            # transcript and made it anew)
+            # ESTALE: deleted and made anew by another host (GlusterFS: deletes failed so)
             tfd = _again_if_stale(parent, "/".join(names), functools.partial(
                 store._fs.open_dir, parent, [(n, None) for n in names], create=False, base_path=base,
                 operation="delete"))
