@@ -179,13 +179,17 @@ def _remove_trash(w: Walker, g: Garbage, older_than: float, dry_run: bool,
     """:func:`_remove_garbage` for what a delete left in ``.trash``. ``ESTALE``: a
     GlusterFS brick that handled a listing of the directory's old parent while it was
     moved answers so until its old name is looked up (gluster#1411; review, stop 36:
-    every gc failing on the same tombs for minutes): looked up, and removed again. A
+    every gc failing on the same tombs for minutes): looked up, and all of it again. A
     tomb that holds batches and no mark is an orphan again (:func:`_untombed`)."""
-    if g.kind == "tomb" and (act := _untombed(w, g, dry_run)) is not None:
+    def attempt() -> Action:
+        if g.kind == "tomb" and (act := _untombed(w, g, dry_run)) is not None:
+            return act
+        act = _remove_garbage(w, g, older_than, dry_run)
+        if g.kind == "tomb" and act.code == "ENOTEMPTY":
+            return _untombed(w, g, dry_run, unremovable=True) or act
         return act
-    act = _remove_garbage(w, g, older_than, dry_run)
-    if g.kind == "tomb" and act.code == "ENOTEMPTY":
-        return _untombed(w, g, dry_run, unremovable=True) or act
+
+    act = attempt()
     if act.code != "ESTALE":
         return act
     for where, name in _delete.old_names(g.name, *homes):
@@ -195,7 +199,7 @@ def _remove_trash(w: Walker, g: Garbage, older_than: float, dry_run: bool,
                 _delete.forget_old_name(pfd, name)
             finally:
                 os.close(pfd)
-    return _remove_garbage(w, g, older_than, dry_run)
+    return attempt()
 
 
 def _untombed(w: Walker, g: Garbage, dry_run: bool, *, unremovable: bool = False) -> Action | None:

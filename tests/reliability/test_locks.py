@@ -962,13 +962,19 @@ def test_gc_on_a_host_whose_clock_runs_ahead_leaves_a_live_holder_here_its_lock(
     run at +2h with ``--older-than 1h`` it took a lock held for 0.2 s by a live process
     on the same host for stale, broke it, and another process's append went in while
     the holder was inside ``locked()`` (review, stop 31: 5 of 5 and 3 of 3 runs). A
-    holder alive on this host is left to its waiters, who time it by their own clock."""
+    holder alive on this host is left to its waiters, who time it by their own clock.
+    (Since stop 38 gc ages files by the file server's clock, which makes this marker
+    young; its mtime is set back past the threshold here, as a holder stuck that long,
+    or a clock gc cannot read, would leave it, so that the live holder's rule is what
+    keeps it.)"""
     root = tmp_path / "store"
     store = SyncStore(root, create=True)
     store.append(KEY, batch("first", 0, 1))
     with store.locked(KEY):
         marker = lock_file(str(root))
         mine = marker.read_bytes()
+        back = 2 * 3600 if older_than == "1h" else 120
+        os.utime(marker, (time.time() - back, time.time() - back))
         env = {**_overlap.faketime_env(offset), "PYTHONPATH": str(REPO)}
         gc = subprocess.run([sys.executable, "-m", "fsstore", "gc", str(root), "--older-than", older_than],
                             check=False, env=env, capture_output=True, text=True, timeout=60)
