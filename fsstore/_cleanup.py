@@ -179,17 +179,8 @@ def _remove_trash(w: Walker, g: Garbage, older_than: float, dry_run: bool,
     """:func:`_remove_garbage` for what a delete left in ``.trash``. ``ESTALE``: a
     GlusterFS brick that handled a listing of the directory's old parent while it was
     moved answers so until its old name is looked up (gluster#1411; review, stop 36:
-    every gc failing on the same tombs for minutes): looked up, and all of it again. A
-    tomb that holds batches and no mark is an orphan again (:func:`_untombed`)."""
-    def attempt() -> Action:
-        if g.kind == "tomb" and (act := _untombed(w, g, dry_run)) is not None:
-            return act
-        act = _remove_garbage(w, g, older_than, dry_run)
-        if g.kind == "tomb" and act.code == "ENOTEMPTY":
-            return _untombed(w, g, dry_run, unremovable=True) or act
-        return act
-
-    act = attempt()
+    every gc failing on the same tombs for minutes): looked up, and removed again."""
+    act = _remove_garbage(w, g, older_than, dry_run)
     if act.code != "ESTALE":
         return act
     for where, name in _delete.old_names(g.name, *homes):
@@ -199,40 +190,7 @@ def _remove_trash(w: Walker, g: Garbage, older_than: float, dry_run: bool,
                 _delete.forget_old_name(pfd, name)
             finally:
                 os.close(pfd)
-    return attempt()
-
-
-def _untombed(w: Walker, g: Garbage, dry_run: bool, *, unremovable: bool = False) -> Action | None:
-    """Rename the tomb ``g`` back to the name its delete gave it where it holds batches
-    and no mark, or (``unremovable``) gc removed its marks and could not remove the rest
-    (``ENOTEMPTY``); None where it stays a tomb.
-
-    A writer that still reaches the directory (held open, or through a client cache)
-    writes there; while the marks are there its check sees them and it starts over. One
-    whose file landed as gc removed the tomb, after the marks, made the removal fail,
-    and committed there: its check saw no mark (found staged: the next gc removed it,
-    the acknowledged batch with it). Under its delete's name, marks gone, what holds
-    batches is an orphan (:func:`_delete.orphan`: a load moves it back, gc merges it
-    into a session made at its name since) and the rest a delete's leftover."""
-    trash = w.open(g.parent)
-    if trash is None:
-        return None
-    back = g.name[: -len(_layout.TOMB_TAG)] + _delete.ASIDE_TAG
-    try:
-        if not unremovable and not _delete.unmarked_with_batches(trash, g.name):
-            return None
-        if not dry_run:
-            os.rename(g.name, back, src_dir_fd=trash, dst_dir_fd=trash)
-    except OSError as exc:
-        return Action("remove-tomb", g.path, f"deleted transcript's marks: {exc.strerror}", False,
-                      g.age, failed=True, code=posix_code(exc.errno))
-    finally:
-        os.close(trash)
-    why = ("a writer's files landed in it as its marks were removed" if unremovable
-           else "holds batches committed after its marks were removed")
-    return Action(
-        "restore", g.path, f"{why}: renamed back ({back}); an orphan where it holds batches (a "
-        "load moves it back, gc merges it), else a delete's leftover", not dry_run, g.age)
+    return _remove_garbage(w, g, older_than, dry_run)
 
 
 def _break(lk: LockInfo, older_than: float, stale_lock_seconds: float, dry_run: bool) -> Action | None:

@@ -576,12 +576,8 @@ def orphan(trash: int, name: str) -> bool:
     back, merged or claimed. OSError where that cannot be told: its mark or its batches
     this process may not see (:func:`holds_batches`; a ``main/`` it may read but not
     search hid the mark of a deleted session's tomb, which gc then moved back: review)."""
-    return name.endswith(ASIDE_TAG) and unmarked_with_batches(trash, name)
-
-
-def unmarked_with_batches(trash: int, name: str) -> bool:
-    """Whether ``.trash/name`` holds batches and no mark (see :func:`orphan`)."""
-    return not (_mark_seen(trash, name, _layout.MAIN) or _mark_seen(trash, name, "")) and holds_batches(trash, name)
+    return (name.endswith(ASIDE_TAG) and not (_mark_seen(trash, name, _layout.MAIN) or _mark_seen(trash, name, ""))
+            and holds_batches(trash, name))
 
 
 def _mark_seen(parent: int, name: str, below: str) -> bool:

@@ -40,17 +40,27 @@ def refresh_listing(dir_fd: int) -> bool:
     return True
 
 
-def server_clock_offset(dir_fd: int) -> float:
+def server_clock_offset(dir_fd: int, *, inside: str | None = None) -> float:
     """How far the file server's clock is ahead of this host's (negative: behind), in
     seconds: the mtime it gives a file made in ``dir_fd`` (``.tmp-…-probe``, removed at
-    once) against this host's clock around it. 0 where none can be made (a read-only
-    mount: this host's clock it is), or where within a second (coarse file times)."""
+    once), or where that cannot be (a root this user may not write in, made immutable),
+    in its directory ``inside``, against this host's clock around it. 0 where none can be
+    made (a read-only mount: this host's clock it is), or where within a second."""
     name = temp_name("-probe")
     before = time.time()
     try:
         fd = os.open(name, CREATE_FLAGS, 0o600, dir_fd=dir_fd)
     except OSError:
-        return 0.0
+        if inside is None:
+            return 0.0
+        try:
+            sub = os.open(inside, DIR_FLAGS, dir_fd=dir_fd)
+        except OSError:
+            return 0.0
+        try:
+            return server_clock_offset(sub)
+        finally:
+            os.close(sub)
     try:
         made = os.fstat(fd).st_mtime
     finally:

@@ -298,7 +298,7 @@ class Walker:
         self.looks_only = looks_only
         self.store = store
         self.root = store.root
-        self.offset = _views.server_clock_offset(rfd)
+        self.offset = _views.server_clock_offset(rfd, inside=_layout.LOCKS)
         self.now = self.clock()
         self.stale_lock_seconds = stale_lock_seconds
         self.problems: list[Problem] = []

@@ -756,20 +756,23 @@ def test_a_deletes_tombstone_is_info_for_check_and_removed_by_gc_once_old(root: 
     assert gc.returncode == 0 and not tombs[0].exists(), gc.stdout + gc.stderr
 
 
+@pytest.mark.xfail(strict=True, reason="open defect: gc with a threshold below a writer's stall "
+                   "removes a tomb's marks while that writer still reaches it (docs/reliability.md)")
 def test_a_batch_committed_into_a_tomb_as_gc_removed_its_marks_is_not_removed_with_it(
     root: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A tomb keeps a deleted transcript's marks for a writer that still reaches the
     directory (it held it open, or its client resolves the old path to it: GlusterFS):
     that writer's check sees the mark and starts over in the session at the name. gc
-    removes a tomb's marks last and then the directory; a writer whose temp file landed
-    in between made the removal fail (``ENOTEMPTY``: seen with ``--older-than 0s`` on
-    GlusterFS, 4 of 9 stress runs at stop 37), and its check, finding no mark, committed
-    there. The next gc removed that tomb, batch and all. Now gc renames a tomb it could
-    not remove back to its delete's name, where what holds batches is an orphan: moved
-    back by the next load. Staged: the writer stalled between opening its directory and
-    writing its temp file, the delete and gc in that stall, the temp file landing just
-    before gc's rmdir of the writer's directory."""
+    removes a tomb's marks last and then the directory; a writer whose temp file lands
+    in between makes the removal fail (``ENOTEMPTY``: seen with ``--older-than 0s`` on
+    GlusterFS, 4 of 9 stress runs at stop 37, 2 of 3 at stop 38), and its check, finding
+    no mark, commits there: the append returns, and the next gc removes the tomb, batch
+    and all. Renaming such a tomb back into an orphan (tried at stop 38) brought
+    batches back after a later delete of the session (review 100): not kept. Staged:
+    the writer stalled between opening its directory and writing its temp file, the
+    delete and gc in that stall, the temp file landing just before gc's rmdir of the
+    writer's directory."""
     writer, deleter = SyncStore(root, create=True), SyncStore(root)
     writer.append(KEY, [entry(0)])
     real_write_new, real_rmdir = _fsio.Fs.write_new, os.rmdir
@@ -792,17 +795,16 @@ def test_a_batch_committed_into_a_tomb_as_gc_removed_its_marks_is_not_removed_wi
         with monkeypatch.context() as m:
             m.setattr(os, "rmdir", rmdir)
             actions = _cleanup.gc(str(root), older_than=0.0)
-        assert [a.action for a in actions if a.failed or "tomb" in a.path] == ["restore"], actions
+        assert [a.code for a in actions if a.failed] == ["ENOTEMPTY"], actions
         return None
 
     monkeypatch.setattr(_fsio.Fs, "write_new", write_new)
     writer.append(KEY, [entry(1)])  # acknowledged
     monkeypatch.undo()
     assert staged == ["writer stalled", "temp file landed"]
-    assert SyncStore(root).load(KEY) == [entry(1)]
     time.sleep(0.05)
     assert not [a for a in _cleanup.gc(str(root), older_than=0.0) if a.failed]
-    assert SyncStore(root).load(KEY) == [entry(1)]
+    assert SyncStore(root).load(KEY) == [entry(1)]  # lost: None
 
 
 def test_a_clock_probe_a_killed_command_left_in_the_root_is_garbage_for_gc(root: Path, store: SyncStore) -> None:
@@ -817,22 +819,6 @@ def test_a_clock_probe_a_killed_command_left_in_the_root_is_garbage_for_gc(root:
     assert [p["kind"] for p in check["problems"] if p["path"] == str(probe)] == ["orphaned-temp"], check
     gc = fsstore("gc", root, "--older-than", "0s")
     assert gc.returncode == 0 and not probe.exists(), gc.stdout + gc.stderr
-
-
-def test_a_tomb_holding_batches_and_no_mark_is_moved_back_not_removed(root: Path, store: SyncStore) -> None:
-    """The same writer's batch where gc's removal was cut short before it could rename
-    the tomb (a crash): a tomb with batches and no mark is renamed back to its delete's
-    name by the next gc, an orphan, which a load then moves back."""
-    store.append(KEY, [entry(0)])
-    main = tdir(root, KEY)
-    store.delete(KEY)
-    (tomb,) = [p for p in (root / _layout.TRASH).iterdir() if p.name.endswith(_layout.TOMB_TAG)]
-    (tomb / _layout.MAIN / _layout.DELETED).unlink()
-    write_jsonl(tomb / _layout.MAIN / _layout.part_name(1), [entry(1)])
-    time.sleep(0.05)
-    actions = _cleanup.gc(str(root), older_than=0.0)
-    assert [a.action for a in actions if "tomb" in a.path] == ["restore"], actions
-    assert not main.exists() and store.load(KEY) == [entry(1)]
 
 
 def _delete_racing_remakes(root: Path, store: SyncStore, deleter: SyncStore,

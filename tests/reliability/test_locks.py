@@ -1027,6 +1027,28 @@ def test_the_commands_on_a_host_whose_clock_is_off_age_files_by_the_file_servers
     assert re.search(f"this host's clock is (1h59m|2h00m) {ahead} the file server's", check.stdout), check.stdout
 
 
+@needs_faketime
+@pytest.mark.skipif(shutil.which("chattr") is None, reason="needs chattr")
+def test_commands_that_may_not_write_in_the_root_read_the_servers_clock_in_locks(tmp_path: Path) -> None:
+    """Review 100: where the root itself cannot be written (owned by another user, or
+    immutable) but the store below it can, the commands fell back to this host's clock,
+    and a prune on a host 2 h ahead deleted a session being written. They read the
+    server's clock in ``.locks`` then. (Staged with ``chattr +i`` on the root.)"""
+    root = tmp_path / "store"
+    store = SyncStore(root, create=True)
+    store.append(KEY, batch("live", 0, 1))
+    if subprocess.run(["chattr", "+i", str(root)], check=False, capture_output=True).returncode:
+        pytest.skip("this file system has no immutable flag")
+    try:
+        env = {**_overlap.faketime_env("+2h"), "PYTHONPATH": str(REPO)}
+        pruned = subprocess.run([sys.executable, "-m", "fsstore", "prune", str(root), "--older-than", "1h"],
+                                check=False, env=env, capture_output=True, text=True, timeout=60)
+    finally:
+        subprocess.run(["chattr", "-i", str(root)], check=True)
+    assert pruned.returncode == 0 and "deleted" not in pruned.stdout, pruned.stdout + pruned.stderr
+    assert SyncStore(root).load(KEY) == batch("live", 0, 1)
+
+
 STALLED_RELEASE_HOLDER = """
 import glob, sys, time
 sys.path.insert(0, {repo!r})
