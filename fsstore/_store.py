@@ -106,6 +106,7 @@ class SyncStore:
         self._compact_every = compact_every
         self._fs = Fs(fsync=fsync, dir_mode=dir_mode, file_mode=file_mode)
         _read.forget_mounts()  # mounts may have come and gone since the last store was made
+        _views.forget_mounts()
         self._locks = Locks(
             self._fs, stale_lock_seconds=stale_lock_seconds, lock_timeout_seconds=lock_timeout_seconds)
         self._summaries = summaries

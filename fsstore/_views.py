@@ -134,6 +134,12 @@ def looked_up_ino(parent: int, name: str) -> int | None:
 _NUMBERED: dict[int, bool] = {}  # by device (a mount): see listings_number_alike
 
 
+def forget_mounts() -> None:
+    """Forget what :func:`listings_number_alike` learned: device numbers without a block
+    device are reused by the next mount, of any type (a store object made clears it)."""
+    _NUMBERED.clear()
+
+
 def listings_number_alike(parent: int, name: str) -> bool:
     """Whether the mount ``parent`` is on gives in its listings the inode numbers its
     lookups give: true on local disks, NFS and GlusterFS; not on sshfs or overlayfs.
