@@ -637,7 +637,7 @@ def _recreate(store: SyncStore, t: Appending, payload: bytes) -> bool:
                 made = _views.rename_onto(fd, name, make)
             if made:
                 _published(store, t, fd, [n for n, _ in t.comps[i:]])
-            elif _views.listings_number_alike(rfd, "projects"):
+            elif _views.listings_number_alike(rfd, _layout.PROJECTS):
                 # Another directory is there on the server, and this client reaches the
                 # old one: its view lapses once unused (GlusterFS: about 1 s). Not
                 # touching it meanwhile is what lets it lapse.

@@ -18,6 +18,7 @@ from collections.abc import Callable
 from typing import TypeVar
 
 from ._fsio import CREATE_FLAGS, DIR_FLAGS, READ_FLAGS, temp_name, unlink_quiet
+from ._layout import PROJECTS
 
 T = TypeVar("T")
 
@@ -162,7 +163,7 @@ def gone_on_server(root_fd: int, parent: int, name: str, fd: int) -> bool:
     (GlusterFS's lookups, see listed_dir)."""
     if not refresh_listing(fd):
         return True
-    return listings_number_alike(root_fd, "projects") and listed_ino(parent, name) != os.fstat(fd).st_ino
+    return listings_number_alike(root_fd, PROJECTS) and listed_ino(parent, name) != os.fstat(fd).st_ino
 
 
 def listed_dir(root_fd: int, parent: int, name: str, *, wait: bool) -> int | None:
@@ -178,7 +179,7 @@ def listed_dir(root_fd: int, parent: int, name: str, *, wait: bool) -> int | Non
     again for about a second (the cache lapses within about a second unused); ESTALE
     if it keeps disagreeing.
     ``root_fd``: the store's root (see listings_number_alike)."""
-    if not listings_number_alike(root_fd, "projects"):
+    if not listings_number_alike(root_fd, PROJECTS):
         return 0
     for attempt in range(6 if wait else 1):
         if attempt:

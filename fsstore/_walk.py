@@ -330,11 +330,6 @@ class Walker:
             self.problems += unreadable(self.path(comps), "cannot open directory", exc)
         return None
 
-    def scan(self, fd: int, comps: Sequence[str]) -> list[os.DirEntry[str]]:
-        entries, problems = _scandir(fd, self.path(comps))
-        self.problems += problems
-        return entries
-
     def entries(
         self, comps: tuple[str, ...]
     ) -> Iterator[tuple[int, os.DirEntry[str], os.stat_result]]:
@@ -344,7 +339,9 @@ class Walker:
         if fd is None:
             return
         try:
-            for entry in self.scan(fd, comps):
+            listed, unlisted = _scandir(fd, self.path(comps))
+            self.problems += unlisted
+            for entry in listed:
                 st, problems = _lstat(entry, self.path(comps))
                 self.problems += problems
                 if st is not None:

@@ -1043,10 +1043,14 @@ def test_commands_that_may_not_write_in_the_root_read_the_servers_clock_in_locks
         env = {**_overlap.faketime_env("+2h"), "PYTHONPATH": str(REPO)}
         pruned = subprocess.run([sys.executable, "-m", "fsstore", "prune", str(root), "--older-than", "1h"],
                                 check=False, env=env, capture_output=True, text=True, timeout=60)
+        check = subprocess.run([sys.executable, "-m", "fsstore", "check", str(root)],
+                               check=False, env=env, capture_output=True, text=True, timeout=60)
     finally:
         subprocess.run(["chattr", "-i", str(root)], check=True)
     assert pruned.returncode == 0 and "deleted" not in pruned.stdout, pruned.stdout + pruned.stderr
     assert SyncStore(root).load(KEY) == batch("live", 0, 1)
+    # the clock was read (in .locks: the root takes no file), and found 2 h off
+    assert re.search("this host's clock is (1h59m|2h00m) ahead of the file server's", check.stdout), check.stdout
 
 
 STALLED_RELEASE_HOLDER = """
