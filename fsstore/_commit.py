@@ -2,7 +2,7 @@
 
 Commit (``append``), step by step, and what a crash at each step leaves:
 
-1. Encode the batch (one JSON object per line; the last line ends with a random
+1. Encode the batch (:func:`_transcript.encode_batch`: one JSON object per line; the last line ends with a random
    nonce written as JSON whitespace). Bad input raises ``INVALID_ENTRY`` here,
    before anything touches disk.
 2. Write it to ``.tmp-<pid>-<random>`` in the transcript directory (``O_EXCL``);
@@ -31,7 +31,9 @@ Commit (``append``), step by step, and what a crash at each step leaves:
    host deleted and made anew): remove it, and link it again above the highest
    number of the others (never both names at once: above a hole a reader takes
    every part). A ``.deleted`` marker means the transcript is being deleted: remove
-   the name, and start over in a new directory. Otherwise the part is in the chain
+   the name, and start over in a new directory; so does a part linked as part 1 in a
+   directory no longer at its name (:func:`_part_one_at_its_name`: gc removed a
+   deleted directory's marks). Otherwise the part is in the chain
    of every listing from now on (a segment made later over its number was made
    from a listing that held it): **the batch is committed**. Crash before the
    check passed: an unacknowledged part, in the chain or skipped; both fine.
@@ -72,9 +74,7 @@ from . import _delete, _fsio, _layout, _read, _transcript, _views
 from ._errors import FsStoreError, from_oserror, log, posix_code
 from ._keys import TranscriptKey
 from ._layout import Component
-from ._limits import beyond_limits
 from ._transcript import (
-    ENCODER,
     Deleted,
     Item,
     check_session_marker,
@@ -113,50 +113,6 @@ def _last_of(items: list[Item]) -> tuple[int, str | None]:
     """One above the highest number of a listing, and the name of a file holding it."""
     last = max(items, key=lambda it: it[1], default=None)
     return (1, None) if last is None else (last[1] + 1, last[2])
-
-
-# -- step 1 ------------------------------------------------------------------------
-
-
-def encode_batch(entries: object, operation: str) -> bytes:
-    """The part-file bytes for a batch: one JSON object per line, ASCII only."""
-    if not isinstance(entries, list):
-        raise FsStoreError("INVALID_ENTRY", f"entries must be a list, not {type(entries).__name__}",
-                           operation=operation)
-    lines = []
-    for i, entry in enumerate(entries):
-        if not isinstance(entry, dict):
-            raise FsStoreError("INVALID_ENTRY", f"entry {i} must be a JSON object (dict), not "
-                               f"{type(entry).__name__}", operation=operation)
-        try:
-            line = ENCODER.encode(entry)
-        except (TypeError, ValueError, RecursionError) as exc:
-            why = "nested too deeply" if isinstance(exc, RecursionError) else exc
-            raise FsStoreError(
-                "INVALID_ENTRY", f"entry {i} is not JSON-serializable: {why}", operation=operation
-            ) from exc
-        beyond = beyond_limits(entry, line)  # what readers could not parse back
-        if beyond is not None:
-            raise FsStoreError("INVALID_ENTRY", f"entry {i} {beyond}", operation=operation)
-        lines.append(line)
-    lines[-1] += nonce()
-    lines.append("")
-    return "\n".join(lines).encode("ascii")
-
-
-_NONCE_BITS = 32
-_AS_WHITESPACE = str.maketrans("01", " \t")
-
-
-def nonce() -> str:
-    """What ends a batch's last line: :data:`_NONCE_BITS` random bits written as JSON
-    whitespace (spaces and tabs), which every JSON reader skips. Two batches of equal
-    entries differ by it, so a segment that holds a batch's bytes holds that very
-    batch (step 6), not another writer's equal one. From the system's random source:
-    an application that seeds :mod:`random` must not make two batches equal (found by
-    review)."""
-    bits = int.from_bytes(os.urandom(_NONCE_BITS // 8), "big")
-    return format(bits, f"0{_NONCE_BITS}b").translate(_AS_WHITESPACE)
 
 
 # -- steps 2 to 8 ------------------------------------------------------------------
@@ -260,6 +216,8 @@ def _append_once(store: SyncStore, t: Appending, payload: bytes, into: Callable[
                 seq = _next_seq(t, dfd)
                 held.check(op)
                 seq, items = link_and_check(store._fs, dfd, tmp, seq, payload, t.session_marker)
+                if seq == 1:  # linked as part 1: the directory held no committed file
+                    _part_one_at_its_name(store, t, dfd)
                 t.next_seq, t.last_name = _last_of(items)
                 tmp = _drop_temp(dfd, tmp, t.path)
                 since_ns = max(before.st_mtime_ns, now.st_mtime_ns)  # (after the unlink: it stamps)
@@ -276,6 +234,27 @@ def _append_once(store: SyncStore, t: Appending, payload: bytes, into: Callable[
         os.close(dfd)
     if _compaction_due(store, items):
         store._compactions.soon(store, t.key)  # after the append, in a thread of its own; never raises
+
+
+def _part_one_at_its_name(store: SyncStore, t: Appending, dfd: int) -> None:
+    """Step 6 for a part linked as part 1, which only a directory holding no committed
+    file lets happen (a transcript's first batch comes with its directory): one a power
+    loss emptied, or a deleted one that gc is removing. gc removes a deleted directory's
+    marks after everything else in it and before the directory, so a writer that still
+    reaches it (it opened it before the delete and stalled past gc's threshold, or its
+    client still resolves the old path) can commit there seeing no mark, and the next gc
+    would remove the batch with it. Committed only where the directory is still the one
+    its path names on the server; else taken back, and :class:`Deleted`: the append
+    starts over at the name."""
+    try:
+        with store._open_root(create=False, path_only=True) as rfd:
+            here = rfd is not None and _views.at_its_name(rfd, t.comps, dfd)
+    except OSError as exc:
+        raise _may_be_committed(exc, t.path, "it was linked as part 1 and whether its directory "
+                                "is still the transcript's could not be told") from exc
+    if not here:
+        _fsio.unlink_quiet(dfd, _layout.part_name(1))
+        raise Deleted(t.path)
 
 
 def _tick(dfd: int, since_ns: int, held: Held) -> None:
@@ -616,17 +595,11 @@ def _recreate(store: SyncStore, t: Appending, payload: bytes) -> bool:
     False if nothing is missing there (the caller starts over)."""
     with store._open_root(create=True, path_only=True) as rfd:
         assert rfd is not None
-        fd = os.dup(rfd)
+        i, fd = _views.gone_level(rfd, t.comps)
         try:
-            for i, (name, original) in enumerate(t.comps):
-                nfd = os.open(name, _fsio.PATH_FLAGS, dir_fd=fd)
-                if _views.gone_on_server(rfd, fd, name, nfd):
-                    os.close(nfd)
-                    break  # comps[i] is gone on the server: make comps[i:] anew
-                fd, nfd = nfd, fd
-                os.close(nfd)
-            else:
+            if i == len(t.comps):
                 return False
+            name, original = t.comps[i]  # gone on the server: comps[i:] made anew
             store._locks_dir("append")
             with store._locks.hold(t.lock_path, "append") as held:
                 def make() -> bool:

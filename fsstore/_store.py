@@ -31,6 +31,7 @@ from . import (
     _listing,
     _read,
     _summaries,
+    _transcript,
     _views,
 )
 from ._errors import FsStoreError, log, translating
@@ -301,7 +302,7 @@ class SyncStore:
         t = self._appending_to(key, op)
         if isinstance(entries, list) and not entries:
             return
-        payload = _commit.encode_batch(entries, op)
+        payload = _transcript.encode_batch(entries, op)
         with translating(op, t.path):
             _commit.append(self, t, payload, into=into)
 

@@ -17,8 +17,8 @@ import time
 from collections.abc import Callable
 from typing import TypeVar
 
-from ._fsio import CREATE_FLAGS, DIR_FLAGS, READ_FLAGS, temp_name, unlink_quiet
-from ._layout import PROJECTS
+from ._fsio import CREATE_FLAGS, DIR_FLAGS, PATH_FLAGS, READ_FLAGS, temp_name, unlink_quiet
+from ._layout import PROJECTS, Component
 
 T = TypeVar("T")
 
@@ -164,6 +164,41 @@ def gone_on_server(root_fd: int, parent: int, name: str, fd: int) -> bool:
     if not refresh_listing(fd):
         return True
     return listings_number_alike(root_fd, PROJECTS) and listed_ino(parent, name) != os.fstat(fd).st_ino
+
+
+def gone_level(root_fd: int, comps: list[Component]) -> tuple[int, int]:
+    """Walk ``comps`` from the store's root: the index of the first directory of the
+    path that is gone on the server while its name still opens here (``len(comps)``:
+    none is; see :func:`gone_on_server`), and a descriptor, the caller's to close, of
+    the directory holding it (of the whole path where none is gone)."""
+    fd = os.dup(root_fd)
+    try:
+        for i, (name, _original) in enumerate(comps):
+            nfd = os.open(name, PATH_FLAGS, dir_fd=fd)
+            if gone_on_server(root_fd, fd, name, nfd):
+                os.close(nfd)
+                return i, fd
+            fd, nfd = nfd, fd
+            os.close(nfd)
+    except BaseException:
+        os.close(fd)
+        raise
+    return len(comps), fd
+
+
+def at_its_name(root_fd: int, comps: list[Component], fd: int) -> bool:
+    """Whether the directory ``fd`` is still the one the path ``comps`` names on the
+    server (each directory of the path judged as :func:`gone_level` does)."""
+    try:
+        i, found = gone_level(root_fd, comps)
+    except OSError as exc:
+        if exc.errno in (errno.ENOENT, errno.ESTALE):
+            return False
+        raise
+    try:
+        return i == len(comps) and os.path.samestat(os.fstat(found), os.fstat(fd))
+    finally:
+        os.close(found)
 
 
 def listed_dir(root_fd: int, parent: int, name: str, *, wait: bool) -> int | None:

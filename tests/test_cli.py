@@ -756,8 +756,6 @@ def test_a_deletes_tombstone_is_info_for_check_and_removed_by_gc_once_old(root: 
     assert gc.returncode == 0 and not tombs[0].exists(), gc.stdout + gc.stderr
 
 
-@pytest.mark.xfail(strict=True, reason="open defect: gc with a threshold below a writer's stall "
-                   "removes a tomb's marks while that writer still reaches it (docs/reliability.md)")
 def test_a_batch_committed_into_a_tomb_as_gc_removed_its_marks_is_not_removed_with_it(
     root: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -766,13 +764,15 @@ def test_a_batch_committed_into_a_tomb_as_gc_removed_its_marks_is_not_removed_wi
     that writer's check sees the mark and starts over in the session at the name. gc
     removes a tomb's marks last and then the directory; a writer whose temp file lands
     in between makes the removal fail (``ENOTEMPTY``: seen with ``--older-than 0s`` on
-    GlusterFS, 4 of 9 stress runs at stop 37, 2 of 3 at stop 38), and its check, finding
-    no mark, commits there: the append returns, and the next gc removes the tomb, batch
-    and all. Renaming such a tomb back into an orphan (tried at stop 38) brought
-    batches back after a later delete of the session (review 100): not kept. Staged:
-    the writer stalled between opening its directory and writing its temp file, the
-    delete and gc in that stall, the temp file landing just before gc's rmdir of the
-    writer's directory."""
+    GlusterFS, 4 of 9 stress runs at stop 37, 2 of 3 at stop 38), and its check finds no
+    mark. Its part is part 1 there (nothing else is left), which a live directory only
+    gets with its making: the writer looks whether its directory is still at its name,
+    takes the batch back and commits it in the session at the name. (Before: it
+    committed in the tomb, the append returned, and the next gc removed the batch.
+    Renaming such a tomb back into an orphan, tried at stop 38, brought batches back
+    after a later delete of the session: review 100.) Staged: the writer stalled between
+    opening its directory and writing its temp file, the delete and gc in that stall,
+    the temp file landing just before gc's rmdir of the writer's directory."""
     writer, deleter = SyncStore(root, create=True), SyncStore(root)
     writer.append(KEY, [entry(0)])
     real_write_new, real_rmdir = _fsio.Fs.write_new, os.rmdir
@@ -804,7 +804,7 @@ def test_a_batch_committed_into_a_tomb_as_gc_removed_its_marks_is_not_removed_wi
     assert staged == ["writer stalled", "temp file landed"]
     time.sleep(0.05)
     assert not [a for a in _cleanup.gc(str(root), older_than=0.0) if a.failed]
-    assert SyncStore(root).load(KEY) == [entry(1)]  # lost: None
+    assert SyncStore(root).load(KEY) == [entry(1)]  # (before: None, the batch lost)
 
 
 def test_a_clock_probe_a_killed_command_left_in_the_root_is_garbage_for_gc(root: Path, store: SyncStore) -> None:

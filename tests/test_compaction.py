@@ -548,7 +548,7 @@ def test_a_compaction_never_copies_a_batch_linked_at_a_name_freed_after_its_list
     for i in range(1, 6):
         store.append(KEY, [{"type": "x", "n": i}])  # no uuid: a loss or a copy would show
     d = tdir(root, KEY)
-    w_batch = _commit.encode_batch([{"type": "x", "n": "W"}], "append")
+    w_batch = _transcript.encode_batch([{"type": "x", "n": "W"}], "append")
     (d / ".tmp-w").write_bytes(w_batch)  # W's temp file
     real = _read.read_file
     staged: list[str] = []
@@ -609,7 +609,7 @@ def test_a_stale_writers_link_under_a_segment_is_never_read_for_the_batch_the_se
         (d / _layout.part_name(i)).unlink()
     four, wide = d / _layout.part_name(4), d / _layout.segment_name(1, 5)
     whole = wide.read_bytes() + (d / _layout.part_name(6)).read_bytes() + (d / _layout.part_name(7)).read_bytes()
-    w_batch = _commit.encode_batch([{"type": "x", "n": "W"}], "append")
+    w_batch = _transcript.encode_batch([{"type": "x", "n": "W"}], "append")
     real = _read.read_file
     reads: list[str] = []
 
@@ -663,7 +663,7 @@ def test_a_load_whose_listing_after_its_reads_is_torn_still_never_returns_a_batc
             data = b"".join((d / _layout.part_name(i)).read_bytes() for i in range(1, 8))
             (d / _layout.segment_name(1, 7)).write_bytes(data)
             (d / _layout.part_name(2)).unlink()  # (the compaction stalls after this unlink)
-            (d / _layout.part_name(2)).write_bytes(_commit.encode_batch([{"type": "x", "n": "W"}], "append"))
+            (d / _layout.part_name(2)).write_bytes(_transcript.encode_batch([{"type": "x", "n": "W"}], "append"))
         return real_read(dir_fd, name, **kw)
 
     def torn_once(dir_fd: int) -> Any:

@@ -200,11 +200,11 @@ def test_repair_leaves_a_misplaced_batch_its_live_writer_is_committing_again(
     younger than ``--older-than``, or still in a temp file (the re-review: a repairing
     host whose clock is 2 h ahead, or a writer stalled that long), is left to its
     writer; an old one (format 1's) is committed again."""
-    from fsstore import _commit, _layout
+    from fsstore import _commit, _layout, _transcript
 
     store, d = _five_compacted(tmp_path)
     root = tmp_path / "store"
-    w_batch = _commit.encode_batch([{"type": "x", "n": "W"}], "append")
+    w_batch = _transcript.encode_batch([{"type": "x", "n": "W"}], "append")
     (d / ".tmp-w").write_bytes(w_batch)
     os.link(d / ".tmp-w", d / _layout.part_name(4))  # the stale writer's link; its check to come
     if written != "just now":
@@ -222,7 +222,7 @@ def test_repair_leaves_a_misplaced_batch_its_live_writer_is_committing_again(
     assert store.load(KEY) == want
     # An old one (a format-1 store's late batch) is committed again.
     old = d / _layout.part_name(3)
-    old.write_bytes(_commit.encode_batch([{"type": "x", "n": "late"}], "append"))
+    old.write_bytes(_transcript.encode_batch([{"type": "x", "n": "late"}], "append"))
     os.utime(old, (time.time() - 7200, time.time() - 7200))
     out = _cli(*args, str(root))
     assert out.returncode == 0 and "committed again as" in out.stdout, out.stdout + out.stderr
@@ -354,7 +354,7 @@ def test_repair_closes_a_gap_without_removing_a_batch_committed_into_it_meanwhil
     compaction across the gap then removed it as covered. A gap is now closed by a
     part of one empty line at each missing number, linked no-replace: the writer's
     batch stays, and the repair reports only what was really lost."""
-    from fsstore import _commit, _layout, _migrate
+    from fsstore import _commit, _layout, _migrate, _transcript
 
     store = _sync(tmp_path)
     for i in range(1, 8):
@@ -369,7 +369,7 @@ def test_repair_closes_a_gap_without_removing_a_batch_committed_into_it_meanwhil
             return seen  # the repair's look after its links
         # After the repair's look, W (its part 5 is there: 6 next), the repair's lock
         # overtaken, commits: its link and check.
-        w = _commit.encode_batch([{"type": "x", "n": "W"}], "append")
+        w = _transcript.encode_batch([{"type": "x", "n": "W"}], "append")
         (d / ".tmp-w").write_bytes(w)
         assert _commit.link_and_check(store.fs, dir_fd, ".tmp-w", 6, w)[0] == 6
         (d / ".tmp-w").unlink()
@@ -640,12 +640,12 @@ def test_repair_commits_a_batch_with_misplaced_copies_once(tmp_path: Path, copie
     in files of their own are different batches, each committed."""
     import re
 
-    from fsstore import _commit, _layout
+    from fsstore import _layout, _transcript
 
     store, d = _five_compacted(tmp_path)
     for i in range(6, 9):
         store.append(KEY, [{"type": "x", "n": i}])
-    batch = _commit.encode_batch([{"type": "x", "n": "W"}], "append")
+    batch = _transcript.encode_batch([{"type": "x", "n": "W"}], "append")
     if copies.startswith("format 1"):
         batch = re.sub(rb"[ \t]+\n", b"\n", batch)
     source = d / _layout.part_name(3)  # the writer's misplaced link, under 1-5

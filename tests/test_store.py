@@ -107,13 +107,13 @@ def test_a_part_file_holds_what_json_dumps_writes(value: dict[str, Any]) -> None
     # Part files hold json.dumps(entry, separators=(",", ":")) exactly, one a line; the
     # last line ends with the batch's nonce: 32 spaces and tabs (docs/format.md).
     line = json.dumps(value, separators=(",", ":"))
-    batch = _commit.encode_batch([value, value], "append")
+    batch = _transcript.encode_batch([value, value], "append")
     assert re.fullmatch(rb"([^\n]*)\n\1[ \t]{32}\n", batch) and batch.startswith(line.encode() + b"\n")
 
 
 def test_equal_batches_have_different_bytes() -> None:
     # The nonce: a segment holding a batch's bytes holds that very batch.
-    assert len({_commit.encode_batch([{"type": "x"}], "append") for _ in range(100)}) == 100
+    assert len({_transcript.encode_batch([{"type": "x"}], "append") for _ in range(100)}) == 100
 
 
 def test_equal_batches_differ_though_the_application_seeds_random() -> None:
@@ -124,7 +124,7 @@ def test_equal_batches_differ_though_the_application_seeds_random() -> None:
     batches = set()
     for _ in range(20):
         random.seed(42)
-        batches.add(_commit.encode_batch([{"type": "x"}], "append"))
+        batches.add(_transcript.encode_batch([{"type": "x"}], "append"))
     assert len(batches) == 20
 
 
@@ -1192,6 +1192,25 @@ def test_a_first_commit_into_a_parent_replaced_while_empty_is_committed_again(
     store.append(KEY, [entry(2)])
     assert staged
     assert other.load(KEY) == [entry(1), entry(2)]
+
+
+def test_an_append_into_a_transcript_directory_left_with_no_committed_file_commits_there(
+    root: Path, store: SyncStore
+) -> None:
+    """A part linked as part 1 means its directory held no committed file, which a
+    deleted directory gc is removing can look like (its marks gone: see
+    ``test_cli.py::test_a_batch_committed_into_a_tomb_as_gc_removed_its_marks_is_not_removed_with_it``);
+    the writer then looks whether its directory is still at its name. One a power loss
+    emptied is: the batch is committed there, in that very directory."""
+    store.append(KEY, [entry(0)])
+    main = tdir(root, KEY)
+    ino = main.stat().st_ino
+    for name in parts_of(root, KEY):
+        (main / name).unlink()  # what a power loss can leave of a transcript written with fsync off
+    store.append(KEY, [entry(1)])
+    assert parts_of(root, KEY) == [_layout.part_name(1)]
+    assert main.stat().st_ino == ino and trash_left(root) == []
+    assert SyncStore(root).load(KEY) == [entry(1)]
 
 
 def test_a_part_linked_above_a_hole_is_linked_again_lower(
