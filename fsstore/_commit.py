@@ -360,11 +360,7 @@ def link_and_check(
             # a client cache, sshfs's, still showed a compacted file), or above a hole (a
             # number taken from a stale view: a client cache that still shows a file of a
             # directory deleted and made anew).
-            log.warning("part %s landed %s; committing it again", name,
-                        "inside a compacted range (a stale view: lock holders overlapped, or a "
-                        "client cache still showed a compacted file)" if cover
-                        else "above a hole (a stale view of the directory)", extra={
-                            "code": "RELOCATED", "operation": "append", "path": name})
+            _relocating(name, inside=cover is not None)
             # Inside a segment's range no reader takes it: a repair links onward from it
             # (its source is a writer's, who may remove it), a writer removes it or, where
             # it cannot (EIO), leaves a copy for the repair. Above a hole a reader takes
@@ -387,6 +383,14 @@ def link_and_check(
         raise
     finally:
         _remove_unchecked(dir_fd, misplaced)
+
+
+def _relocating(name: str, *, inside: bool) -> None:
+    log.warning("part %s landed %s; committing it again", name,
+                "inside a compacted range (a stale view: lock holders overlapped, or a client "
+                "cache still showed a compacted file)" if inside
+                else "above a hole (a stale view of the directory)", extra={
+                    "code": "RELOCATED", "operation": "append", "path": name})
 
 
 def _remove_unchecked(dir_fd: int, names: list[str]) -> None:
