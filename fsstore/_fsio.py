@@ -586,13 +586,6 @@ def remove_tree(parent_fd: int, name: str) -> None:
         os.rmdir(name, dir_fd=parent_fd)
 
 
-def remove_marked_tree(parent_fd: int, name: str, mark: str) -> None:
-    """Remove ``parent/name`` and everything below, the files named ``mark`` last:
-    cut short (a crash), what is left still carries its marks."""
-    empty_tree(parent_fd, name, mark)
-    remove_tree(parent_fd, name)
-
-
 def sync_fs(fd: int) -> None:
     """Write back everything of the file system the directory ``fd`` is on
     (``syncfs``; ``sync`` where libc has none): what was written without fsync

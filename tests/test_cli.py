@@ -756,23 +756,32 @@ def test_a_deletes_tombstone_is_info_for_check_and_removed_by_gc_once_old(root: 
     assert gc.returncode == 0 and not tombs[0].exists(), gc.stdout + gc.stderr
 
 
+class _Killed(BaseException):
+    """A process killed at that instant (nothing after it runs)."""
+
+
+@pytest.mark.parametrize("how", ["gc killed before its rmdir", "a killed writer's part 1 in it"])
 def test_a_batch_committed_into_a_tomb_as_gc_removed_its_marks_is_not_removed_with_it(
-    root: Path, monkeypatch: pytest.MonkeyPatch
+    root: Path, monkeypatch: pytest.MonkeyPatch, how: str
 ) -> None:
     """A tomb keeps a deleted transcript's marks for a writer that still reaches the
     directory (it held it open, or its client resolves the old path to it: GlusterFS):
     that writer's check sees the mark and starts over in the session at the name. gc
     removes a tomb's marks last and then the directory; a writer whose temp file lands
     in between makes the removal fail (``ENOTEMPTY``: seen with ``--older-than 0s`` on
-    GlusterFS, 4 of 9 stress runs at stop 37, 2 of 3 at stop 38), and its check finds no
-    mark. Its part is part 1 there (nothing else is left), which a live directory only
-    gets with its making: the writer looks whether its directory is still at its name,
-    takes the batch back and commits it in the session at the name. (Before: it
-    committed in the tomb, the append returned, and the next gc removed the batch.
-    Renaming such a tomb back into an orphan, tried at stop 38, brought batches back
-    after a later delete of the session: review 100.) Staged: the writer stalled between
-    opening its directory and writing its temp file, the delete and gc in that stall,
-    the temp file landing just before gc's rmdir of the writer's directory."""
+    GlusterFS, 4 of 9 stress runs at stop 37, 2 of 3 at stop 38). Before stop 39 its
+    check then found no mark, it committed in the tomb, the append returned, and the
+    next gc removed the batch. Now (1) gc puts the mark back where its rmdir found a file
+    made after the mark went: here a killed writer left its part 1 there, so the look
+    of (2) would not run; (2) where no mark is seen (gc killed between the two), the part
+    is part 1 (nothing else is left), which a live directory only gets with its making:
+    the writer looks whether its directory is still at its name. Either way it takes the
+    batch back and commits it in the session at the name. (Renaming such a tomb back into
+    an orphan, tried at stop 38, brought batches back after a later delete of the
+    session: review 100.) Staged: the writer stalled between opening its directory and
+    writing its temp file, the delete and gc in that stall, the temp file landing just
+    before gc's rmdir of the writer's directory (review 101 staged both with real
+    processes: SIGSTOP at the temp file's openat, gc's unlinks slowed by strace)."""
     writer, deleter = SyncStore(root, create=True), SyncStore(root)
     writer.append(KEY, [entry(0)])
     real_write_new, real_rmdir = _fsio.Fs.write_new, os.rmdir
@@ -788,13 +797,20 @@ def test_a_batch_committed_into_a_tomb_as_gc_removed_its_marks_is_not_removed_wi
             if path == _layout.MAIN and len(staged) == 1:  # the writer's directory, emptied
                 staged.append("temp file landed")
                 real_write_new(self, dir_fd_w, name, data, **kw)
+                if how.startswith("gc killed"):
+                    raise _Killed
+                real_write_new(self, dir_fd_w, ".tmp-killed", b'{"killed":1}\n')
+                os.link(".tmp-killed", _layout.part_name(1), src_dir_fd=dir_fd_w, dst_dir_fd=dir_fd_w)
             real_rmdir(path, dir_fd=dir_fd)
 
         dir_fd_w = dir_fd
         time.sleep(0.05)
         with monkeypatch.context() as m:
             m.setattr(os, "rmdir", rmdir)
-            actions = _cleanup.gc(str(root), older_than=0.0)
+            try:
+                actions = _cleanup.gc(str(root), older_than=0.0)
+            except _Killed:
+                return None
         assert [a.code for a in actions if a.failed] == ["ENOTEMPTY"], actions
         return None
 
