@@ -31,9 +31,9 @@ Commit (``append``), step by step, and what a crash at each step leaves:
    host deleted and made anew): remove it, and link it again above the highest
    number of the others (never both names at once: above a hole a reader takes
    every part). A ``.deleted`` marker means the transcript is being deleted: remove
-   the name, and start over in a new directory; so does a part linked as part 1 in a
-   directory no longer at its name (:func:`_part_one_at_its_name`: gc removed a
-   deleted directory's marks). Otherwise the part is in the chain
+   the name, and start over in a new directory; so does a part linked in a directory
+   no longer at its name, looked at where the listing does not vouch for it
+   (:func:`_unvouched`: gc removed a deleted directory's marks). Otherwise the part is in the chain
    of every listing from now on (a segment made later over its number was made
    from a listing that held it): **the batch is committed**. Crash before the
    check passed: an unacknowledged part, in the chain or skipped; both fine.
@@ -213,11 +213,11 @@ def _append_once(store: SyncStore, t: Appending, payload: bytes, into: Callable[
             store._locks_dir(op)
             with store._locks.hold(t.lock_path, op) as held:
                 now = os.fstat(dfd)  # after any commit that came before ours
-                seq = _next_seq(t, dfd)
+                remembered, seq = t.last_name, _next_seq(t, dfd)
                 held.check(op)
                 seq, items = link_and_check(store._fs, dfd, tmp, seq, payload, t.session_marker)
-                if seq == 1:  # linked as part 1: the directory held no committed file
-                    _part_one_at_its_name(store, t, dfd)
+                if _unvouched(seq, items, remembered):
+                    _at_its_name_or_taken_back(store, t, dfd, seq)
                 t.next_seq, t.last_name = _last_of(items)
                 tmp = _drop_temp(dfd, tmp, t.path)
                 since_ns = max(before.st_mtime_ns, now.st_mtime_ns)  # (after the unlink: it stamps)
@@ -236,24 +236,34 @@ def _append_once(store: SyncStore, t: Appending, payload: bytes, into: Callable[
         store._compactions.soon(store, t.key)  # after the append, in a thread of its own; never raises
 
 
-def _part_one_at_its_name(store: SyncStore, t: Appending, dfd: int) -> None:
-    """Step 6 for a part linked as part 1, which only a directory holding no committed
-    file lets happen (a transcript's first batch comes with its directory): one a power
-    loss emptied, or a deleted one that gc is removing. gc removes a deleted directory's
-    marks after everything else in it and before the directory, so a writer that still
-    reaches it (it opened it before the delete and stalled past gc's threshold, or its
-    client still resolves the old path) can commit there seeing no mark, and the next gc
-    would remove the batch with it. Committed only where the directory is still the one
-    its path names on the server; else taken back, and :class:`Deleted`: the append
-    starts over at the name."""
+def _unvouched(seq: int, items: list[Item], remembered: str | None) -> bool:
+    """Whether nothing in the check's listing (``items``) shows that the directory is a
+    live transcript, not a deleted one whose marks gc has removed (it removes a deleted
+    directory's marks after everything else in it, and puts them back where its rmdir
+    then finds a file made meanwhile: a writer that stalled past gc's threshold, or whose
+    client still resolves the old path, can check in between). A file from before the
+    delete shows it: the file this writer remembered from its last commit here, or a
+    segment. Without either (a writer's first append to a transcript never compacted;
+    part 1 linked, which only a directory holding no committed file lets happen: a live
+    transcript's first batch comes with its directory, but a power loss can empty one;
+    or a killed writer's part left in the tomb), the writer looks."""
+    names = {name for _f, _l, name in items} - {_layout.part_name(seq)}  # (ours is new)
+    return seq == 1 or (remembered not in names and all(f == last for f, last, _n in items))
+
+
+def _at_its_name_or_taken_back(store: SyncStore, t: Appending, dfd: int, seq: int) -> None:
+    """Step 6's last look where the listing does not vouch for the directory
+    (:func:`_unvouched`): committed where it is still the one its path names on the
+    server; else part ``seq`` is taken back, and :class:`Deleted`: the append starts over
+    at the name."""
     try:
         with store._open_root(create=False, path_only=True) as rfd:
             here = rfd is not None and _views.at_its_name(rfd, t.comps, dfd)
     except OSError as exc:
-        raise _may_be_committed(exc, t.path, "it was linked as part 1 and whether its directory "
-                                "is still the transcript's could not be told") from exc
+        raise _may_be_committed(exc, t.path, "whether its directory is still the transcript's "
+                                "could not be told") from exc
     if not here:
-        _fsio.unlink_quiet(dfd, _layout.part_name(1))
+        _fsio.unlink_quiet(dfd, _layout.part_name(seq))
         raise Deleted(t.path)
 
 

@@ -760,7 +760,8 @@ class _Killed(BaseException):
     """A process killed at that instant (nothing after it runs)."""
 
 
-@pytest.mark.parametrize("how", ["gc killed before its rmdir", "a killed writer's part 1 in it"])
+@pytest.mark.parametrize("how", ["gc killed before its rmdir", "a killed writer's part 1 in it",
+                                 "both"])
 def test_a_batch_committed_into_a_tomb_as_gc_removed_its_marks_is_not_removed_with_it(
     root: Path, monkeypatch: pytest.MonkeyPatch, how: str
 ) -> None:
@@ -772,11 +773,13 @@ def test_a_batch_committed_into_a_tomb_as_gc_removed_its_marks_is_not_removed_wi
     GlusterFS, 4 of 9 stress runs at stop 37, 2 of 3 at stop 38). Before stop 39 its
     check then found no mark, it committed in the tomb, the append returned, and the
     next gc removed the batch. Now (1) gc puts the mark back where its rmdir found a file
-    made after the mark went: here a killed writer left its part 1 there, so the look
-    of (2) would not run; (2) where no mark is seen (gc killed between the two), the part
-    is part 1 (nothing else is left), which a live directory only gets with its making:
-    the writer looks whether its directory is still at its name. Either way it takes the
-    batch back and commits it in the session at the name. (Renaming such a tomb back into
+    made after the mark went (here a killed writer's part 1 is there too, under the name
+    this writer remembers, so the look of (2) would not run); (2) where no mark is seen
+    (gc killed between the two), nothing in the listing vouches for the directory (the
+    file this writer remembers from its last commit, or a segment: here only part 1, or
+    a killed writer's part 1 the writer never saw), and the writer looks whether its
+    directory is still at its name. Either way it takes the batch back and commits it in
+    the session at the name. (Renaming such a tomb back into
     an orphan, tried at stop 38, brought batches back after a later delete of the
     session: review 100.) Staged: the writer stalled between opening its directory and
     writing its temp file, the delete and gc in that stall, the temp file landing just
@@ -784,6 +787,8 @@ def test_a_batch_committed_into_a_tomb_as_gc_removed_its_marks_is_not_removed_wi
     processes: SIGSTOP at the temp file's openat, gc's unlinks slowed by strace)."""
     writer, deleter = SyncStore(root, create=True), SyncStore(root)
     writer.append(KEY, [entry(0)])
+    if how == "both":  # the writer remembers part 2, and links part 2 in the tomb
+        writer.append(KEY, [entry(0)])
     real_write_new, real_rmdir = _fsio.Fs.write_new, os.rmdir
     staged: list[str] = []
 
@@ -797,10 +802,11 @@ def test_a_batch_committed_into_a_tomb_as_gc_removed_its_marks_is_not_removed_wi
             if path == _layout.MAIN and len(staged) == 1:  # the writer's directory, emptied
                 staged.append("temp file landed")
                 real_write_new(self, dir_fd_w, name, data, **kw)
-                if how.startswith("gc killed"):
+                if how != "gc killed before its rmdir":
+                    real_write_new(self, dir_fd_w, ".tmp-killed", b'{"killed":1}\n')
+                    os.link(".tmp-killed", _layout.part_name(1), src_dir_fd=dir_fd_w, dst_dir_fd=dir_fd_w)
+                if how != "a killed writer's part 1 in it":
                     raise _Killed
-                real_write_new(self, dir_fd_w, ".tmp-killed", b'{"killed":1}\n')
-                os.link(".tmp-killed", _layout.part_name(1), src_dir_fd=dir_fd_w, dst_dir_fd=dir_fd_w)
             real_rmdir(path, dir_fd=dir_fd)
 
         dir_fd_w = dir_fd
