@@ -258,7 +258,7 @@ def _at_its_name_or_taken_back(store: SyncStore, t: Appending, dfd: int, seq: in
     at the name."""
     try:
         with store._open_root(create=False, path_only=True) as rfd:
-            here = rfd is not None and _views.at_its_name(rfd, t.comps, dfd)
+            here = rfd is not None and _views.at_its_name(rfd, t.comps, dfd, _layout.moved_by_deletes(t.comps))
     except OSError as exc:
         raise _may_be_committed(exc, t.path, "whether its directory is still the transcript's "
                                 "could not be told") from exc

@@ -79,6 +79,13 @@ def transcript_dirs(key: TranscriptKey) -> list[Component]:
     return [*base, (SUBKEYS, None), _named(key.subpath)]
 
 
+def moved_by_deletes(transcript: list[Component]) -> tuple[int, ...]:
+    """The indexes in ``transcript`` (:func:`transcript_dirs`) of the directories a delete
+    moves away: the session's (``<S>``), and a subagent transcript's own (``<SP>``)."""
+    session = len(transcript) - (2 if transcript[-1][0] == MAIN else 3)
+    return (session,) if transcript[-1][0] == MAIN else (session, len(transcript) - 1)
+
+
 def pruning(name: str) -> bool:
     """Whether ``name`` is a prune's mark not yet committed (see ``PRUNING_TAG``)."""
     return name.startswith(_fsio.TEMP_PREFIX) and name.endswith(PRUNING_TAG)

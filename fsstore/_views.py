@@ -166,16 +166,17 @@ def gone_on_server(root_fd: int, parent: int, name: str, fd: int) -> bool:
     return listings_number_alike(root_fd, PROJECTS) and listed_ino(parent, name) != os.fstat(fd).st_ino
 
 
-def gone_level(root_fd: int, comps: list[Component]) -> tuple[int, int]:
+def gone_level(root_fd: int, comps: list[Component], only: tuple[int, ...] | None = None) -> tuple[int, int]:
     """Walk ``comps`` from the store's root: the index of the first directory of the
-    path that is gone on the server while its name still opens here (``len(comps)``:
-    none is; see :func:`gone_on_server`), and a descriptor, the caller's to close, of
-    the directory holding it (of the whole path where none is gone)."""
+    path (of those at the indexes ``only``, if given) that is gone on the server while
+    its name still opens here (``len(comps)``: none is; see :func:`gone_on_server`), and
+    a descriptor, the caller's to close, of the directory holding it (of the whole path
+    where none is gone)."""
     fd = os.dup(root_fd)
     try:
         for i, (name, _original) in enumerate(comps):
             nfd = os.open(name, PATH_FLAGS, dir_fd=fd)
-            if gone_on_server(root_fd, fd, name, nfd):
+            if (only is None or i in only) and gone_on_server(root_fd, fd, name, nfd):
                 os.close(nfd)
                 return i, fd
             fd, nfd = nfd, fd
@@ -186,11 +187,12 @@ def gone_level(root_fd: int, comps: list[Component]) -> tuple[int, int]:
     return len(comps), fd
 
 
-def at_its_name(root_fd: int, comps: list[Component], fd: int) -> bool:
+def at_its_name(root_fd: int, comps: list[Component], fd: int, moved: tuple[int, ...]) -> bool:
     """Whether the directory ``fd`` is still the one the path ``comps`` names on the
-    server (each directory of the path judged as :func:`gone_level` does)."""
+    server, the directories of the path that can be moved away (at the indexes
+    ``moved``) judged as :func:`gone_level` does."""
     try:
-        i, found = gone_level(root_fd, comps)
+        i, found = gone_level(root_fd, comps, moved)
     except OSError as exc:
         if exc.errno in (errno.ENOENT, errno.ESTALE):
             return False
