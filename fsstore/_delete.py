@@ -45,6 +45,7 @@ import errno
 import functools
 import os
 import re
+import time
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, TypeVar
 
@@ -142,16 +143,20 @@ def _move_and_claim(
     return orphan
 
 
+_STALE_TRIES = 4  # a GlusterFS client two hosts' deletes of one session kept answering so
+
+
 def _again_if_stale(parent: int | None, name: str, step: Callable[[], T]) -> T:
-    """``step()``, once more after ESTALE from ``parent/name`` (a path) and a lookup of
-    it (:func:`forget_old_name`: another host's delete, or this one's move); every step
-    of a delete can be taken again."""
-    try:
-        return step()
-    except OSError as exc:
-        if exc.errno != errno.ESTALE or parent is None:
-            raise
-    forget_old_name(parent, name)
+    """``step()``, again after ESTALE from ``parent/name`` (a path) and a lookup of it (another
+    host's delete, or this one's move), up to :data:`_STALE_TRIES` times: any step can be."""
+    for attempt in range(_STALE_TRIES - 1):
+        try:
+            return step()
+        except OSError as exc:
+            if exc.errno != errno.ESTALE or parent is None:
+                raise
+        forget_old_name(parent, name)
+        time.sleep(0.05 * attempt)
     return step()
 
 
@@ -677,13 +682,13 @@ def _transcript_dirs(
     for the ``with`` (all closed after it, also on an error): the directory itself, or
     for a session (``below``: its ``main``) main and each subagent transcript's; those
     that do not exist are left out."""
+    # ESTALE: deleted and made anew by another host (GlusterFS: deletes failed so)
     dirs = [[name]] if not below else [[name, below]] + [
-        [name, _layout.SUBKEYS, sp]
-        for sp in store._fs.subdirs_beneath(parent, [name, _layout.SUBKEYS], base, "delete")]
+        [name, _layout.SUBKEYS, sp] for sp in _again_if_stale(parent, f"{name}/{_layout.SUBKEYS}", functools.partial(
+            store._fs.subdirs_beneath, parent, [name, _layout.SUBKEYS], base, "delete"))]
     opened: list[int] = []
     try:
         for names in dirs:
-            # ESTALE: deleted and made anew by another host (GlusterFS: deletes failed so)
             tfd = _again_if_stale(parent, "/".join(names), functools.partial(
                 store._fs.open_dir, parent, [(n, None) for n in names], create=False, base_path=base,
                 operation="delete"))
