@@ -2,9 +2,9 @@
 
 Commit (``append``), step by step, and what a crash at each step leaves:
 
-1. Encode the batch (:func:`_transcript.encode_batch`: one JSON object per line; the last line ends with a random
-   nonce written as JSON whitespace). Bad input raises ``INVALID_ENTRY`` here,
-   before anything touches disk.
+1. Encode the batch (:func:`_transcript.encode_batch`: one JSON object per line; the
+   last line ends with a random nonce written as JSON whitespace). Bad input raises
+   ``INVALID_ENTRY`` here, before anything touches disk.
 2. Write it to ``.tmp-<pid>-<random>`` in the transcript directory (``O_EXCL``);
    with ``fsync=True``, fsync it. Readers ignore temp files. Crash: a temp file,
    removed by ``fsstore gc`` once old.
@@ -33,8 +33,8 @@ Commit (``append``), step by step, and what a crash at each step leaves:
    every part). A ``.deleted`` marker means the transcript is being deleted: remove
    the name, and start over in a new directory; so does a part linked in a directory
    no longer at its name, looked at where the listing does not vouch for it
-   (:func:`_unvouched`: gc removed a deleted directory's marks). Otherwise the part is in the chain
-   of every listing from now on (a segment made later over its number was made
+   (:func:`_unvouched`: gc removed a deleted directory's marks). Otherwise the part is
+   in the chain of every listing from now on (a segment made later over its number was made
    from a listing that held it): **the batch is committed**. Crash before the
    check passed: an unacknowledged part, in the chain or skipped; both fine.
 7. Unlink the temp name (a second link to the part; crash: gc removes it), move
@@ -258,7 +258,8 @@ def _at_its_name_or_taken_back(store: SyncStore, t: Appending, dfd: int, seq: in
     at the name."""
     try:
         with store._open_root(create=False, path_only=True) as rfd:
-            here = rfd is not None and _views.at_its_name(rfd, t.comps, dfd, _layout.moved_by_deletes(t.comps))
+            moved = _layout.moved_by_deletes(t.comps)
+            here = rfd is not None and _views.at_its_name(rfd, t.comps, dfd, moved)
     except OSError as exc:
         raise _may_be_committed(exc, t.path, "whether its directory is still the transcript's "
                                 "could not be told") from exc

@@ -682,10 +682,10 @@ def _transcript_dirs(
     for the ``with`` (all closed after it, also on an error): the directory itself, or
     for a session (``below``: its ``main``) main and each subagent transcript's; those
     that do not exist are left out."""
-    # ESTALE: deleted and made anew by another host (GlusterFS: deletes failed so)
-    dirs = [[name]] if not below else [[name, below]] + [
-        [name, _layout.SUBKEYS, sp] for sp in _again_if_stale(parent, f"{name}/{_layout.SUBKEYS}", functools.partial(
-            store._fs.subdirs_beneath, parent, [name, _layout.SUBKEYS], base, "delete"))]
+    subs = [] if not below else _again_if_stale(  # ESTALE: deleted and made anew elsewhere
+        parent, f"{name}/{_layout.SUBKEYS}", functools.partial(
+            store._fs.subdirs_beneath, parent, [name, _layout.SUBKEYS], base, "delete"))
+    dirs = [[name]] if not below else [[name, below]] + [[name, _layout.SUBKEYS, sp] for sp in subs]
     opened: list[int] = []
     try:
         for names in dirs:

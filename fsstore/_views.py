@@ -166,7 +166,9 @@ def gone_on_server(root_fd: int, parent: int, name: str, fd: int) -> bool:
     return listings_number_alike(root_fd, PROJECTS) and listed_ino(parent, name) != os.fstat(fd).st_ino
 
 
-def gone_level(root_fd: int, comps: list[Component], only: tuple[int, ...] | None = None) -> tuple[int, int]:
+def gone_level(
+    root_fd: int, comps: list[Component], only: tuple[int, ...] | None = None,
+) -> tuple[int, int]:
     """Walk ``comps`` from the store's root: the index of the first directory of the
     path (of those at the indexes ``only``, if given) that is gone on the server while
     its name still opens here (``len(comps)``: none is; see :func:`gone_on_server`), and

@@ -779,12 +779,12 @@ def test_a_batch_committed_into_a_tomb_as_gc_removed_its_marks_is_not_removed_wi
     file this writer remembers from its last commit, or a segment: here only part 1, or
     a killed writer's part 1 the writer never saw), and the writer looks whether its
     directory is still at its name. Either way it takes the batch back and commits it in
-    the session at the name. (Renaming such a tomb back into
-    an orphan, tried at stop 38, brought batches back after a later delete of the
-    session: review 100.) Staged: the writer stalled between opening its directory and
-    writing its temp file, the delete and gc in that stall, the temp file landing just
-    before gc's rmdir of the writer's directory (review 101 staged both with real
-    processes: SIGSTOP at the temp file's openat, gc's unlinks slowed by strace)."""
+    the session at the name. (Renaming such a tomb back into an orphan, tried at stop
+    38, brought batches back after a later delete of the session: review 100.) Staged:
+    the writer stalled between opening its directory and writing its temp file, the
+    delete and gc in that stall, the temp file landing just before gc's rmdir of the
+    writer's directory (review 101 staged these with real processes: SIGSTOP at the temp
+    file's openat, gc's unlinks slowed by strace)."""
     writer, deleter = SyncStore(root, create=True), SyncStore(root)
     writer.append(KEY, [entry(0)])
     if how == "both":  # the writer remembers part 2, and links part 2 in the tomb

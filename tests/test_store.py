@@ -1380,11 +1380,11 @@ def test_a_delete_looks_up_again_what_answers_a_stale_handle_and_deletes_it(
     the brick answered ESTALE for the transcript directory, deleted and made anew by the
     other host, as this delete opened it for its tickets (gluster#1411: until the name
     is looked up again). That is another host's normal work: the delete looks the name
-    up and goes on. Staged: ESTALE once, at that open (a subagent transcript's, or a
-    session's subagent transcript when the session is deleted), or at the open of the
-    session's ``subkeys`` to list them (stop 39: `/tmp/s40/tomb4.py`, two hosts deleting
-    the same sessions, 2 of 2 runs of 60 s); twice, as the client can answer after the
-    lookup too (stop 39, the delete's mark, 1 of 3 runs)."""
+    up and goes on. Staged: ESTALE twice in a row (the client can answer so after the
+    lookup too: stop 39, at the delete's mark, 1 of 3 runs), at that open (a subagent
+    transcript's, or a session's subagent transcript when the session is deleted), or
+    at the open of the session's ``subkeys`` to list them (stop 39: `/tmp/s40/tomb4.py`,
+    two hosts deleting the same sessions, 2 of 2 runs of 60 s)."""
     store = SyncStore(root, create=True)
     store.append(KEY, [entry(0)])
     store.append(SUB, [entry(1)])
