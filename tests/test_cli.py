@@ -829,6 +829,61 @@ def test_a_batch_committed_into_a_tomb_as_gc_removed_its_marks_is_not_removed_wi
     assert SyncStore(root).load(KEY) == [entry(1)]  # (before: None, the batch lost)
 
 
+def test_a_first_batch_committed_into_a_session_tomb_gc_is_removing_is_not_removed_with_it(
+    root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The same for a transcript's first batch, which comes with its directory: a writer
+    that opened the session directory before a delete (or whose GlusterFS client still
+    resolves the old path to it: stop 39, `/tmp/s40/tomb4.py`, a tomb found holding new
+    ``main/`` and ``subkeys/…/`` with part 1 each and no mark, 1 of 7 runs) publishes
+    ``main/`` there after gc removed the tomb's own ``main/`` (and its mark); gc's
+    ``rmdir`` of the tomb fails ``ENOTEMPTY``. Nothing from before vouches for a new
+    directory, so the writer looks whether it is at its name, takes its part 1 back and
+    commits in the session at the name. (Before: acknowledged there, removed by the next
+    gc.) Staged: the session has only a subagent transcript (so its main transcript's
+    first batch makes ``main/``), the writer stalled between opening the session
+    directory and publishing ``main/``, the delete and gc in that stall, the publishing
+    just before gc's ``rmdir`` of the tomb."""
+    writer, deleter = SyncStore(root, create=True), SyncStore(root)
+    writer.append(SUB, [entry(0)])
+    real_new_dir, real_rmdir, real_hold = _fsio.Fs.new_dir, os.rmdir, writer._locks.hold
+    staged: list[str] = []
+
+    def hold(path: str, op: str) -> Any:
+        if not staged:  # the session directory open, its lock not taken yet
+            staged.append("writer stalled")
+            deleter.delete(KEY)  # the writer's session directory is a tomb in .trash now
+        return real_hold(path, op)
+
+    def new_dir(self: _fsio.Fs, parent_fd: int, name: str, original: str | None, fill: Any = None) -> bool:
+        if staged != ["writer stalled"] or name != _layout.MAIN:
+            return real_new_dir(self, parent_fd, name, original, fill)
+        staged.append("gc")
+        made: list[bool] = []
+
+        def rmdir(path: Any, *, dir_fd: int | None = None) -> None:
+            if str(path).endswith(_layout.TOMB_TAG) and not made:  # the tomb, emptied
+                made.append(real_new_dir(self, parent_fd, name, original, fill))
+            real_rmdir(path, dir_fd=dir_fd)
+
+        time.sleep(0.05)
+        with monkeypatch.context() as m:
+            m.setattr(os, "rmdir", rmdir)
+            actions = _cleanup.gc(str(root), older_than=0.0)
+        assert made == [True] and [a.code for a in actions if a.failed] == ["ENOTEMPTY"], actions
+        return True
+
+    monkeypatch.setattr(_fsio.Fs, "new_dir", new_dir)
+    monkeypatch.setattr(writer._locks, "hold", hold)
+    writer.append(KEY, [entry(1)])  # acknowledged
+    monkeypatch.undo()
+    assert staged == ["writer stalled", "gc"]
+    time.sleep(0.05)
+    assert not [a for a in _cleanup.gc(str(root), older_than=0.0) if a.failed]
+    reader = SyncStore(root)
+    assert reader.load(KEY) == [entry(1)] and reader.load(SUB) is None  # (before: None, lost)
+
+
 def test_a_clock_probe_a_killed_command_left_in_the_root_is_garbage_for_gc(root: Path, store: SyncStore) -> None:
     """Every command reads the file server's clock from a ``.tmp-…-probe`` file it makes
     and removes in the root; one killed in between leaves it: `check` lists it as a temp
