@@ -835,7 +835,7 @@ def test_a_first_batch_committed_into_a_session_tomb_gc_is_removing_is_not_remov
     """The same for a transcript's first batch, which comes with its directory: a writer
     that opened the session directory before a delete (or whose GlusterFS client still
     resolves the old path to it: stop 39, `/tmp/s40/tomb4.py`, a tomb found holding new
-    ``main/`` and ``subkeys/…/`` with part 1 each and no mark, 1 of 7 runs) publishes
+    ``main/`` and ``subkeys/…/`` with part 1 each and no mark, 1 of 25 runs) publishes
     ``main/`` there after gc removed the tomb's own ``main/`` (and its mark); gc's
     ``rmdir`` of the tomb fails ``ENOTEMPTY``. Nothing from before vouches for a new
     directory, so the writer looks whether it is at its name, takes its part 1 back and
