@@ -821,12 +821,20 @@ def test_a_batch_committed_into_a_tomb_as_gc_removed_its_marks_is_not_removed_wi
         return None
 
     monkeypatch.setattr(_fsio.Fs, "write_new", write_new)
+    reader = _acknowledged_then_gc_again(root, writer, monkeypatch)
+    assert staged == ["writer stalled", "temp file landed"]
+    assert reader.load(KEY) == [entry(1)]  # (before: None, the batch lost)
+
+
+def _acknowledged_then_gc_again(root: Path, writer: SyncStore, monkeypatch: pytest.MonkeyPatch) -> SyncStore:
+    """The staged append of ``entry(1)`` (it returns), the staging undone, and gc run
+    again, which removes what is left in ``.trash`` (a batch committed there with it);
+    a store to look with."""
     writer.append(KEY, [entry(1)])  # acknowledged
     monkeypatch.undo()
-    assert staged == ["writer stalled", "temp file landed"]
     time.sleep(0.05)
     assert not [a for a in _cleanup.gc(str(root), older_than=0.0) if a.failed]
-    assert SyncStore(root).load(KEY) == [entry(1)]  # (before: None, the batch lost)
+    return SyncStore(root)
 
 
 def test_a_first_batch_committed_into_a_session_tomb_gc_is_removing_is_not_removed_with_it(
@@ -875,12 +883,8 @@ def test_a_first_batch_committed_into_a_session_tomb_gc_is_removing_is_not_remov
 
     monkeypatch.setattr(_fsio.Fs, "new_dir", new_dir)
     monkeypatch.setattr(writer._locks, "hold", hold)
-    writer.append(KEY, [entry(1)])  # acknowledged
-    monkeypatch.undo()
+    reader = _acknowledged_then_gc_again(root, writer, monkeypatch)
     assert staged == ["writer stalled", "gc"]
-    time.sleep(0.05)
-    assert not [a for a in _cleanup.gc(str(root), older_than=0.0) if a.failed]
-    reader = SyncStore(root)
     assert reader.load(KEY) == [entry(1)] and reader.load(SUB) is None  # (before: None, lost)
 
 
