@@ -663,6 +663,8 @@ def _published(store: SyncStore, t: Appending, parent: int, names: list[str]) ->
     try:
         _check_made(parent, names, t)
         made = os.open("/".join(names), _fsio.PATH_FLAGS, dir_fd=parent)
+    except FileNotFoundError as exc:  # a delete took it since (review 103): not at its name
+        raise Deleted(t.path) from exc
     except OSError as exc:
         raise _may_be_committed(exc, t.path, "its batch was published as the transcript's first "
                                 "and could not be checked (retrying is safe with uuids)") from exc

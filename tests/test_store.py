@@ -1213,6 +1213,29 @@ def test_an_append_into_a_transcript_directory_left_with_no_committed_file_commi
     assert SyncStore(root).load(KEY) == [entry(1)]
 
 
+def test_a_first_batch_whose_directory_a_delete_took_right_after_it_was_published_starts_over(
+    root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Review 103: a delete that moved a subagent transcript's directory away (and emptied
+    it) just after its first batch published it made the append fail ``ENOENT`` "may be
+    committed", where the directory, gone from its name, holds nothing anyone reads. The
+    append starts over at the name, as where it finds a delete's mark."""
+    store = SyncStore(root, create=True)
+    store.append(KEY, [entry(0)])
+    real, taken = _commit._check_made, []
+
+    def check_made(fd: int, names: list[str], t: Any) -> None:
+        if not taken:
+            taken.append(names[0])
+            os.rename(names[0], f"{names[0]}-taken", src_dir_fd=fd, dst_dir_fd=fd)  # (the delete's move)
+        real(fd, names, t)
+
+    monkeypatch.setattr(_commit, "_check_made", check_made)
+    store.append(SUB, [entry(1)])  # acknowledged
+    monkeypatch.undo()
+    assert taken and SyncStore(root).load(SUB) == [entry(1)]
+
+
 def test_a_part_linked_above_a_hole_is_linked_again_lower(
     root: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
