@@ -21,7 +21,6 @@ threshold: that is in-flight work.
 from __future__ import annotations
 
 import contextlib
-import errno
 import os
 import stat
 from dataclasses import dataclass
@@ -182,34 +181,7 @@ def _remove_marked_tree(parent_fd: int, name: str, mark: str) -> None:
     gets its mark back before its ``rmdir``'s ENOTEMPTY is raised: that writer's check
     then sees it."""
     _fsio.empty_tree(parent_fd, name, mark)
-    _remove_marked(parent_fd, name, mark)
-
-
-def _remove_marked(parent_fd: int, name: str, mark: str) -> None:
-    try:
-        fd = os.open(name, _fsio.DIR_FLAGS, dir_fd=parent_fd)
-    except FileNotFoundError:
-        return
-    try:
-        marked = False
-        with os.scandir(fd) as entries:
-            for entry in entries:
-                if entry.is_dir(follow_symlinks=False):
-                    _remove_marked(fd, entry.name, mark)
-                else:
-                    marked = marked or entry.name == mark
-                    _fsio.unlink_quiet(fd, entry.name)
-        try:
-            os.rmdir(name, dir_fd=parent_fd)
-        except FileNotFoundError:
-            pass
-        except OSError as exc:
-            if marked and exc.errno == errno.ENOTEMPTY:
-                with contextlib.suppress(FileExistsError):
-                    os.close(os.open(mark, _fsio.CREATE_FLAGS, 0o644, dir_fd=fd))
-            raise
-    finally:
-        os.close(fd)
+    _fsio.remove_tree(parent_fd, name, mark)
 
 
 def _remove_trash(w: Walker, g: Garbage, older_than: float, dry_run: bool,

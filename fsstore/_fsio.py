@@ -578,12 +578,41 @@ def _same_inode(dir_fd: int, a: str, b: str) -> bool:
     return (sa.st_ino, sa.st_dev) == (sb.st_ino, sb.st_dev)
 
 
-def remove_tree(parent_fd: int, name: str) -> None:
+def remove_tree(parent_fd: int, name: str, mark: str | None = None) -> None:
     """Remove ``parent/name`` and everything below, never following symlinks (a file
-    or a symlink at ``name``: the link itself)."""
-    empty_tree(parent_fd, name)
-    with contextlib.suppress(FileNotFoundError):
-        os.rmdir(name, dir_fd=parent_fd)
+    or a symlink at ``name``: the link itself). ``mark``: a directory that held a file
+    of that name gets it back when its ``rmdir`` finds a file made after the mark went,
+    before ENOTEMPTY is raised (a writer that still reaches a deleted transcript then
+    sees the mark in its check)."""
+    try:
+        fd = os.open(name, DIR_FLAGS, dir_fd=parent_fd)
+    except FileNotFoundError:
+        return
+    except OSError as exc:
+        if exc.errno in _UNSAFE:
+            unlink_quiet(parent_fd, name)
+            return
+        raise
+    try:
+        marked = False
+        with os.scandir(fd) as entries:  # its own descriptor: closed on an error too
+            for entry in entries:
+                if entry.is_dir(follow_symlinks=False):
+                    remove_tree(fd, entry.name, mark)
+                else:
+                    marked = marked or entry.name == mark
+                    unlink_quiet(fd, entry.name)
+        try:
+            os.rmdir(name, dir_fd=parent_fd)
+        except FileNotFoundError:
+            pass
+        except OSError as exc:
+            if marked and mark and exc.errno == errno.ENOTEMPTY:
+                with contextlib.suppress(FileExistsError):
+                    os.close(os.open(mark, CREATE_FLAGS, 0o644, dir_fd=fd))
+            raise
+    finally:
+        os.close(fd)
 
 
 def sync_fs(fd: int) -> None:
@@ -618,19 +647,13 @@ def listdir(dir_fd: int, path: str = ".") -> list[str]:
         os.close(fd)
 
 
-def empty_tree(parent_fd: int, name: str, keep: str | None = None) -> bool:
+def empty_tree(parent_fd: int, name: str, keep: str) -> bool:
     """Remove everything below ``parent/name`` but the files named ``keep`` (and the
-    directories that hold one), never following symlinks; True if something was kept.
-    Without ``keep``, a file or a symlink at ``name`` is removed itself."""
+    directories that hold one), never following symlinks; True if something was kept."""
     try:
         fd = os.open(name, DIR_FLAGS, dir_fd=parent_fd)
     except FileNotFoundError:
         return False
-    except OSError as exc:
-        if keep is None and exc.errno in _UNSAFE:
-            unlink_quiet(parent_fd, name)
-            return False
-        raise
     kept = False
     try:
         with os.scandir(fd) as entries:  # its own descriptor: closed on an error too
