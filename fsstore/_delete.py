@@ -143,23 +143,20 @@ def _move_and_claim(
     return orphan
 
 
-# Waits between tries after ESTALE: about two seconds in all, past a FUSE client's 1 s
-# entry and attribute caches (GlusterFS clients of two hosts deleting the same sessions
-# kept answering so for 150 ms: review 104, 2 of 352 deletes).
-_STALE_WAITS = (0.0, 0.05, 0.1, 0.25, 0.5, 1.0)
+_STALE_TRIES = 4  # a GlusterFS client two hosts' deletes of one session kept answering so
 
 
 def _again_if_stale(parent: int | None, name: str, step: Callable[[], T]) -> T:
     """``step()``, again after ESTALE from ``parent/name`` (a path) and a lookup of it (another
-    host's delete, or this one's move), after each of :data:`_STALE_WAITS`: any step can be."""
-    for wait in _STALE_WAITS:
+    host's delete, or this one's move), up to :data:`_STALE_TRIES` times: any step can be."""
+    for attempt in range(_STALE_TRIES - 1):
         try:
             return step()
         except OSError as exc:
             if exc.errno != errno.ESTALE or parent is None:
                 raise
-        time.sleep(wait)
         forget_old_name(parent, name)
+        time.sleep(0.05 * attempt)
     return step()
 
 

@@ -559,8 +559,18 @@ class SyncStore:
         path = self._path(comps)
         with translating(op, path):
             try:
-                return _delete.remove(self, comps, path, _layout.MAIN if tk.subpath is None else "",
-                                      op, keep)
+                tries = 3
+                while True:
+                    try:
+                        return _delete.remove(self, comps, path,
+                                              _layout.MAIN if tk.subpath is None else "", op, keep)
+                    except OSError as exc:
+                        # ESTALE for good: a directory opened on the way was removed by
+                        # another host meanwhile (its session deleted there; review 104):
+                        # from the root again. Not a prune's: its look was of what went.
+                        tries -= 1
+                        if exc.errno != errno.ESTALE or keep is not None or not tries:
+                            raise
             finally:
                 self._forget(tk)
 
