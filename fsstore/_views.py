@@ -192,17 +192,18 @@ def gone_level(
 def at_its_name(root_fd: int, comps: list[Component], fd: int, moved: tuple[int, ...]) -> bool:
     """Whether the directory ``fd`` is still the one the path ``comps`` names on the
     server, the directories of the path that can be moved away (at the indexes
-    ``moved``) judged as :func:`gone_level` does."""
+    ``moved``) judged as :func:`gone_level` does. ``fd`` answering ESTALE (removed on
+    the server: review 104, a GlusterFS pair) is not."""
     try:
         i, found = gone_level(root_fd, comps, moved)
+        try:
+            return i == len(comps) and os.path.samestat(os.fstat(found), os.fstat(fd))
+        finally:
+            os.close(found)
     except OSError as exc:
         if exc.errno in (errno.ENOENT, errno.ESTALE):
             return False
         raise
-    try:
-        return i == len(comps) and os.path.samestat(os.fstat(found), os.fstat(fd))
-    finally:
-        os.close(found)
 
 
 def listed_dir(root_fd: int, parent: int, name: str, *, wait: bool) -> int | None:

@@ -11,6 +11,7 @@ import logging
 import math
 import os
 import re
+import stat
 import subprocess
 import sys
 import threading
@@ -31,6 +32,7 @@ from fsstore import (
     _layout,
     _store,
     _transcript,
+    _views,
 )
 from fsstore._store import SyncStore
 
@@ -1243,6 +1245,51 @@ def test_a_first_batch_whose_directory_a_delete_took_right_after_it_was_publishe
     store.append(SUB, [entry(1)])  # acknowledged
     monkeypatch.undo()
     assert taken and SyncStore(root).load(SUB) == [entry(1)]
+
+
+def test_an_append_whose_directory_was_removed_on_the_server_before_its_look_starts_over(
+    root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Review 104 (GlusterFS pair): a writer stalled 8 s linked its batch into a
+    session another host then deleted, gc removed, and a writer made anew; the look at
+    whether its directory is still the one at the name (a store object's first append
+    to a young transcript) asked its own directory's handle, which answered ESTALE, and
+    the append failed "may be committed". A directory removed on the server is not the
+    one at the name: the append starts over there. Staged: the other host's delete, gc
+    and new session right before the look, and ESTALE for every ``fstat`` of a directory
+    with no links left and ``unlink`` in one, as a network file system's server answers."""
+    # (the other host's lease is short: it takes the lock the stalled writer holds)
+    other, store = SyncStore(root, create=True, stale_lock_seconds=1.0), SyncStore(root)
+    other.append(KEY, [entry(0)])
+    real_level, real_fstat, staged = _views.gone_level, os.fstat, []
+
+    def gone_level(root_fd: int, comps: Any, only: Any = None) -> tuple[int, int]:
+        if not staged:
+            staged.append(comps)
+            other.delete(KEY)
+            assert _cleanup.gc(str(root), older_than=0)
+            other.append(KEY, [entry(2)])
+        return real_level(root_fd, comps, only)
+
+    def fstat(fd: int) -> os.stat_result:
+        st = real_fstat(fd)
+        if stat.S_ISDIR(st.st_mode) and st.st_nlink == 0:
+            raise OSError(errno.ESTALE, os.strerror(errno.ESTALE))
+        return st
+
+    def unlink(name: str, *, dir_fd: int | None = None) -> None:
+        if dir_fd is not None:
+            fstat(dir_fd)
+        real_unlink(name, dir_fd=dir_fd)
+
+    real_unlink = os.unlink
+    monkeypatch.setattr(_views, "gone_level", gone_level)
+    monkeypatch.setattr(os, "fstat", fstat)
+    monkeypatch.setattr(os, "unlink", unlink)
+    store.append(KEY, [entry(1)])  # acknowledged
+    monkeypatch.undo()
+    assert staged, "the look never ran"
+    assert SyncStore(root).load(KEY) == [entry(2), entry(1)]
 
 
 def test_a_part_linked_above_a_hole_is_linked_again_lower(
