@@ -251,20 +251,23 @@ def _unvouched(seq: int, items: list[Item], remembered: str | None) -> bool:
     return seq == 1 or (remembered not in names and all(f == last for f, last, _n in items))
 
 
-def _at_its_name_or_taken_back(store: SyncStore, t: Appending, dfd: int, seq: int) -> None:
+def _at_its_name_or_taken_back(store: SyncStore, t: Appending, dfd: int, seq: int | None,
+                               up: int = 0) -> None:
     """Step 6's last look where the listing does not vouch for the directory
     (:func:`_unvouched`): committed where it is still the one its path names on the
     server; else part ``seq`` is taken back, and :class:`Deleted`: the append starts over
-    at the name."""
+    at the name. ``up``: ``dfd`` is the directory that many levels above the transcript's."""
+    comps = t.comps[: len(t.comps) - up]
     try:
         with store._open_root(create=False, path_only=True) as rfd:
-            moved = _layout.moved_by_deletes(t.comps)
-            here = rfd is not None and _views.at_its_name(rfd, t.comps, dfd, moved)
+            moved = tuple(i for i in _layout.moved_by_deletes(t.comps) if i < len(comps))
+            here = rfd is not None and _views.at_its_name(rfd, comps, dfd, moved)
     except OSError as exc:
         raise _may_be_committed(exc, t.path, "whether its directory is still the transcript's "
                                 "could not be told") from exc
     if not here:
-        _fsio.unlink_quiet(dfd, _layout.part_name(seq))
+        if seq is not None:
+            _fsio.unlink_quiet(dfd, _layout.part_name(seq))
         raise Deleted(t.path)
 
 
@@ -666,6 +669,8 @@ def _published(store: SyncStore, t: Appending, parent: int, names: list[str]) ->
     except FileNotFoundError as exc:  # a delete took it since (review 103): not at its name
         raise Deleted(t.path) from exc
     except OSError as exc:
+        if exc.errno == errno.ESTALE:  # where it was published is removed on the server?
+            _at_its_name_or_taken_back(store, t, parent, None, len(names))
         raise _may_be_committed(exc, t.path, "its batch was published as the transcript's first "
                                 "and could not be checked (retrying is safe with uuids)") from exc
     try:  # nothing from before vouches for a new directory: a session gc is removing can take it

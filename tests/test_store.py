@@ -1292,6 +1292,43 @@ def test_an_append_whose_directory_was_removed_on_the_server_before_its_look_sta
     assert SyncStore(root).load(KEY) == [entry(2), entry(1)]
 
 
+def test_a_first_batch_published_into_a_directory_then_removed_on_the_server_starts_over(
+    root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Review 104's runs after its fixes (GlusterFS pair): a subagent transcript's first
+    batch published its new directory into its session; another host then deleted the
+    session, gc removed it and a writer made it anew; the check after publishing went
+    through the removed session's handle, which answered ESTALE, and the append failed
+    "may be committed". Where it published is not at its name any more: the append
+    starts over there. Staged as the test above: ESTALE through a directory with no links."""
+    other, store = SyncStore(root, create=True), SyncStore(root)
+    other.append(KEY, [entry(0)])
+    real_check, real_fstat, staged = _commit._check_made, os.fstat, []
+
+    def fstat(fd: int) -> os.stat_result:
+        st = real_fstat(fd)
+        if stat.S_ISDIR(st.st_mode) and st.st_nlink == 0:
+            raise OSError(errno.ESTALE, os.strerror(errno.ESTALE))
+        return st
+
+    def check_made(fd: int, names: list[str], t: Any) -> None:
+        if not staged:
+            staged.append(names)
+            other.delete(KEY)
+            assert _cleanup.gc(str(root), older_than=0)
+            other.append(KEY, [entry(2)])
+        fstat(fd)
+        real_check(fd, names, t)
+
+    monkeypatch.setattr(_commit, "_check_made", check_made)
+    monkeypatch.setattr(os, "fstat", fstat)
+    store.append(SUB, [entry(1)])  # acknowledged
+    monkeypatch.undo()
+    assert staged, "the first batch was never published"
+    reader = SyncStore(root)
+    assert (reader.load(KEY), reader.load(SUB)) == ([entry(2)], [entry(1)])
+
+
 def test_a_part_linked_above_a_hole_is_linked_again_lower(
     root: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
