@@ -76,6 +76,7 @@ class _Retries:
     """What a load's lost attempts learned."""
 
     stale: OSError | None = None  # the last ESTALE (a mount that keeps answering it)
+    stale_opens: int = 0  # attempts whose open of the path answered ESTALE
     deleting: bool = False  # a .deleted mark was seen: look again under the lock
     restored: int = 0  # times moved back from .trash (see _delete.restore)
 
@@ -372,7 +373,11 @@ class SyncStore:
             except OSError as exc:
                 if exc.errno != errno.ESTALE:
                     raise
-                seen.stale = exc  # NFS: replaced by another host
+                # Replaced or deleted by another host: a GlusterFS client can answer so
+                # for every open of the path until its 1 s caches lapse (review 104, a
+                # load of a session just deleted twice: 50 tries in 0.1 s). A pause.
+                seen.stale, seen.stale_opens = exc, seen.stale_opens + 1
+                time.sleep(min(0.02 * seen.stale_opens, 0.1))
                 return _AGAIN
             if dfd is None:
                 if seen.restored < 2 and _delete.restore(self, rfd, comps):

@@ -1487,6 +1487,27 @@ def test_a_first_batch_whose_check_fails_after_it_was_published_is_not_committed
     assert SyncStore(root).load(SUB) == [{"type": "user", "n": 1}]
 
 
+def test_a_load_whose_path_keeps_answering_a_stale_handle_for_a_second_reads_it_then(
+    root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On a GlusterFS pair (review 104's runs) a load of a subagent transcript whose
+    session another host had just deleted twice failed ESTALE: every open of its path
+    answered so, and the load's 50 tries took 0.1 s, where the client's caches lapse
+    within a second. It pauses after each such try. Staged: ESTALE for every open of the
+    path for 1.1 s."""
+    store = SyncStore(root, create=True)
+    store.append(SUB, [entry(0)])
+    real, until = _fsio.Fs.open_dir, time.monotonic() + 1.1
+
+    def open_dir(self: _fsio.Fs, base_fd: int, components: Any, **kw: Any) -> int | None:
+        if kw.get("operation") == "load" and time.monotonic() < until:
+            raise OSError(errno.ESTALE, os.strerror(errno.ESTALE))
+        return real(self, base_fd, components, **kw)
+
+    monkeypatch.setattr(_fsio.Fs, "open_dir", open_dir)
+    assert store.load(SUB) == [entry(0)]
+
+
 @pytest.mark.parametrize("what", ["subagent", "session", "session's subkeys"])
 def test_a_delete_looks_up_again_what_answers_a_stale_handle_and_deletes_it(
     root: Path, monkeypatch: pytest.MonkeyPatch, what: str
