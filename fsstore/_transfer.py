@@ -297,13 +297,16 @@ def _import_file(
         if gone(exc):
             return Transfer(path, key, "gone", detail="removed while importing")
         return Transfer(path, key, "failed", detail=f"{posix_code(exc.errno)} {exc.strerror}", failed=True)
-    t, todo, meta_entry = _compare(store, path, key, local, note)
-    if dry_run or not t.added:
-        return t
-    for batch in _batches(todo):
-        store.append(key, batch)
-    if meta_entry is not None:
-        store.append(key, [meta_entry])
+    if dry_run:
+        return _compare(store, path, key, local, note)[0]
+    # Compared and appended under the transcript's lock: two imports of one file at once
+    # appended it twice (review 105: entries without a uuid then load twice).
+    with store.locked(key):
+        t, todo, meta_entry = _compare(store, path, key, local, note)
+        for batch in _batches(todo):
+            store.append(key, batch)
+        if meta_entry is not None:
+            store.append(key, [meta_entry])
     return t
 
 

@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -20,7 +21,17 @@ from typing import Any
 
 import pytest
 
-from fsstore import FsStoreError, _cleanup, _delete, _fsio, _layout, _listing, _merge, _views
+from fsstore import (
+    FsStoreError,
+    _cleanup,
+    _delete,
+    _fsio,
+    _layout,
+    _listing,
+    _merge,
+    _transfer,
+    _views,
+)
 from fsstore._keys import parse_key
 from fsstore._store import SyncStore
 
@@ -577,6 +588,35 @@ def test_import_merges_a_diverged_transcript_once(root: Path, tmp_path: Path) ->
     assert store.load(KEY) == [entry(1), entry(2), entry(99), entry(3)]
     doc = fsstore_json("import", root, projects)
     assert [(f["status"], f["added"]) for f in doc["files"]] == [("up-to-date", 0)]
+
+
+def test_two_imports_of_one_file_at_once_append_it_once(
+    root: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Review 105: three ``fsstore import`` processes of one directory into a new store;
+    two both found the transcript missing and both appended it (1 trial in 6): its
+    entries without a ``uuid`` then loaded twice, and no later import mended it. An
+    import compares and appends under the transcript's lock. Staged: a second import
+    run (in a thread) right after the first compared, given a second to finish first."""
+    projects = tmp_path / "projects"
+    local = [entry(1), {"type": "user", "n": 2}, {"type": "user", "n": 2}, entry(3)]  # no uuid twice
+    write_jsonl(projects / P / f"{S}.jsonl", local)
+    real, second = _transfer._compare, []
+
+    def compare(*args: Any) -> Any:
+        out = real(*args)
+        if not second:
+            second.append(threading.Thread(target=_transfer.import_projects, args=(str(root), str(projects)),
+                                           kwargs={"create": True}))
+            second[0].start()
+            second[0].join(1.0)
+        return out
+
+    monkeypatch.setattr(_transfer, "_compare", compare)
+    _transfer.import_projects(str(root), str(projects), create=True)
+    second[0].join(30)
+    assert not second[0].is_alive()
+    assert SyncStore(root).load(KEY) == local
 
 
 def test_export_writes_the_local_layout_atomically_and_idempotently(
