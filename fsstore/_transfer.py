@@ -297,10 +297,11 @@ def _import_file(
         if gone(exc):
             return Transfer(path, key, "gone", detail="removed while importing")
         return Transfer(path, key, "failed", detail=f"{posix_code(exc.errno)} {exc.strerror}", failed=True)
-    if dry_run:
-        return _compare(store, path, key, local, note)[0]
-    # Compared and appended under the transcript's lock: two imports of one file at once
-    # appended it twice (review 105: entries without a uuid then load twice).
+    t = _compare(store, path, key, local, note)[0]
+    if dry_run or not t.added:
+        return t
+    # Compared again and appended under the transcript's lock: two imports of one file at
+    # once appended it twice (review 105: entries without a uuid then load twice).
     with store.locked(key):
         t, todo, meta_entry = _compare(store, path, key, local, note)
         for batch in _batches(todo):
