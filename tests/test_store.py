@@ -16,6 +16,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -1247,6 +1248,29 @@ def test_a_first_batch_whose_directory_a_delete_took_right_after_it_was_publishe
     assert taken and SyncStore(root).load(SUB) == [entry(1)]
 
 
+def _removed_dirs_answer_estale(monkeypatch: pytest.MonkeyPatch) -> Callable[[int], os.stat_result]:
+    """``os.fstat`` of a directory with no links left answers ESTALE, as a network file
+    system's server answers for a removed directory (an unlink of a name in one says
+    ENOENT, as on GlusterFS in review 104's failure); returns that fstat."""
+    real_fstat = os.fstat
+
+    def fstat(fd: int) -> os.stat_result:
+        st = real_fstat(fd)
+        if stat.S_ISDIR(st.st_mode) and st.st_nlink == 0:
+            raise OSError(errno.ESTALE, os.strerror(errno.ESTALE))
+        return st
+
+    monkeypatch.setattr(os, "fstat", fstat)
+    return fstat
+
+
+def _deleted_removed_and_made_anew(other: SyncStore, root: Path) -> None:
+    """Another host's delete of the session, gc removing it, and a writer making it anew."""
+    other.delete(KEY)
+    assert _cleanup.gc(str(root), older_than=0)
+    other.append(KEY, [entry(2)])
+
+
 def test_an_append_whose_directory_was_removed_on_the_server_before_its_look_starts_over(
     root: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -1256,36 +1280,20 @@ def test_an_append_whose_directory_was_removed_on_the_server_before_its_look_sta
     to a young transcript) asked its own directory's handle, which answered ESTALE, and
     the append failed "may be committed". A directory removed on the server is not the
     one at the name: the append starts over there. Staged: the other host's delete, gc
-    and new session right before the look, and ESTALE for every ``fstat`` of a directory
-    with no links left and ``unlink`` in one, as a network file system's server answers."""
+    and new session right before the look, and ESTALE through a removed directory."""
     # (the other host's lease is short: it takes the lock the stalled writer holds)
     other, store = SyncStore(root, create=True, stale_lock_seconds=1.0), SyncStore(root)
     other.append(KEY, [entry(0)])
-    real_level, real_fstat, staged = _views.gone_level, os.fstat, []
+    real_level, staged = _views.gone_level, []
 
     def gone_level(root_fd: int, comps: Any, only: Any = None) -> tuple[int, int]:
         if not staged:
             staged.append(comps)
-            other.delete(KEY)
-            assert _cleanup.gc(str(root), older_than=0)
-            other.append(KEY, [entry(2)])
+            _deleted_removed_and_made_anew(other, root)
         return real_level(root_fd, comps, only)
 
-    def fstat(fd: int) -> os.stat_result:
-        st = real_fstat(fd)
-        if stat.S_ISDIR(st.st_mode) and st.st_nlink == 0:
-            raise OSError(errno.ESTALE, os.strerror(errno.ESTALE))
-        return st
-
-    def unlink(name: str, *, dir_fd: int | None = None) -> None:
-        if dir_fd is not None:
-            fstat(dir_fd)
-        real_unlink(name, dir_fd=dir_fd)
-
-    real_unlink = os.unlink
     monkeypatch.setattr(_views, "gone_level", gone_level)
-    monkeypatch.setattr(os, "fstat", fstat)
-    monkeypatch.setattr(os, "unlink", unlink)
+    _removed_dirs_answer_estale(monkeypatch)
     store.append(KEY, [entry(1)])  # acknowledged
     monkeypatch.undo()
     assert staged, "the look never ran"
@@ -1300,28 +1308,20 @@ def test_a_first_batch_published_into_a_directory_then_removed_on_the_server_sta
     session, gc removed it and a writer made it anew; the check after publishing went
     through the removed session's handle, which answered ESTALE, and the append failed
     "may be committed". Where it published is not at its name any more: the append
-    starts over there. Staged as the test above: ESTALE through a directory with no links."""
+    starts over there. Staged as the test above."""
     other, store = SyncStore(root, create=True), SyncStore(root)
     other.append(KEY, [entry(0)])
-    real_check, real_fstat, staged = _commit._check_made, os.fstat, []
-
-    def fstat(fd: int) -> os.stat_result:
-        st = real_fstat(fd)
-        if stat.S_ISDIR(st.st_mode) and st.st_nlink == 0:
-            raise OSError(errno.ESTALE, os.strerror(errno.ESTALE))
-        return st
+    real_check, staged = _commit._check_made, []
 
     def check_made(fd: int, names: list[str], t: Any) -> None:
         if not staged:
             staged.append(names)
-            other.delete(KEY)
-            assert _cleanup.gc(str(root), older_than=0)
-            other.append(KEY, [entry(2)])
+            _deleted_removed_and_made_anew(other, root)
         fstat(fd)
         real_check(fd, names, t)
 
     monkeypatch.setattr(_commit, "_check_made", check_made)
-    monkeypatch.setattr(os, "fstat", fstat)
+    fstat = _removed_dirs_answer_estale(monkeypatch)
     store.append(SUB, [entry(1)])  # acknowledged
     monkeypatch.undo()
     assert staged, "the first batch was never published"
