@@ -229,7 +229,7 @@ def _append_once(store: SyncStore, t: Appending, payload: bytes, into: Callable[
                           "the directory fsync failed (%s): it may not survive a power loss")
         finally:
             if tmp:
-                _fsio.unlink_quiet(dfd, tmp)
+                _drop_temp(dfd, tmp, t.path)
     finally:
         os.close(dfd)
     if _compaction_due(store, items):
@@ -535,13 +535,13 @@ def check(dir_fd: int, seq: int, session_marker: str | None) -> tuple[list[Item]
 
 
 def _drop_temp(dfd: int, tmp: str, path: str) -> str:
-    """Unlink a committed batch's temp name (a second link to its part). After the
-    commit point: a failure is logged (the name is garbage for ``fsstore gc``),
-    since raising would make the SDK retry a committed batch. Returns ``""``."""
+    """Unlink a batch's temp name; a failure is logged (gc takes the name), not raised:
+    after the commit point the SDK would retry a committed batch, and on a failed append's
+    way out it would take the place of why the append failed. Returns ``""``."""
     try:
         _fsio.unlink_quiet(dfd, tmp)
     except OSError as exc:
-        log.warning("temp link left after commit: %s", exc, extra={
+        log.warning("temp file left: %s", exc, extra={
             "code": "TEMP_LEFT", "operation": "append", "path": f"{path}/{tmp}"})
     return ""
 

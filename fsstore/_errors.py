@@ -67,7 +67,8 @@ STORE_CODES: dict[str, Code] = {
                          "level: neither, left in .trash for the operator)",
                          "warning: none, alert if frequent (stalls); error: see docs/operations.md "
                          "\"Deletes racing appends\""),
-    "TEMP_LEFT": Code("a commit could not remove the temp name of the committed part",
+    "TEMP_LEFT": Code("an append could not remove its batch's temp file (after the commit: "
+                      "a second link to the part)",
                       "none: `fsstore gc` removes it"),
     "GAP": Code("load() returned a transcript with a sequence gap", "`fsstore check`"),
     "DIR_FSYNC_UNSUPPORTED": Code("the mount refuses directory fsync",

@@ -1329,6 +1329,36 @@ def test_a_first_batch_published_into_a_directory_then_removed_on_the_server_sta
     assert (reader.load(KEY), reader.load(SUB)) == ([entry(2)], [entry(1)])
 
 
+def test_a_temp_files_cleanup_never_takes_the_place_of_why_an_append_stopped(
+    root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found staging review 104's failures: where the look at a writer's directory failed
+    (the append says its batch may be committed) and the removal of its temp file then
+    failed ESTALE, that ESTALE took the error's place and the append started over: its
+    batch committed again on each try. The removal is a cleanup (gc takes what it leaves):
+    its error is not the append's. Staged: EIO from the look, ESTALE from the removal."""
+    other, store = SyncStore(root, create=True), SyncStore(root)
+    other.append(KEY, [entry(0)])
+    real_unlink = os.unlink
+
+    def look(*args: Any) -> bool:
+        raise OSError(errno.EIO, os.strerror(errno.EIO))
+
+    def unlink(name: str, *, dir_fd: int | None = None) -> None:
+        if name.startswith(_fsio.TEMP_PREFIX):
+            raise OSError(errno.ESTALE, os.strerror(errno.ESTALE))
+        real_unlink(name, dir_fd=dir_fd)
+
+    monkeypatch.setattr(_views, "at_its_name", look)
+    monkeypatch.setattr(os, "unlink", unlink)
+    with pytest.raises(FsStoreError) as err:
+        store.append(KEY, [entry(1)])
+    monkeypatch.undo()
+    assert err.value.code == "EIO" and "may be committed" in err.value.message
+    assert parts_of(root, KEY) == [_layout.part_name(1), _layout.part_name(2)]
+    assert SyncStore(root).load(KEY) == [entry(0), entry(1)]
+
+
 def test_a_part_linked_above_a_hole_is_linked_again_lower(
     root: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
