@@ -7,7 +7,7 @@ only deletions are:
   (:func:`gc`), aged by the later of mtime and ctime, and looked at again just
   before removal;
 * lock files older than a threshold, through the store's own
-  :func:`fsstore._lock.reclaim_if_stale`, which never removes a marker someone
+  :func:`fsstore._lock.reclaim`, which never removes a marker someone
   re-took (:func:`gc`);
 * whole sessions, through ``SyncStore.delete_unless`` (a mark, then an atomic rename
   into ``.trash``) under the lock of every transcript of the session, after a last
@@ -21,6 +21,7 @@ threshold: that is in-flight work.
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import stat
 from dataclasses import dataclass
@@ -29,7 +30,7 @@ from typing import Any
 from . import _delete, _fsio, _layout, _merge
 from ._errors import FsStoreError, posix_code
 from ._layout import Component
-from ._lock import reclaim_if_stale
+from ._lock import reclaim
 from ._lockfiles import LockInfo, name_locks, scan_locks
 from ._output import age_text, iso_ns
 from ._walk import (
@@ -223,26 +224,31 @@ def _break(lk: LockInfo, older_than: float, stale_lock_seconds: float, dry_run: 
         return Action("break-lock", lk.path, detail, False, lk.age)
     # Judged again as it is now, as a waiter would: a live holder may have taken the
     # lock since the scan, and its marker is older than a low --older-than at once.
-    if reclaim_if_stale(lk.path, older_than=max(older_than, stale_lock_seconds), operation="gc"):
+    # Not by a lookup after a failed try: a client can answer one from its cache after
+    # the holder gave the lock back or took it again (GlusterFS, sshfs; review 104: 80 of
+    # gc's 99 failed actions beside a writer whose clock ran behind said such a lock
+    # "could not be moved aside"). The reclaim's own listing and move say.
+    outcome = reclaim(lk.path, older_than=max(older_than, stale_lock_seconds), operation="gc")
+    if outcome == "broken":
         return Action("break-lock", lk.path, detail, True, lk.age)
-    try:
-        st = os.lstat(lk.path)
-    except FileNotFoundError:
-        return Action("break-lock", lk.path, detail + " (released meanwhile)", False, lk.age)
-    except OSError as exc:
-        return Action("break-lock", lk.path, f"{detail}: {exc.strerror}", False,
-                      lk.age, failed=True, code=posix_code(exc.errno))
-    if (st.st_ino, st.st_mtime_ns) != lk.ident:
+    if outcome == "kept":
         return Action("keep", lk.path, "lock was taken again meanwhile; left alone", False, lk.age)
-    # The very marker judged stale is still there: the reclaim could not move it.
-    locks_dir = os.path.dirname(lk.path)
-    why, code = (("it is not a regular file: remove it by hand", "UNSAFE_PATH")
-                 if not stat.S_ISREG(st.st_mode)
-                 else (f"no permission to rename it in {locks_dir}", "EACCES")
-                 if not os.access(locks_dir, os.W_OK | os.X_OK)
-                 else ("it could not be moved aside", None))
+    if outcome == "gone":  # no marker at the name, or none of ours to judge:
+        try:
+            st = os.lstat(lk.path)
+        except FileNotFoundError:
+            return Action("break-lock", lk.path, detail + " (released meanwhile)", False, lk.age)
+        except OSError as exc:
+            outcome = exc
+        else:
+            if not stat.S_ISREG(st.st_mode):
+                return Action("break-lock", lk.path, f"{detail}: not broken: it is not a regular "
+                              "file: remove it by hand", False, lk.age, failed=True, code="UNSAFE_PATH")
+            return Action("break-lock", lk.path, detail + " (released meanwhile)", False, lk.age)
+    why = (f"no permission to read it or to rename it in {os.path.dirname(lk.path)}"
+           if outcome.errno in (errno.EACCES, errno.EPERM) else f"cannot read or move it: {outcome.strerror}")
     return Action("break-lock", lk.path, f"{detail}: not broken: {why}", False, lk.age,
-                  failed=True, code=code)
+                  failed=True, code=posix_code(outcome.errno))
 
 
 def gc(

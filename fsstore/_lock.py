@@ -114,9 +114,25 @@ def reclaim_if_stale(
     watched: dict[str, tuple[Identity, float]] | None = None, mine: Collection[bytes] = (),
 ) -> bool:
     """Remove the marker at ``lock_path`` if :func:`_stale` judges it so, or if it is one
+    of the waiter's own records ``mine``: :func:`reclaim`. True if the marker judged
+    stale is gone."""
+    return reclaim(lock_path, older_than=older_than, operation=operation, watched=watched, mine=mine) == "broken"
+
+
+Reclaimed = typing.Literal["broken", "gone", "kept"]
+
+
+def reclaim(
+    lock_path: str, *, older_than: float, operation: str,
+    watched: dict[str, tuple[Identity, float]] | None = None, mine: Collection[bytes] = (),
+) -> Reclaimed | OSError:
+    """Remove the marker at ``lock_path`` if :func:`_stale` judges it so, or if it is one
     of the waiter's own records ``mine`` (a waiter holds no marker: one linked to its
     record was put back by a reclaim after it was released, and its own touches before
-    each try keep it young). True if the marker judged stale is gone.
+    each try keep it young). ``"broken"``: the marker judged stale is gone; ``"gone"``:
+    none was there (released meanwhile, or not a regular file); ``"kept"``: not stale, or
+    another marker is there now (taken again); the OSError that kept it from being
+    read or moved aside.
 
     Rename it aside, check that what was moved is the marker judged stale (same inode
     and mtime), remove it. A marker that a new holder took meanwhile is put back
@@ -127,37 +143,38 @@ def reclaim_if_stale(
     """
     try:
         marker = read_marker(lock_path)
-    except OSError:  # not ours to read: nothing we can judge
-        return False
+    except OSError as exc:  # not ours to read: nothing we can judge
+        return exc
     if marker is None:
-        return False
+        return "gone"
     ours = marker.text in mine
     why = "this waiter's own record, left at the lock name" if ours else _stale(
         marker, lock_path, older_than, watched)
     if why is None:
-        return False
+        return "kept"
     before = marker.stat
-    if not ours and _listing_says(lock_path) not in (_CANNOT_TELL, before.st_ino):
-        return False  # this client's view of the name is old: another marker is there now
+    if not ours and (said := _listing_says(lock_path)) not in (_CANNOT_TELL, before.st_ino):
+        # This client's view of the name is old: another marker is there now, or none.
+        return "gone" if said is None else "kept"
     aside = _aside(lock_path)
     try:
         os.rename(lock_path, aside)
-    except OSError:  # someone else reclaimed or released it first
-        return False
+    except OSError as exc:  # someone else reclaimed or released it first?
+        return "gone" if exc.errno in (errno.ENOENT, errno.ESTALE) else exc
     if ours:  # by content: where inode numbers go by name (sshfs), the moved one has another
         judged = _content(aside) == marker.text
     else:
         judged = _moved(aside) == (before.st_ino, before.st_mtime_ns)
     if not judged:  # a new holder took the lock since we looked
         _put_back(aside, lock_path)
-        return False
+        return "kept"
     with contextlib.suppress(FileNotFoundError):
         os.unlink(aside)
     log.warning(
         "reclaimed a stale lock (%s)", ascii(why)[1:-1],
         extra={"code": "LOCK_RECLAIMED", "operation": operation, "path": lock_path},
     )
-    return True
+    return "broken"
 
 
 def _moved(aside: str) -> tuple[int, int] | None:

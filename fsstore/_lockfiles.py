@@ -48,7 +48,6 @@ class LockInfo:
     status: str  # "held", "expired", "dead", "malformed"
     local: bool
     mtime: float
-    ident: tuple[int, int]  # (inode, mtime_ns) as found: the marker judged
 
     @property
     def stale(self) -> bool:
@@ -102,8 +101,7 @@ def judge(w: Walker, path: str, st: os.stat_result) -> LockInfo | None:
     else:
         status = "expired" if age > w.stale_lock_seconds else "held"
     local = marker is not None and marker.here
-    return LockInfo(path, None, pid, host, age, status, local, st.st_mtime,
-                    (st.st_ino, st.st_mtime_ns))
+    return LockInfo(path, None, pid, host, age, status, local, st.st_mtime)
 
 
 def unused_record(w: Walker, path: str, st: os.stat_result) -> bool:

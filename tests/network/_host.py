@@ -24,7 +24,7 @@ Roles:
 * ``deleter``: delete ``keys`` one by one, ``pause`` seconds apart.
 * ``compactor``: append and ``compact`` ``key`` in turn.
 * ``maintainer``: ``fsstore gc`` (or ``prune``: ``command``) with ``older_than`` in a
-  loop; counts failed actions by code.
+  loop, ``pause`` seconds apart; reports failed actions (code and detail) and how often.
 * ``holder``: take ``key``'s lock and keep it ``hold`` seconds (touching ``inside``
   once in); reports when it was in, by the monotonic clock, which every "host" here
   shares.
@@ -228,8 +228,8 @@ def maintainer(spec: dict[str, Any]) -> dict[str, Any]:
             actions = _cleanup.gc(spec["root"], older_than=spec["older_than"])
         runs += 1
         removed += sum(a.done for a in actions)
-        failed.update(str(a.code) for a in actions if a.failed)
-        time.sleep(0.2)
+        failed.update(f"{a.code}: {a.detail}" for a in actions if a.failed)
+        time.sleep(spec.get("pause", 0.2))
     return {"runs": runs, "removed": removed, "failed": dict(failed)}
 
 

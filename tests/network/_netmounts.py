@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from tests.reliability._mounts import _fuse_missing, _run, unmount, unshare_uts_unavailable
+from tests.reliability._overlap import faketime_env
 
 REPO = Path(__file__).resolve().parents[2]
 CLEANUPS: list[Callable[[], None]] = []
@@ -435,6 +436,7 @@ class Role:
     host: int
     role: str
     spec: dict[str, object]
+    skew: str | None = None  # its wall clock this far off (libfaketime: "-10m")
 
 
 def run_roles(roles: list[Role], base: Path, *, timeout: float, stop_after: list[int] | None = None) -> list[dict[str, object]]:
@@ -452,7 +454,8 @@ def run_roles(roles: list[Role], base: Path, *, timeout: float, stop_after: list
             spec = {"start": str(start), "stop": str(stop), **r.spec}
             procs.append(subprocess.Popen(
                 child(r.host, "tests.network._host", r.role, json.dumps(spec)),
-                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=child_env(),
+                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                env=child_env() if r.skew is None else {**faketime_env(r.skew), "PYTHONPATH": child_env()["PYTHONPATH"]},
             ))
         start.touch()
         deadline = time.monotonic() + timeout
