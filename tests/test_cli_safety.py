@@ -223,6 +223,18 @@ def test_gc_fails_on_a_lock_it_cannot_break(shared: Path) -> None:
     assert lock.exists()
 
 
+def test_gc_fails_on_a_lock_that_is_no_file_and_leaves_it(root: Path, store: SyncStore) -> None:
+    store.append(KEY, [entry(1)])
+    lock = lock_file(root, KEY)
+    lock.mkdir()  # made by hand: no writer can take the lock, and gc must not guess
+    age(lock, 7200)
+    proc = fsstore("gc", root, "--json")
+    rc, out = proc.returncode, proc.stdout
+    failed = [a for a in json.loads(out)["actions"] if a["failed"]]
+    assert rc == 1 and [a["code"] for a in failed] == ["UNSAFE_PATH"], out
+    assert "not a regular file" in failed[0]["detail"] and lock.is_dir()
+
+
 # -- import and export -----------------------------------------------------------------
 
 
