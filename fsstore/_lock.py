@@ -37,6 +37,7 @@ import contextlib
 import contextvars
 import dataclasses
 import errno
+import itertools
 import math
 import os
 import secrets
@@ -54,7 +55,7 @@ from ._errors import FsStoreError, log
 from ._interrupts import HeldOff
 from ._records import Records, host_name
 
-_IDLE_LOCKS = 256
+_IDLE_LOCKS = 1024  # as many as an appending store remembers transcripts (_store._APPENDING)
 _WATCHED_MARKERS = 1024
 Identity = tuple[int, int, int, bytes]  # a marker as a waiter sees it: inode, size, mtime (ns), content
 # The locks held by SyncStore.locked in this context, by lock path (see Locks.held_here).
@@ -618,7 +619,8 @@ class Locks:
     def _trim(self) -> None:
         """Drop the least recently used entries nobody is using, down to _IDLE_LOCKS."""
         excess = len(self._local) - _IDLE_LOCKS
-        for path in [path for path, entry in self._local.items() if entry.users == 0][:excess]:
+        idle = (path for path, entry in self._local.items() if entry.users == 0)
+        for path in list(itertools.islice(idle, excess)):  # (the oldest first: mostly one look)
             del self._local[path]
 
     def _current(self, path: str, entry: _Local) -> bool:
