@@ -231,8 +231,11 @@ def _break(lk: LockInfo, older_than: float, stale_lock_seconds: float, dry_run: 
     outcome = reclaim(lk.path, older_than=max(older_than, stale_lock_seconds), operation="gc")
     if outcome == "broken":
         return Action("break-lock", lk.path, detail, True, lk.age)
-    if outcome == "kept":
+    if outcome == "taken":
         return Action("keep", lk.path, "lock was taken again meanwhile; left alone", False, lk.age)
+    if outcome == "not stale":  # (a record-less marker younger than the lease, say)
+        return Action("keep", lk.path, f"lock of {lk.describe()} on {lk.transcript()} is not stale "
+                      "as its waiters judge it now; left to them", False, lk.age)
     if outcome == "gone":  # no marker at the name, or none of ours to judge:
         try:
             st = os.lstat(lk.path)

@@ -120,7 +120,7 @@ def reclaim_if_stale(
     return reclaim(lock_path, older_than=older_than, operation=operation, watched=watched, mine=mine) == "broken"
 
 
-Reclaimed = typing.Literal["broken", "gone", "kept"]
+Reclaimed = typing.Literal["broken", "gone", "not stale", "taken"]
 
 
 def reclaim(
@@ -131,9 +131,9 @@ def reclaim(
     of the waiter's own records ``mine`` (a waiter holds no marker: one linked to its
     record was put back by a reclaim after it was released, and its own touches before
     each try keep it young). ``"broken"``: the marker judged stale is gone; ``"gone"``:
-    none was there (released meanwhile, or not a regular file); ``"kept"``: not stale, or
-    another marker is there now (taken again); the OSError that kept it from being
-    read or moved aside.
+    none was there (released meanwhile, or not a regular file); ``"not stale"``: as
+    :func:`_stale` judges it now; ``"taken"``: another marker is there now (taken
+    again); or the OSError that kept it from being read, listed or moved aside.
 
     Rename it aside, check that what was moved is the marker judged stale (same inode
     and mtime), remove it. A marker that a new holder took meanwhile is put back
@@ -152,11 +152,16 @@ def reclaim(
     why = "this waiter's own record, left at the lock name" if ours else _stale(
         marker, lock_path, older_than, watched)
     if why is None:
-        return "kept"
+        return "not stale"
     before = marker.stat
-    if not ours and (said := _listing_says(lock_path)) not in (_CANNOT_TELL, before.st_ino):
-        # This client's view of the name is old: another marker is there now, or none.
-        return "gone" if said is None else "kept"
+    if not ours:
+        try:
+            said = _listing_says(lock_path)
+        except OSError as exc:
+            return exc
+        if said not in (_CANNOT_TELL, before.st_ino):
+            # This client's view of the name is old: another marker is there now, or none.
+            return "gone" if said is None else "taken"
     aside = _aside(lock_path)
     try:
         os.rename(lock_path, aside)
@@ -168,7 +173,7 @@ def reclaim(
         judged = _moved(aside) == (before.st_ino, before.st_mtime_ns)
     if not judged:  # a new holder took the lock since we looked
         _put_back(aside, lock_path)
-        return "kept"
+        return "taken"
     with contextlib.suppress(FileNotFoundError):
         os.unlink(aside)
     log.warning(
@@ -182,7 +187,10 @@ def _moved(aside: str) -> tuple[int, int] | None:
     """The inode number and mtime of what a rename just moved to ``aside``, as the
     server has it (:func:`_listing_says`); None if it cannot be looked at now (then it
     is put back, and judged again)."""
-    said = _listing_says(aside)
+    try:
+        said = _listing_says(aside)
+    except OSError:
+        return None
     if said is None:
         return None
     try:
@@ -199,7 +207,7 @@ def _listing_says(path: str) -> int | None:
     """The inode number a listing of ``path``'s directory (``.locks``) gives it, None if
     not listed, or :data:`_CANNOT_TELL` where the mount's listings do not number inodes
     as its lookups do (sshfs: :func:`_views.listings_number_alike`) or this user may not
-    list.
+    list; OSError where it cannot be listed now (EIO, ESTALE: nothing to go by).
 
     A lookup may answer from the client's view of the name: a GlusterFS client that
     still saw a stuck holder's marker at the lock name judged it stale after another
@@ -207,11 +215,16 @@ def _listing_says(path: str) -> int | None:
     view over to the new name (``lstat`` answered the stuck holder's inode), so the
     reclaim removed it; with three waiters, its put-back came too late. A listing
     reaches the server (review helper-92: two waiters on two hosts in the lock at
-    once, 7 of 19 rounds; helper-93, 6 of 10 with three waiters)."""
+    once, 7 of 19 rounds; helper-93, 6 of 10 with three waiters).
+
+    The store's root may itself be a symlink (the operator's choice, as for
+    ``_store.SyncStore._open_root``); nothing below it is followed (review 106: opened
+    with ``O_NOFOLLOW``, a symlinked root was never listed, so no marker but a waiter's
+    own was ever reclaimed there, and a dead holder's blocked every writer for good)."""
     locks, name = os.path.split(path)
     root, locks_name = os.path.split(locks)
     try:
-        rfd = os.open(root, _fsio.PATH_FLAGS)
+        rfd = os.open(root, (_fsio.PATH_FLAGS & ~os.O_NOFOLLOW))
         try:
             if not _views.listings_number_alike(rfd, locks_name):
                 return _CANNOT_TELL
@@ -224,8 +237,6 @@ def _listing_says(path: str) -> int | None:
             os.close(rfd)
     except PermissionError:
         return _CANNOT_TELL
-    except OSError:  # (EIO, ESTALE: nothing to go by now)
-        return None
 
 
 def _aside(lock_path: str) -> str:
@@ -384,7 +395,10 @@ class _MarkerLock(filelock.BaseFileLock):
                 # put back.
                 aside = _aside(self.lock_file)
                 os.rename(self.lock_file, aside)
-                said = _listing_says(aside)  # (not a lookup of it: see _listing_says)
+                try:
+                    said = _listing_says(aside)  # (not a lookup of it: see _listing_says)
+                except OSError:
+                    said = None  # nothing to go by: put back
                 if self._ours(aside, identity) if said == _CANNOT_TELL else (
                         identity is not None and said == identity[1]):
                     os.unlink(aside)

@@ -1359,3 +1359,75 @@ def test_a_mtime_tick_stalled_past_its_lease_never_sets_the_session_mtime_below_
     [final] = store.list_sessions(KEY["project_key"])
     assert final["mtime"] > after_later["mtime"]
     assert [e.get("uuid", e.get("w")) for e in store.load(KEY)][-2:] == ["stalled", "later"]
+
+
+# -- a store reached through a symlinked root ------------------------------------------
+
+
+def _dead_holders_marker(root: Path) -> Path:
+    """A lock of KEY left by a holder on another host, two hours old."""
+    from .._helpers import age, lock_file
+
+    lock = lock_file(root, KEY)
+    lock.write_text("999999\nother-host\n1\nowner-999999-0\n")
+    age(lock, 7200)
+    return lock
+
+
+def test_a_store_reached_through_a_symlinked_root_reclaims_a_dead_holders_lock(tmp_path: Path) -> None:
+    """The root may be a symlink (docs/operations.md). The reclaim's listing of
+    ``.locks`` opened the root with ``O_NOFOLLOW``, which failed there, so no marker but
+    a waiter's own was ever reclaimed: a holder that died on another host kept every
+    writer out (``LOCK_TIMEOUT``) for good, and gc said it was released meanwhile
+    (review 106)."""
+    from fsstore import _cleanup
+
+    real, link = tmp_path / "real", tmp_path / "link"
+    SyncStore(real, create=True, summaries=False).append(KEY, [{"uuid": "1"}])
+    link.symlink_to(real)
+    lock = _dead_holders_marker(real)
+    via = SyncStore(link, summaries=False, stale_lock_seconds=1, lock_timeout_seconds=6)
+    via.append(KEY, [{"uuid": "2"}])  # LOCK_TIMEOUT before
+    assert via.load(KEY) == [{"uuid": "1"}, {"uuid": "2"}]
+    lock = _dead_holders_marker(real)
+    actions = _cleanup.gc(str(link), older_than=0)
+    assert [(a.action, a.done, a.failed) for a in actions] == [("break-lock", True, False)], actions
+    assert not lock.exists()
+
+
+def test_gc_leaves_a_young_lock_without_a_record_to_its_waiters_and_says_so(root: Path) -> None:
+    """A marker without its holder's record (made by hand, or by an older fsstore)
+    that gc's scan calls malformed, but that is younger than ``stale_lock_seconds``:
+    the reclaim does not judge it stale on one look (a waiter does, after seeing it
+    unchanged for half a second). gc said "taken again meanwhile" (review 106)."""
+    from fsstore import _cleanup
+
+    from .._helpers import age, lock_file
+
+    store = SyncStore(root, create=True, summaries=False, stale_lock_seconds=30, lock_timeout_seconds=6)
+    store.append(KEY, [{"uuid": "1"}])
+    lock = lock_file(root, KEY)
+    lock.write_bytes(b"")
+    age(lock, 10)
+    [action] = _cleanup.gc(str(root), older_than=0)
+    assert (action.action, action.done, action.failed) == ("keep", False, False), action
+    assert "not stale" in action.detail and lock.exists()
+    store.append(KEY, [{"uuid": "2"}])  # its waiters take it
+    assert store.load(KEY) == [{"uuid": "1"}, {"uuid": "2"}]
+
+
+def test_a_late_release_through_a_symlinked_root_leaves_no_marker(tmp_path: Path) -> None:
+    """A hold past half its lease releases by moving its marker aside and checking, by
+    a listing, that it was its own. Through a symlinked root that listing failed, the
+    marker was put back, and every other writer waited ``lock_timeout_seconds`` and
+    failed ``LOCK_TIMEOUT`` for as long as the holder's process lived (review 106)."""
+    from .._helpers import lock_file
+
+    real, link = tmp_path / "real", tmp_path / "link"
+    real.mkdir()
+    link.symlink_to(real)
+    store = SyncStore(link, create=True, summaries=False, stale_lock_seconds=2)
+    store.append(KEY, [{"uuid": "1"}])
+    with store.locked(KEY):
+        time.sleep(0.7)  # past half the lease (1 s / 2): the late release path
+    assert not lock_file(real, KEY).exists()
