@@ -589,7 +589,7 @@ def test_gc_on_one_host_removes_the_tombs_of_the_other_hosts_deletes_without_err
     assert collector["failed"] == {}, collector
 
 
-@pytest.mark.parametrize("kind", params())
+@pytest.mark.parametrize("kind", ["gluster", "sshfs"])  # (uncached sshfs never showed it)
 def test_gc_beside_a_writer_whose_clock_runs_behind_on_the_other_host_fails_nothing(
     request: pytest.FixtureRequest, kind: str, tmp_path: Path
 ) -> None:
@@ -612,7 +612,7 @@ def test_gc_beside_a_writer_whose_clock_runs_behind_on_the_other_host_fails_noth
         time.sleep(0.2)
     keys = [{"project_key": "-net", "session_id": f"skew{i}"} for i in range(2)]
     *writers, collector = run_roles([
-        *(Role(1, "writer", {"root": root1, "key": key, "wid": f"w{i}", "batches": 10_000, "seconds": 10,
+        *(Role(1, "writer", {"root": root1, "key": key, "wid": f"w{i}", "batches": 10_000, "seconds": 6,
                              "sizes": [1] * 10_000}, skew="-10m") for i, key in enumerate(keys)),
         Role(2, "maintainer", {"root": root2, "older_than": 0, "pause": 0.01}),
     ], tmp_path, timeout=120, stop_after=[0, 1])
