@@ -12,6 +12,7 @@ whole or not at all (temp file, fsync, rename).
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import secrets
@@ -386,9 +387,22 @@ def import_projects(
 # -- export ----------------------------------------------------------------------
 
 
-def _safe_component(part: str, what: str) -> str:
+# Bytes in a file name on Linux's file systems (NAME_MAX).
+_NAME_MAX = 255
+
+
+def _safe_component(part: str, what: str, suffix: str = "") -> str:
+    """``part`` as a local file name (with ``suffix``, the longest name made from it):
+    NotFound where it cannot be one, ENAMETOOLONG, before anything is written, where the
+    local file system would refuse it (found by review 105: an export that failed so
+    left an empty ``DIR/PROJECT/``)."""
     if part in ("", ".", "..") or "/" in part or "\x00" in part:
         raise NotFound(f"{what} {part!r} cannot be a local file name")
+    size = len((part + suffix).encode("utf-8", "surrogateescape"))
+    if size > _NAME_MAX:
+        raise FsStoreError("ENAMETOOLONG", f"a {what} of {size - len(suffix)} bytes ({part[:40]}...) "
+                           f"cannot be a local file name (at most {_NAME_MAX - len(suffix)}); nothing "
+                           "was written", operation="export", errno=errno.ENAMETOOLONG)
     return part
 
 
@@ -512,7 +526,7 @@ def export_session(
     store = SyncStore(root, summaries=False)
     key = {"project_key": project, "session_id": session}
     base = os.path.join(os.path.abspath(projects_dir), _safe_component(project, "project key"))
-    sid = _safe_component(session, "session id")
+    sid = _safe_component(session, "session id", ".jsonl")
     main = store.load(key)
     subpaths = store.list_subkeys(key)
     if main is None and not subpaths:
@@ -530,8 +544,8 @@ def export_session(
         if not entries:
             continue
         parts = subpath.split("/")
-        for p in parts:
-            _safe_component(p, "subpath segment")
+        for i, p in enumerate(parts):
+            _safe_component(p, "subpath segment", ".meta.json" if i == len(parts) - 1 else "")
         target = os.path.join(base, sid, *parts[:-1], parts[-1] + ".jsonl")
         if len(parts) == 1:
             # <session>/<subpath>.jsonl: the SDK's rule reads no key from a file one level

@@ -619,6 +619,20 @@ def test_two_imports_of_one_file_at_once_append_it_once(
     assert SyncStore(root).load(KEY) == local
 
 
+def test_export_of_a_session_whose_id_cannot_be_a_local_file_name_writes_nothing(
+    root: Path, store: SyncStore, tmp_path: Path
+) -> None:
+    """Review 105: a 5,000-character session id (the store takes it: it hashes long
+    names) failed ``ENAMETOOLONG`` after the export had made ``DIR/PROJECT/``."""
+    long_id = "s" * 300
+    store.append({**KEY, "session_id": long_id}, [entry(1)])
+    out = tmp_path / "projects"
+    proc = fsstore("export", root, P, long_id, out)
+    assert proc.returncode == 1 and "ENAMETOOLONG" in proc.stdout + proc.stderr, proc.stdout + proc.stderr
+    assert "nothing was written" in proc.stdout + proc.stderr
+    assert not out.exists()
+
+
 def test_export_writes_the_local_layout_atomically_and_idempotently(
     root: Path, store: SyncStore, tmp_path: Path
 ) -> None:
