@@ -7,7 +7,7 @@ only deletions are:
   (:func:`gc`), aged by the later of mtime and ctime, and looked at again just
   before removal;
 * lock files older than a threshold, through the store's own
-  :func:`fsstore._lock.reclaim`, which never removes a marker someone
+  :func:`fsstore._reclaim.reclaim`, which never removes a marker someone
   re-took (:func:`gc`);
 * whole sessions, through ``SyncStore.delete_unless`` (a mark, then an atomic rename
   into ``.trash``) under the lock of every transcript of the session, after a last
@@ -30,9 +30,9 @@ from typing import Any
 from . import _delete, _fsio, _layout, _merge
 from ._errors import FsStoreError, posix_code
 from ._layout import Component
-from ._lock import reclaim
 from ._lockfiles import LockInfo, name_locks, scan_locks
 from ._output import age_text, iso_ns
+from ._reclaim import reclaim
 from ._walk import (
     NFS_SILLY_PREFIX,
     Garbage,
@@ -215,7 +215,7 @@ def _break(lk: LockInfo, older_than: float, stale_lock_seconds: float, dry_run: 
     if lk.status == "held":
         if not lk.local or lk.age <= stale_lock_seconds:
             return None
-        # A live holder here, its marker old by this host's clock (see _lock._stale).
+        # A live holder here, its marker old by this host's clock (see _reclaim._stale).
         return Action("keep", lk.path, f"lock of {lk.describe()} on {lk.transcript()}, "
                       f"{age_text(lk.age)} old by this host's clock, held by a live process here: "
                       "left to its waiters", False, lk.age)

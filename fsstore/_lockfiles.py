@@ -21,8 +21,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from . import _layout
-from ._lock import read_marker
 from ._output import iso
+from ._reclaim import read_marker
 from ._walk import Garbage, Problem, Progress, TranscriptRef, Walker, changed_at, tick, walking
 
 #: A lock take-over interrupted by a crash leaves ``<lock>.break.<pid>.<hex>`` or
@@ -97,7 +97,7 @@ def judge(w: Walker, path: str, st: os.stat_result) -> LockInfo | None:
     elif marker is not None and marker.dead_here:
         status = "dead"
     elif marker is not None and marker.here:
-        status = "held"  # alive here: one look by a clock that may run ahead (see _lock._stale)
+        status = "held"  # alive here: one look by a clock that may run ahead (see _reclaim._stale)
     else:
         status = "expired" if age > w.stale_lock_seconds else "held"
     local = marker is not None and marker.here

@@ -117,7 +117,7 @@ class Records:
         release looked: a marker naming a live process here, which waiters took for a
         live holder's until it aged out (review helper-90: 30 s of LOCK_TIMEOUT on
         GlusterFS). Emptied first, every link of the record (that marker too) names
-        nobody, and waiters reclaim it after :data:`fsstore._lock.RECORDLESS_SECONDS`."""
+        nobody, and waiters reclaim it after :data:`fsstore._reclaim.RECORDLESS_SECONDS`."""
         with self._guard:
             if self._texts.pop(name, None) is None:
                 return  # a name it was moved to, not a record

@@ -390,7 +390,7 @@ def test_a_reclaim_refused_its_put_back_as_over_sftp_gives_way(
     the refusal comes from the FUSE mount (faultfs)."""
     import socket
 
-    from fsstore import _lock
+    from fsstore import _reclaim
 
     locks = Path(fault_mount.mountpoint) / f"reclaim-eperm-{time.monotonic_ns()}"
     locks.mkdir()
@@ -409,7 +409,7 @@ def test_a_reclaim_refused_its_put_back_as_over_sftp_gives_way(
     monkeypatch.setattr(os, "rename", staged)
     fault_mount.set({"op": "link", "path": r"\.stale-", "errno": "EPERM", "times": 1})
     try:
-        assert _lock.reclaim_if_stale(str(path), older_than=30, operation="append") is False
+        assert _reclaim.reclaim_if_stale(str(path), older_than=30, operation="append") is False
     finally:
         fault_mount.clear()
         monkeypatch.undo()
@@ -941,7 +941,7 @@ def test_a_marker_with_whole_second_mtimes_is_watched_a_second_longer(tmp_path: 
     so a waiter's "seen unchanged" ran across both: a waiter at +10 min broke the
     second holder's lock 1.2 s into its 2 s lease (review, stop 29: 8 of 15 trials on
     an uncached sshfs pair). Such a marker is watched a second longer."""
-    from fsstore import _lock
+    from fsstore import _reclaim
 
     path = tmp_path / "x.lock"
     path.write_text("4242\nsome-other-host\n1\n")
@@ -950,7 +950,7 @@ def test_a_marker_with_whole_second_mtimes_is_watched_a_second_longer(tmp_path: 
     st = path.stat()
     seen = time.monotonic() - 1.5  # past half of stale (1 s), not past it plus a second
     watched = {str(path): ((st.st_ino, st.st_size, st.st_mtime_ns, path.read_bytes()), seen)}
-    reclaimed = _lock.reclaim_if_stale(str(path), older_than=2.0, operation="append", watched=watched)
+    reclaimed = _reclaim.reclaim_if_stale(str(path), older_than=2.0, operation="append", watched=watched)
     assert reclaimed is (mtime == "nanoseconds") and path.exists() is not reclaimed
 
 
