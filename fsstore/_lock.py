@@ -54,7 +54,7 @@ from ._reclaim import (
     listing_says,
     put_back,
     read_marker,
-    reclaim_if_stale,
+    reclaim,
 )
 from ._records import Records
 
@@ -320,7 +320,7 @@ class Locks:
         # SoftFileLock resolves its path and registers it (~150 us), so a writer that
         # keeps appending reuses its own. At most _IDLE_LOCKS unused ones are kept.
         self._local: collections.OrderedDict[str, _Local] = collections.OrderedDict()
-        # The marker seen at each lock path waited on, and since when (reclaim_if_stale).
+        # The marker seen at each lock path waited on, and since when (see :func:`fsstore._reclaim.reclaim`).
         # Kept across acquires, so that a waiter that timed out and is retried goes on
         # watching; paths not looked at for a while are forgotten once it grows large.
         self._watched: dict[str, tuple[Identity, float]] = {}
@@ -450,7 +450,7 @@ class Locks:
                     raise
                 # .locks is not a real directory (swapped for a symlink): never followed
                 raise _fsio.unsafe(os.path.dirname(lock_path), operation) from exc
-            reclaim_if_stale(lock_path, older_than=self.stale, operation=operation, watched=self._watched,
+            reclaim(lock_path, older_than=self.stale, operation=operation, watched=self._watched,
                              mine=self._records.texts())
             wait = poll
 

@@ -77,16 +77,6 @@ def read_marker(lock_path: str) -> Marker | None:
 RECORDLESS_SECONDS = 0.5
 
 
-def reclaim_if_stale(
-    lock_path: str, *, older_than: float, operation: str,
-    watched: dict[str, tuple[Identity, float]] | None = None, mine: Collection[bytes] = (),
-) -> bool:
-    """Remove the marker at ``lock_path`` if :func:`_stale` judges it so, or if it is one
-    of the waiter's own records ``mine``: :func:`reclaim`. True if the marker judged
-    stale is gone."""
-    return reclaim(lock_path, older_than=older_than, operation=operation, watched=watched, mine=mine) == "broken"
-
-
 Reclaimed = typing.Literal["broken", "gone", "not stale", "taken"]
 
 

@@ -392,10 +392,10 @@ _NAME_MAX = 255
 
 
 def _safe_component(part: str, what: str, suffix: str = "") -> str:
-    """``part`` as a local file name (with ``suffix``, the longest name made from it):
-    NotFound where it cannot be one, ENAMETOOLONG, before anything is written, where the
-    local file system would refuse it (found by review 105: an export that failed so
-    left an empty ``DIR/PROJECT/``)."""
+    """``part`` as a local file name, checked before anything is written: NotFound where
+    it cannot be one; ENAMETOOLONG where it, with ``suffix`` (the longest name made from
+    it), is longer than a file name may be (review 105: an export that failed so left an
+    empty ``DIR/PROJECT/``)."""
     if part in ("", ".", "..") or "/" in part or "\x00" in part:
         raise NotFound(f"{what} {part!r} cannot be a local file name")
     size = len((part + suffix).encode("utf-8", "surrogateescape"))

@@ -322,7 +322,7 @@ def test_holder_on_another_host_is_reclaimed_by_age_only(base: Path, figures: An
 
 @pytest.mark.xfail(
     strict=True,
-    reason="fsstore bug: reclaim_if_stale moves the lock path aside to check what it judged "
+    reason="fsstore bug: reclaim moves the lock path aside to check what it judged "
     "stale; when a new holder took the lock meanwhile, what it moved is that live holder's "
     "fresh marker, and while the path is vacant another waiter can create its own marker: "
     "the live holder's lock is broken early and two writers hold it at once (putting the "
@@ -409,7 +409,7 @@ def test_a_reclaim_refused_its_put_back_as_over_sftp_gives_way(
     monkeypatch.setattr(os, "rename", staged)
     fault_mount.set({"op": "link", "path": r"\.stale-", "errno": "EPERM", "times": 1})
     try:
-        assert _reclaim.reclaim_if_stale(str(path), older_than=30, operation="append") is False
+        assert _reclaim.reclaim(str(path), older_than=30, operation="append") != "broken"
     finally:
         fault_mount.clear()
         monkeypatch.undo()
@@ -950,7 +950,7 @@ def test_a_marker_with_whole_second_mtimes_is_watched_a_second_longer(tmp_path: 
     st = path.stat()
     seen = time.monotonic() - 1.5  # past half of stale (1 s), not past it plus a second
     watched = {str(path): ((st.st_ino, st.st_size, st.st_mtime_ns, path.read_bytes()), seen)}
-    reclaimed = _reclaim.reclaim_if_stale(str(path), older_than=2.0, operation="append", watched=watched)
+    reclaimed = _reclaim.reclaim(str(path), older_than=2.0, operation="append", watched=watched) == "broken"
     assert reclaimed is (mtime == "nanoseconds") and path.exists() is not reclaimed
 
 
