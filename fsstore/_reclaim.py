@@ -125,7 +125,10 @@ def reclaim(
     except OSError as exc:  # someone else reclaimed or released it first?
         return "gone" if exc.errno in (errno.ENOENT, errno.ESTALE) else exc
     if ours:  # by content: where inode numbers go by name (sshfs), the moved one has another
-        judged = content(aside) == marker.text
+        try:
+            judged = content(aside) == marker.text
+        except OSError as exc:  # gc took the moved name meanwhile (review 108): nothing is left
+            return "gone" if exc.errno in (errno.ENOENT, errno.ESTALE) else exc
     else:
         judged = _moved(aside) == (before.st_ino, before.st_mtime_ns)
     if not judged:  # a new holder took the lock since we looked

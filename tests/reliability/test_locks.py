@@ -1431,3 +1431,45 @@ def test_a_late_release_through_a_symlinked_root_leaves_no_marker(tmp_path: Path
     with store.locked(KEY):
         time.sleep(0.7)  # past half the lease (1 s / 2): the late release path
     assert not lock_file(real, KEY).exists()
+
+
+def test_a_waiter_whose_own_moved_marker_gc_removed_meanwhile_takes_the_lock(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A thread of a store that finds its sibling's hold past the lease reclaims the
+    marker as the store's own: it moves it aside and reads it there. ``fsstore gc
+    --older-than 0s`` can remove the moved name in between (a ``.stale-*`` leftover to
+    it); the read then raised ENOENT out of ``locked()`` (review 108, with a 3 s stall
+    of the move under strace). Nothing is left at the lock name: the waiter takes it."""
+    from fsstore import _reclaim
+
+    store = SyncStore(tmp_path / "store", create=True, summaries=False, stale_lock_seconds=2,
+                      lock_timeout_seconds=20)
+    store.append(KEY, [{"uuid": "first"}])
+    real_rename = os.rename
+    removed: list[str] = []
+
+    def rename_then_gc(src: Any, dst: Any, *args: Any, **kwargs: Any) -> Any:
+        out = real_rename(src, dst, *args, **kwargs)
+        if ".stale-" in os.fspath(dst) and not removed:
+            os.unlink(dst)  # what gc does to a .stale-* name older than its threshold
+            removed.append(os.fspath(dst))
+        return out
+
+    inside = threading.Event()
+
+    def sibling() -> None:
+        with store.locked(KEY):
+            inside.set()
+            time.sleep(3)
+
+    t = threading.Thread(target=sibling)
+    t.start()
+    assert inside.wait(5)
+    monkeypatch.setattr(_reclaim.os, "rename", rename_then_gc)
+    try:
+        with store.locked(KEY):  # raised ENOENT before
+            store.append(KEY, [{"uuid": "second"}])
+    finally:
+        monkeypatch.undo()
+        t.join()
+    assert removed and store.load(KEY) == [{"uuid": "first"}, {"uuid": "second"}]
