@@ -27,7 +27,7 @@ import stat
 from dataclasses import dataclass
 from typing import Any
 
-from . import _delete, _fsio, _layout, _merge
+from . import _delete, _fsio, _keys, _layout, _merge
 from ._errors import FsStoreError, posix_code
 from ._layout import Component
 from ._lockfiles import LockInfo, name_locks, scan_locks
@@ -36,6 +36,7 @@ from ._reclaim import reclaim
 from ._walk import (
     NFS_SILLY_PREFIX,
     Garbage,
+    NotFound,
     Problem,
     Progress,
     SessionRef,
@@ -562,10 +563,15 @@ def compact(
 
     The store keeps the newest merged file's time on the segment, so compaction does
     not restart the retention clock, and refuses (CORRUPT) to merge across a gap.
+    :class:`NotFound` where the project or session named is not there (review 105:
+    "0 done" and exit 0 hid a mistyped name).
     """
     actions: list[Action] = []
     with walking(root, stale_lock_seconds=stale_lock_seconds) as w:
         refs = w.sessions(project, session)
+        if not refs and (session is not None or (project is not None and not _there(w, project))):
+            raise NotFound(f"no project {project!r}" if session is None else f"no session {session!r}"
+                           + ("" if project is None else f" in project {project!r}"))
         for i, ref in enumerate(refs):
             for tref in w.transcripts(ref):
                 act = _compact_one(w, tref, dry_run)
@@ -574,6 +580,14 @@ def compact(
             tick(progress, i + 1, len(refs))
         actions += not_looked_at(w)
     return actions
+
+
+def _there(w: Walker, project: str) -> bool:
+    """Whether the project's directory is in the store."""
+    fd = w.open((_layout.PROJECTS, _keys.encode(project)))
+    if fd is not None:
+        os.close(fd)
+    return fd is not None
 
 
 def _compact_one(w: Walker, tref: TranscriptRef, dry_run: bool) -> Action | None:

@@ -77,7 +77,7 @@ STORE_CODES: dict[str, Code] = {
     "LOCK_RELEASE_FAILED": Code("a lock could not be released after the work under it was done",
                                 "check the mount"),
     # the command line (cat --json, export)
-    "NOT_FOUND": Code("no such transcript or session", "—"),
+    "NOT_FOUND": Code("no such transcript, session or project", "—"),
     "USAGE": Code("the command line is wrong (an unknown option, a bad value, a missing "
                   "argument): exit 2, nothing was done", "no: fix the command"),
 }

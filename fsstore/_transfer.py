@@ -25,15 +25,11 @@ from . import _fsio, _keys, _read
 from ._errors import FsStoreError, from_oserror, posix_code
 from ._store import SyncStore
 from ._transcript import dedupe
-from ._walk import NoStore, Problem, Progress, gone, require_store, tick
+from ._walk import NoStore, NotFound, Problem, Progress, gone, require_store, tick
 
 #: Entries per append() when importing (each append is one part file).
 _IMPORT_BATCH = 1000
 _IMPORT_BATCH_BYTES = 8 << 20
-
-
-class NotFound(Exception):
-    """The transcript or session asked for is not in the store."""
 
 
 def _canon(entry: Any) -> str:

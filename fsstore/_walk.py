@@ -70,6 +70,10 @@ class NoStore(Exception):
         self.code = code
 
 
+class NotFound(Exception):
+    """The transcript, session or project a command named is not in the store."""
+
+
 # -- records ---------------------------------------------------------------------
 
 

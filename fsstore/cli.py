@@ -49,7 +49,7 @@ from ._output import (
     when_text,
 )
 from ._store import SyncStore
-from ._walk import NoStore, Problem, is_store, require_store
+from ._walk import NoStore, NotFound, Problem, is_store, require_store
 
 # -- commands ----------------------------------------------------------------------
 
@@ -97,7 +97,7 @@ def cmd_cat(args: argparse.Namespace, out: TextIO, err: TextIO, progress: Progre
         entries = store.load(key)
     if entries is None:
         what = f"subpath {args.subpath!r} of " if args.subpath else ""
-        raise _transfer.NotFound(f"no transcript: {what}session {args.session!r} in project {args.project!r}")
+        raise NotFound(f"no transcript: {what}session {args.session!r} in project {args.project!r}")
     if args.json:
         json.dump(entries, out, separators=(",", ":"))
         out.write("\n")
@@ -415,7 +415,7 @@ def _run(argv: Sequence[str] | None) -> int:
         return status
     except NoStore as exc:
         return _failed(args, progress, out, err, exc.code, str(exc), EXIT_USAGE)
-    except _transfer.NotFound as exc:
+    except NotFound as exc:
         return _failed(args, progress, out, err, code="NOT_FOUND", message=str(exc), status=EXIT_PROBLEMS)
     except FsStoreError as exc:
         return _failed(args, progress, out, err, exc.code, exc.message,

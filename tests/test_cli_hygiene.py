@@ -149,7 +149,8 @@ def test_cat_of_a_transcript_with_a_gap_says_so_and_exits_1(root: Path, store: S
 
 
 @pytest.mark.parametrize("case", ["missing root", "not a store", "no such session", "export into a file",
-                                  "import from nowhere", "invalid subpath"])
+                                  "import from nowhere", "invalid subpath", "compact of no such session",
+                                  "compact of no such project"])
 def test_a_command_that_fails_names_its_code(root: Path, store: SyncStore, tmp_path: Path,
                                                   case: str) -> None:
     """An operator alerts on codes: a command that cannot do its job says which one on
@@ -169,6 +170,9 @@ def test_a_command_that_fails_names_its_code(root: Path, store: SyncStore, tmp_p
         "export into a file": (["export", root, P, S, tmp_path / "file" / "out"], "ENOTDIR", 1, "Not a directory"),
         "import from nowhere": (["import", root, tmp_path / "nothing"], "ENOENT", 2, "cannot list"),
         "invalid subpath": (["cat", root, P, S, "--subpath", "/abs"], "INVALID_KEY", 2, "must be relative"),
+        # (review 105: "compact: 0 done" and exit 0 hid a mistyped name)
+        "compact of no such session": (["compact", root, "--session", "nosuch"], "NOT_FOUND", 1, "no session"),
+        "compact of no such project": (["compact", root, "--project", "-nosuch"], "NOT_FOUND", 1, "no project"),
     }[case]
     assert code in STORE_CODES or code.startswith("E")
     proc = fsstore(*args)
