@@ -44,7 +44,7 @@ from collections.abc import Iterator, Mapping
 import filelock
 
 from . import _fsio
-from ._errors import FsStoreError, log
+from ._errors import FsStoreError, log, posix_code
 from ._interrupts import HeldOff
 from ._reclaim import (
     CANNOT_TELL,
@@ -435,6 +435,12 @@ class Locks:
             for path, (_ident, since) in self._watched.copy().items():
                 if now - since > 2 * self.stale + 60:
                     self._watched.pop(path, None)
+        # The error of the looks at the marker, while they fail (twice or more in a row:
+        # one that failed once has no say): a marker that cannot be judged is that
+        # error's doing, not a holder's (review: a .locks whose listing kept failing EIO
+        # ended LOCK_TIMEOUT, naming the holder, without a word of EIO).
+        unjudged: OSError | None = None
+        failed = 0
         while True:
             started = time.monotonic()
             remaining = deadline - started
@@ -444,19 +450,29 @@ class Locks:
             except filelock.Timeout as exc:
                 interrupts.deliver()
                 if time.monotonic() >= deadline:
-                    raise self._timeout(lock_path, operation, exc) from exc
+                    raise self._timeout(lock_path, operation, exc, unjudged) from exc
             except (NotADirectoryError, OSError) as exc:
                 if exc.errno not in (errno.ENOTDIR, errno.ELOOP):
                     raise
                 # .locks is not a real directory (swapped for a symlink): never followed
                 raise _fsio.unsafe(os.path.dirname(lock_path), operation) from exc
-            reclaim(lock_path, older_than=self.stale, operation=operation, watched=self._watched,
-                             mine=self._records.texts())
+            judged = reclaim(lock_path, older_than=self.stale, operation=operation,
+                             watched=self._watched, mine=self._records.texts())
+            failed = failed + 1 if isinstance(judged, OSError) else 0
+            unjudged = judged if isinstance(judged, OSError) and failed > 1 else None
             wait = poll
 
-    def _timeout(self, path: str, operation: str, exc: filelock.Timeout | None) -> FsStoreError:
+    def _timeout(self, path: str, operation: str, exc: filelock.Timeout | None,
+                 unjudged: OSError | None = None) -> FsStoreError:
+        """LOCK_TIMEOUT; or, where every look at whether the marker is stale failed,
+        that failure's code (EIO, EACCES): nothing was committed either way."""
         # Deliberately not a TimeoutError: the SDK does not retry those, and a lock
         # timeout is safe to retry (nothing was committed).
+        if unjudged is not None:
+            return FsStoreError(
+                posix_code(unjudged.errno), f"transcript lock not acquired within {self.timeout:g}s: "
+                f"whether its marker is stale could not be told ({unjudged})", operation=operation,
+                path=path, errno=unjudged.errno)
         return FsStoreError(
             "LOCK_TIMEOUT",
             f"transcript lock not acquired within {self.timeout:g}s{_holder(path)}",

@@ -37,6 +37,7 @@ import pytest
 from fsstore import FsStoreError
 from fsstore._store import SyncStore
 
+from .. import _helpers
 from .._helpers import stall, tdir
 from . import _children, _mounts, _overlap
 from ._check import (
@@ -377,6 +378,38 @@ def test_reclaiming_a_stale_marker_never_breaks_a_live_holders_lock(
             "the live holder's marker is no longer the lock: another writer holds it too")
     finally:
         os.close(live[0])
+
+
+def test_a_waiter_that_can_never_judge_a_marker_fails_with_why_not_lock_timeout(
+    fault_mount: _mounts.FaultFs,
+) -> None:
+    """A stale marker (a holder on another host, long dead) and a ``.locks`` whose
+    listing fails ``EIO`` every time: the waiter can never tell whether the marker is
+    stale, and its append fails with ``EIO`` and says so, not ``LOCK_TIMEOUT`` naming a
+    holder (found by review: the error an operator alerts on hid the storage fault).
+    The fault comes from the FUSE mount (faultfs). A listing that fails once is a
+    timeout as before: the marker was judged, and found live."""
+    root = Path(fault_mount.mountpoint) / f"unjudged-{time.monotonic_ns()}"
+    # (a waiter watches a marker for stale_lock_seconds itself before it judges it)
+    store = SyncStore(str(root), create=True, summaries=False, stale_lock_seconds=1,
+                      lock_timeout_seconds=3)
+    store.append(KEY, [{"n": 0}])
+    path = _helpers.lock_file(root, KEY)
+    path.write_text("4242\nsome-other-host\n")  # a holder on another host
+    old = time.time() - 100  # long past stale_lock_seconds
+    os.utime(path, (old, old))
+    fault_mount.set({"op": "readdir", "path": r"/\.locks$", "errno": "EIO", "times": None})
+    try:
+        with pytest.raises(FsStoreError) as err:
+            store.append(KEY, [{"n": 1}])
+    finally:
+        fault_mount.clear()
+    assert err.value.code == "EIO", err.value
+    assert "whether its marker is stale could not be told" in err.value.message
+    assert [f for f in fault_mount.take_injected() if f.startswith("readdir EIO")], "the fault never fired"
+    assert path.exists()  # nothing broken on a guess
+    store.append(KEY, [{"n": 1}])  # the listing works again: the dead holder's marker is broken
+    assert store.load(KEY) == [{"n": 0}, {"n": 1}]
 
 
 def test_a_reclaim_refused_its_put_back_as_over_sftp_gives_way(
