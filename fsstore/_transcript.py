@@ -47,7 +47,8 @@ ENCODER = json.JSONEncoder(ensure_ascii=True, separators=(",", ":"), allow_nan=T
 
 
 def encode_batch(entries: object, operation: str) -> bytes:
-    """The part-file bytes for a batch: one JSON object per line, ASCII only."""
+    """The part-file bytes for a batch: one JSON object per line, ASCII only; the first
+    line begins with :data:`BATCH_START`, the last ends with the batch's :func:`nonce`."""
     if not isinstance(entries, list):
         raise FsStoreError("INVALID_ENTRY", f"entries must be a list, not {type(entries).__name__}",
                            operation=operation)
@@ -67,13 +68,22 @@ def encode_batch(entries: object, operation: str) -> bytes:
         if beyond is not None:
             raise FsStoreError("INVALID_ENTRY", f"entry {i} {beyond}", operation=operation)
         lines.append(line)
+    lines[0] = BATCH_START + lines[0]
     lines[-1] += nonce()
     lines.append("")
     return "\n".join(lines).encode("ascii")
 
 
+# What begins a batch's first line (since stop 43): JSON whitespace, which every JSON
+# reader skips. A batch that begins with it ends with its nonce, so a file cut short at
+# a line boundary inside its last batch is told from a whole one (:func:`parse`); a
+# batch written before has neither mark, or only the nonce (stop 23), and is read as
+# it always was.
+BATCH_START = " "
 _NONCE_BITS = 32
 _AS_WHITESPACE = str.maketrans("01", " \t")
+_NONCED_END = re.compile(rb"[ \t]\n")  # a batch's last line: its nonce, then the newline
+_START = BATCH_START.encode("ascii")
 
 
 def nonce() -> str:
@@ -410,6 +420,16 @@ def plan_held(items: list[Item], dir_fd: int, seen: dict[str, bytes]) -> tuple[l
 # -- reading ---------------------------------------------------------------------
 
 
+def cut_short(data: bytes) -> int | None:
+    """The line where the last batch of ``data`` begins, if the file was cut at a line
+    boundary inside that batch: it begins with :data:`BATCH_START` and no line after
+    ends with a nonce (stop 33's open item: such a file loaded short, silently)."""
+    start = data.rfind(b"\n" + _START) + 1
+    if data.startswith(_START, start) and _NONCED_END.search(data, start) is None:
+        return data.count(b"\n", 0, start) + 1
+    return None
+
+
 def parse(data: bytes, path: str, operation: str) -> list[dict[str, Any]]:
     """Entries of one part or segment; CORRUPT (with the line) if it does not parse. An
     empty line holds no entry (:data:`_layout.LOST`: a lost batch's place)."""
@@ -420,6 +440,10 @@ def parse(data: bytes, path: str, operation: str) -> list[dict[str, Any]]:
             operation=operation,
             path=path,
         )
+    begins = cut_short(data)
+    if begins is not None:
+        raise FsStoreError("CORRUPT", f"cut short: the batch that begins at line {begins} has lost "
+                           "its end (whole lines are missing after the last)", operation=operation, path=path)
     lines = data.count(b"\n")
     # A JSON string never holds a raw newline, so the lines joined by commas form
     # one JSON array: one json.loads call instead of one per line.
