@@ -248,10 +248,8 @@ def marked(parent: int, name: str, below: str) -> bool:
         return False
 
 
-def _move_to_trash(
-    store: SyncStore, rfd: int, parent: int, name: str, path: str, mark: str, tag: str, *,
-    finishing: bool, wait: bool,
-) -> str | None:
+def _move_to_trash(store: SyncStore, rfd: int, parent: int, name: str, path: str, mark: str,
+                   tag: str, *, finishing: bool, wait: bool) -> str | None:
     """Steps 1 to 5 for ``parent/name``: the name of an orphan left in ``.trash`` (step
     4: to be merged back), else None."""
     trash = store._open(rfd, [(_layout.TRASH, None)], "delete", create=True)
@@ -261,7 +259,10 @@ def _move_to_trash(
         if ident is None:
             return None  # never written, or deleted already
         if not finishing:
-            _mark(store, parent, name, path, mark, _layout.DELETED)
+            try:  # gone on the server, reached by a cached name (review 109: sshfs)
+                _mark(store, parent, name, path, mark, _layout.DELETED)
+            except FileNotFoundError:
+                return None
         elif not marked(parent, name, mark):
             return None  # finished already: what is there now was made anew
         aside = _fsio.temp_name(f"-{tag}{FROM}{name}{ASIDE_TAG}")  # names what it was (moved_from)
@@ -635,8 +636,7 @@ def _tags_of(name: str) -> list[str] | None:
     return None if m is None else [t for t in (m.group(1), m.group(2)) if t]
 
 
-def _mark(store: SyncStore, parent: int, name: str, path: str, below: str, mark: str, *,
-          undo: bool = False) -> None:
+def _mark(store: SyncStore, parent: int, name: str, path: str, below: str, mark: str, *, undo: bool = False) -> None:
     """Create the file ``mark`` (``.deleted``, or a prune's: :func:`_prune`) in the
     transcript directory ``parent/name`` (``below=""``), or for a session in
     ``parent/name/main`` first (made for the mark in a session without a main

@@ -39,7 +39,7 @@ import os
 import time
 from collections.abc import Callable
 
-from . import _fsio, _layout, _read, _transcript
+from . import _fsio, _layout, _read
 from ._cleanup import Action, not_looked_at
 from ._commit import link_and_check
 from ._errors import FsStoreError, posix_code
@@ -203,16 +203,16 @@ def _fix(fs: _fsio.Fs, fd: int, path: str, dry_run: bool, *, gaps: bool, spare: 
 
 
 def _unreadable_parts(seen: Snapshot) -> list[str]:
-    """The parts of the chain that are empty, end in a torn line or were cut at a line
-    boundary inside their batch (:func:`_transcript.cut_short`): what a power loss with
-    ``fsync=False`` leaves of the last seconds' parts. A committed part never is (its
-    bytes were written whole before its link), so none is a batch in flight. A garbled
-    line in a whole file (bit rot, a hand edit) and segments (many batches; compaction
-    fsyncs them) are left for the operator to look at."""
+    """The parts of the chain that are empty or end in a torn line: what a power loss
+    with ``fsync=False`` leaves of the last seconds' parts on ext4. A committed part
+    never is (its bytes were written whole before its link), so none is a batch in
+    flight. A garbled line in a whole file (bit rot, a hand edit), a part cut short at
+    a line boundary (:func:`_transcript.cut_short`: a copy that stripped trailing
+    whitespace reads the same, whole batches; review 110) and segments (many batches;
+    compaction fsyncs them) are left for the operator to look at."""
     parts = {name for first, last, name in seen.chain if first == last}
     return [d.name for d in seen.damage if d.name in parts and isinstance(d.error, FsStoreError)
-            and d.name in seen.data and (not seen.data[d.name].endswith(b"\n")
-                                         or _transcript.cut_short(seen.data[d.name]) is not None)]
+            and d.name in seen.data and not seen.data[d.name].endswith(b"\n")]
 
 
 def _emptied(fd: int, path: str, names: list[str], judged: dict[str, bytes],
@@ -231,8 +231,7 @@ def _emptied(fd: int, path: str, names: list[str], judged: dict[str, bytes],
     actions = []
     for name in names:
         where, data = f"{path}/{name}", judged[name]
-        what = ("empty" if not data else f"{len(data)} bytes ending in a torn line"
-                if not data.endswith(b"\n") else f"{len(data)} bytes, cut short at a line boundary")
+        what = "empty" if not data else f"{len(data)} bytes ending in a torn line"
         if dry_run:
             actions.append(Action("mark-lost", where, f"{what}: its batch is lost; would hold "
                                   "no entry", False))

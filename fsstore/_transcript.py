@@ -82,7 +82,7 @@ def encode_batch(entries: object, operation: str) -> bytes:
 BATCH_START = " "
 _NONCE_BITS = 32
 _AS_WHITESPACE = str.maketrans("01", " \t")
-_NONCED_END = re.compile(rb"[ \t]\n")  # a batch's last line: its nonce, then the newline
+_NONCED_END = re.compile(rb"[ \t]\r?\n")  # a batch's last line: its nonce, then the newline
 _START = BATCH_START.encode("ascii")
 
 
@@ -421,11 +421,19 @@ def plan_held(items: list[Item], dir_fd: int, seen: dict[str, bytes]) -> tuple[l
 
 
 def cut_short(data: bytes) -> int | None:
-    """The line where the last batch of ``data`` begins, if the file was cut at a line
-    boundary inside that batch: it begins with :data:`BATCH_START` and no line after
-    ends with a nonce (stop 33's open item: such a file loaded short, silently)."""
+    """The line where the last batch of ``data`` (a whole file, ending with a newline)
+    begins, if the file was cut at a line boundary inside that batch: it begins with
+    :data:`BATCH_START`, no line after ends with a nonce, and the file's last line ends
+    as a whole entry does (``}``; a last byte garbled is another damage, named by
+    :func:`parse`). Stop 33's open item: such a file loaded short, silently. A file
+    whose trailing whitespace a copy stripped reads the same (review 110): ``CORRUPT``,
+    never repaired by removing it. Carriage returns before the newlines (a CRLF copy)
+    are whitespace, as JSON has them."""
+    if data.endswith((b" \n", b"\t\n", b" \r\n", b"\t\r\n", b"\n\n")) or len(data) < 2:
+        return None  # the usual: ends with a nonce (or a lost batch's empty line); O(1)
     start = data.rfind(b"\n" + _START) + 1
-    if data.startswith(_START, start) and _NONCED_END.search(data, start) is None:
+    if (data.startswith(_START, start) and data.endswith((b"}\n", b"}\r\n"))
+            and _NONCED_END.search(data, start) is None):
         return data.count(b"\n", 0, start) + 1
     return None
 

@@ -260,12 +260,13 @@ def test_unparseable_part_is_corruption_naming_file_and_line(
 def test_a_file_cut_short_at_a_line_boundary_is_corruption_not_a_short_load(
     store: SyncStore, root: Path, file: str
 ) -> None:
-    """A file that lost whole lines at its end (a power loss with ``fsync=False`` on a
-    file system that keeps a prefix, a copy cut short) still ends with a newline and
+    """A file that lost whole lines at its end (a copy cut short, a power loss with
+    ``fsync=False`` on a file system that keeps a prefix) still ends with a newline and
     every line parses: it loaded short, without a word (stop 33's open item). Its last
-    batch began with a mark and never reached its end (its nonce): CORRUPT, naming
-    the file and where that batch begins. ``fsstore check --repair`` marks a cut part's
-    batch lost (a batch is whole or not there), as it does a torn one."""
+    batch began with a mark and never reached its end (its nonce): CORRUPT, naming the
+    file and where that batch begins. ``check --repair`` does not remove it (a copy that
+    stripped trailing whitespace reads the same, with every entry there: review 110);
+    moved aside by the operator, the repair closes the gap and says what was lost."""
     for n in range(4):
         store.append(KEY, [entry(3 * n), entry(3 * n + 1), entry(3 * n + 2)])
     if file == "segment":
@@ -273,19 +274,46 @@ def test_a_file_cut_short_at_a_line_boundary_is_corruption_not_a_short_load(
     [name] = parts_of(root, KEY)[-1:]
     path = tdir(root, KEY) / name
     data = path.read_bytes()
-    kept = data[: data.rindex(b"\n", 0, data.rindex(b"\n")) + 1]  # the last line gone
-    path.write_bytes(kept)
+    path.write_bytes(data[: data.rindex(b"\n", 0, data.rindex(b"\n")) + 1])  # the last line gone
     with pytest.raises(FsStoreError) as info:
         store.load(KEY)
     err = info.value
     assert err.code == "CORRUPT" and err.path == str(path), err
     assert f"begins at line {1 if file == 'part' else 10}" in err.message and "cut short" in err.message
-    check = fsstore("check", root)
-    assert check.returncode == 1 and "cut short" in check.stdout + check.stderr, check.stdout
+    for args in (("check", root), ("check", root, "--repair")):
+        proc = fsstore(*args)
+        assert proc.returncode == 1 and "cut short" in proc.stdout + proc.stderr, proc.stdout
+    assert path.exists()
     if file == "part":
-        repair = fsstore("check", root, "--repair")
-        assert repair.returncode == 0 and "cut short at a line boundary" in repair.stdout, repair.stdout
+        path.rename(root / "aside.jsonl")
+        assert fsstore("check", root, "--repair").returncode == 0
         assert store.load(KEY) == [entry(n) for n in range(9)]
+
+
+@pytest.mark.parametrize("change", ["crlf", "stripped", "garbled nonce"])
+def test_a_part_changed_at_its_line_ends_is_not_taken_for_cut_short(
+    store: SyncStore, root: Path, change: str
+) -> None:
+    """Review 110: a copy that made every newline CRLF loads as before; one that stripped
+    trailing whitespace (the nonces) reads as cut short, CORRUPT, and the repair leaves
+    it; a last byte garbled is a line that is not JSON, as before (the repair had
+    removed both, whole batches)."""
+    store.append(KEY, [entry(0), entry(1)])
+    store.append(KEY, [entry(2), entry(3)])
+    path = tdir(root, KEY) / _layout.part_name(2)
+    data = path.read_bytes()
+    path.write_bytes({"crlf": data.replace(b"\n", b"\r\n"),
+                      "stripped": re.sub(rb"[ \t]+\n", b"\n", data),
+                      "garbled nonce": data[:-2] + b"x\n"}[change])
+    if change == "crlf":
+        assert store.load(KEY) == [entry(n) for n in range(4)]
+        return
+    with pytest.raises(FsStoreError) as info:
+        store.load(KEY)
+    assert info.value.code == "CORRUPT"
+    assert ("cut short" if change == "stripped" else "line 2 is not valid JSON") in info.value.message
+    assert fsstore("check", root, "--repair").returncode == 1
+    assert path.read_bytes() != _layout.LOST  # left for the operator, entries and all
 
 
 # -- the commit protocol ----------------------------------------------------------
