@@ -464,8 +464,9 @@ class Locks:
 
     def _timeout(self, path: str, operation: str, exc: filelock.Timeout | None,
                  unjudged: OSError | None = None) -> FsStoreError:
-        """LOCK_TIMEOUT; or, where every look at whether the marker is stale failed,
-        that failure's code (EIO, EACCES): nothing was committed either way."""
+        """LOCK_TIMEOUT; or, where the looks at whether the marker is stale kept failing
+        up to the deadline (twice or more in a row), that failure's code (EIO, EACCES):
+        nothing was committed either way."""
         # Deliberately not a TimeoutError: the SDK does not retry those, and a lock
         # timeout is safe to retry (nothing was committed).
         if unjudged is not None:
