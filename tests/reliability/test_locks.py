@@ -387,8 +387,7 @@ def test_a_waiter_that_can_never_judge_a_marker_fails_with_why_not_lock_timeout(
     listing fails ``EIO`` every time: the waiter can never tell whether the marker is
     stale, and its append fails with ``EIO`` and says so, not ``LOCK_TIMEOUT`` naming a
     holder (found by review: the error an operator alerts on hid the storage fault).
-    The fault comes from the FUSE mount (faultfs). A listing that fails once is a
-    timeout as before: the marker was judged, and found live."""
+    The fault comes from the FUSE mount (faultfs)."""
     root = Path(fault_mount.mountpoint) / f"unjudged-{time.monotonic_ns()}"
     # (a waiter watches a marker for stale_lock_seconds itself before it judges it)
     store = SyncStore(str(root), create=True, summaries=False, stale_lock_seconds=1,
