@@ -27,6 +27,21 @@ SUB = {**KEY, "subpath": "subagents/agent-1"}
 DAY = 86400.0
 
 
+def first_line(proc: subprocess.Popen[str]) -> str:
+    """The next line ``proc`` writes to its stdout pipe, read a byte at a time. A buffered
+    ``proc.stdout.readline()`` may read ahead past it, and ``proc.communicate()`` (which
+    reads the descriptor when more than one pipe is open) then never sees what followed:
+    a child that finished fast seemed to have printed nothing (CI, stop 43)."""
+    assert proc.stdout is not None
+    line = bytearray()
+    while not line.endswith(b"\n"):
+        byte = os.read(proc.stdout.fileno(), 1)
+        if not byte:
+            break
+        line += byte
+    return line.decode()
+
+
 def tdir(root: Path, key: dict[str, Any]) -> Path:
     """A transcript's directory."""
     return root / _layout.rel(_layout.transcript_dirs(parse_key(key, "test")))

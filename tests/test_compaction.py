@@ -39,7 +39,7 @@ from fsstore import (
 from fsstore._keys import parse_key
 from fsstore._store import SyncStore
 
-from ._helpers import fast_writer, no_lock_taken_twice, parts_of, tdir
+from ._helpers import fast_writer, first_line, no_lock_taken_twice, parts_of, tdir
 from .conftest import KEY, entry
 
 
@@ -227,7 +227,7 @@ def test_ctrl_c_at_exit_while_a_compaction_runs_leaves_no_lock_behind(root: Path
             f"print('exiting', flush=True)\n")
     proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        assert proc.stdout is not None and proc.stdout.readline().strip() == "exiting"
+        assert first_line(proc).strip() == "exiting"
         time.sleep(0.01)
         proc.send_signal(signal.SIGINT)
         proc.communicate(timeout=60)

@@ -30,7 +30,7 @@ import anyio
 import pytest
 
 from fsstore import FsSessionStore, FsStoreError
-from tests._helpers import lock_file, moved_by_a_dead_deleter, orphan_of, tdir
+from tests._helpers import first_line, lock_file, moved_by_a_dead_deleter, orphan_of, tdir
 from tests.reliability._check import assert_transcript, batch, ids, verify
 from tests.reliability._overlap import faketime_unavailable
 
@@ -363,7 +363,7 @@ def test_a_writer_stopped_past_its_lease_on_one_host(
     stalled = _start(1, "stall", {"root": root1, "key": KEY, "wid": "h1", "point": point, "pause": 0.5,
                                   "opts": opts, "start": str(start)})
     try:
-        line = stalled.stdout.readline() if stalled.stdout else ""
+        line = first_line(stalled)
         assert json.loads(line)[0] == "paused", (line, stalled.stderr.read() if stalled.stderr else "")
         os.kill(stalled.pid, signal.SIGSTOP)
         time.sleep(stale + 0.5)
@@ -518,7 +518,7 @@ def test_a_load_while_the_other_host_deletes_is_whole_or_none(
         time.sleep(0.5)
         assert len(store2.load(key) or []) == 40  # warm: host 2 has it cached
         start.touch()
-        line = deleter.stdout.readline() if deleter.stdout else ""
+        line = first_line(deleter)
         assert line and json.loads(line)[0] == "paused", (line, deleter.stderr.read() if deleter.stderr else "")
         seen = _loads_for(store2, key, 1.5)
         out, _err = deleter.communicate(timeout=60)

@@ -916,8 +916,7 @@ def _skewed_append(root: Path, offset: str | None, stale: float) -> subprocess.P
     env = None if offset is None else _overlap.faketime_env(offset)
     proc = subprocess.Popen([sys.executable, "-c", code], env=env, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    assert proc.stdout is not None
-    assert proc.stdout.readline() == "ready\n", proc.stderr.read() if proc.stderr else ""
+    assert _helpers.first_line(proc) == "ready\n", proc.stderr.read() if proc.stderr else ""
     return proc
 
 
