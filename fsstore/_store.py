@@ -79,6 +79,7 @@ class _Retries:
     stale_opens: int = 0  # attempts whose open of the path answered ESTALE
     deleting: bool = False  # a .deleted mark was seen: look again under the lock
     restored: int = 0  # times moved back from .trash (see _delete.restore)
+    last: str = ""  # why the last attempt was lost (said where the load gives up)
 
 
 # Transcripts an appending process remembers (validated key, paths, next number; about
@@ -353,7 +354,8 @@ class SyncStore:
                 raise seen.stale  # a mount that keeps answering ESTALE: say so, not "busy"
             raise FsStoreError(
                 "EAGAIN",
-                f"transcript changed under the reader {_LOAD_ATTEMPTS} times in a row",
+                f"transcript changed under the reader {_LOAD_ATTEMPTS} times in a row "
+                f"(the last time: {seen.last})",
                 operation=op,
                 path=path,
                 errno=errno.EAGAIN,
@@ -384,21 +386,26 @@ class SyncStore:
             if dfd is None:
                 if seen.restored < 2 and _delete.restore(self, rfd, comps):
                     seen.restored += 1
+                    seen.last = "a delete's mistaken move into .trash was put back"
                     return _AGAIN  # a stalled delete had it in .trash by mistake
                 return None
             try:
                 snapshot = read_snapshot(dfd, path, op, _layout.session_marker(tk))
                 # Deleted (moved away) while we read: look again.
-                return snapshot if _fsio.same_dir(dfd, rfd, names) else _AGAIN
+                if _fsio.same_dir(dfd, rfd, names):
+                    return snapshot
+                seen.last = "the directory at its name was replaced"
+                return _AGAIN
             except Deleted:
                 if locked:
                     raise
                 if seen.deleting:
                     return None  # marked, and we may not take the lock to finish it
-                seen.deleting = True  # look again under the lock
+                seen.deleting, seen.last = True, "a delete's mark"  # look again under the lock
                 return _AGAIN
             except (Vanished, OSError) as exc:
                 cause = exc.__cause__ if isinstance(exc, Vanished) else exc
+                seen.last = str(exc)
                 if isinstance(exc, OSError) and exc.errno not in (errno.ENOENT, errno.ESTALE):
                     raise
                 if isinstance(cause, OSError) and cause.errno == errno.ESTALE:
@@ -411,6 +418,7 @@ class SyncStore:
             except FsStoreError:
                 if _fsio.same_dir(dfd, rfd, names):
                     raise
+                seen.last = "the directory at its name was replaced"
                 return _AGAIN  # a half-removed directory (a delete) is not damage
             finally:
                 os.close(dfd)

@@ -189,7 +189,8 @@ def check_session_marker(dir_fd: int, session_marker: str | None) -> None:
 
 
 class Vanished(Exception):
-    """A listed file disappeared, or the directory changed while it was read: read again."""
+    """A listed file disappeared, or the directory changed while it was read: read again.
+    Its text says which (a reader that gives up names the last)."""
 
 
 def scan(dir_fd: int) -> tuple[list[Item], bool]:
@@ -403,7 +404,7 @@ def plan_held(items: list[Item], dir_fd: int, seen: dict[str, bytes]) -> tuple[l
                 seen[name] = _read.read_file(dir_fd, name)
             except OSError as exc:
                 if exc.errno in (errno.ENOENT, errno.ESTALE):  # ESTALE: another host removed it
-                    raise Vanished(name) from exc
+                    raise Vanished(f"{name} vanished") from exc
                 return None
         return seen[name]
 
@@ -574,7 +575,7 @@ def snapshot(
             if exc.errno not in (errno.ENOENT, errno.ESTALE):  # ESTALE: another host removed it
                 damage.append(Damage(name, exc))
             elif race is None:
-                race = Vanished(name)
+                race = Vanished(f"{name} vanished")
                 race.__cause__ = exc
             continue
         try:
@@ -597,7 +598,7 @@ def snapshot(
             after, race = [], race or exc
         if race is None and (after[: len(chain)] != chain
                              or any(f != l for f, l, _n in after[len(chain):])):
-            race = Vanished(path)
+            race = Vanished("the listing changed")
         if race is not None:
             break
     # The file read first still there, the same (review, stop 31: on sshfs a load that
@@ -605,7 +606,7 @@ def snapshot(
     # the rest from the new one, under the same names: mixed).
     first_read = first_kept(seen, chain, items) if read and race is None else None
     if first_read is not None and not _read.still(dir_fd, *first_read):
-        race = Vanished(first_read[0])
+        race = Vanished(f"{first_read[0]} is no longer the file read")
     deleted = None
     try:
         check_session_marker(dir_fd, session_marker)  # first: the session's delete, if it is one

@@ -31,6 +31,7 @@ from fsstore import (
     _commit,
     _fsio,
     _layout,
+    _read,
     _transcript,
     _views,
 )
@@ -254,6 +255,32 @@ def test_unparseable_part_is_corruption_naming_file_and_line(
     err = info.value
     assert err.code == "CORRUPT" and err.operation == "load"
     assert err.path == str(bad) and line in err.message
+
+
+def test_a_load_that_gives_up_says_what_changed_the_last_time(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A load that keeps losing its races ends ``EAGAIN``; the message says what the
+    last lost read saw, so an operator (and a failed CI run, stop 44: "changed under the
+    reader 50 times in a row" on a quiet GlusterFS store, and nothing more) can tell a
+    file that keeps vanishing from a listing that keeps changing. A listed part whose
+    every open says ENOENT stands in for a client that keeps listing a removed name."""
+    store = SyncStore(tmp_path / "s", create=True, compact_every=0)
+    for i in range(3):
+        store.append(KEY, [entry(i)])
+    real = _read.read_file
+
+    def vanishing(dir_fd: int, name: str) -> bytes:
+        if name == "00000000000000000002.jsonl":
+            raise FileNotFoundError(errno.ENOENT, "No such file or directory", name)
+        return real(dir_fd, name)
+
+    monkeypatch.setattr(_read, "read_file", vanishing)
+    with pytest.raises(FsStoreError) as err:
+        store.load(KEY)
+    assert err.value.code == "EAGAIN"
+    assert str(err.value).endswith("50 times in a row (the last time: "
+                                   "00000000000000000002.jsonl vanished)"), err.value
 
 
 @pytest.mark.parametrize("file", ["part", "segment"])
