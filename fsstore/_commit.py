@@ -684,17 +684,15 @@ def _published(store: SyncStore, t: Appending, parent: int, names: list[str]) ->
 
 def _check_made(fd: int, names: list[str], t: Appending) -> None:
     """:class:`Deleted` if the subagent transcript just published at ``fd/names...``
-    belongs to a session marked deleted (a session delete that marked it before the
-    new directory appeared moves it away with the session: nothing of it is kept, and
-    what was made is removed)."""
+    belongs to a session marked deleted: a session delete that marked it before the new
+    directory appeared moves it away with the session (here the append finishes that
+    delete, :func:`append`), so nothing of it is kept. What was made is not removed
+    here: a removal goes by name, and where names go by path (sshfs) the name can be
+    another's by then, a new session another host made and appended to (review 111:
+    acknowledged batches so removed)."""
     if t.session_marker is None:
         return
     marker = "/".join([*names, t.session_marker])
-    try:
-        # A prune marks only the subagent transcripts it found: it commits in main/.
-        _delete.cancel_prunes_in(fd, os.path.dirname(marker))
-        check_session_marker(fd, marker)
-    except Deleted:
-        with contextlib.suppress(OSError):
-            _fsio.remove_tree(fd, names[0])
-        raise
+    # A prune marks only the subagent transcripts it found: it commits in main/.
+    _delete.cancel_prunes_in(fd, os.path.dirname(marker))
+    check_session_marker(fd, marker)

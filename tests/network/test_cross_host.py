@@ -18,6 +18,7 @@ import contextlib
 import itertools
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -834,6 +835,52 @@ def test_a_delete_of_a_session_the_other_host_deleted_just_before_is_done(
         assert s1.list_subkeys(key) == []
         for s in (s1, s2):
             assert s.load({**key, "subpath": "subagents/agent-1"}) is None
+
+
+@pytest.mark.parametrize("kind", [pytest.param("sshfs", id="sshfs")])
+def test_a_new_session_is_not_taken_for_the_deleted_one_whose_mark_a_client_still_has(
+    request: pytest.FixtureRequest, kind: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Review 111 (cached sshfs, 1 of 7 campaigns: 5 acknowledged batches of host 2 lost,
+    their bytes nowhere): host 1 had seen a session's delete mark, and the session was
+    deleted. Host 1's append to a subagent transcript made the session anew; before its
+    check of the session's mark, host 2 appended to the new session. The check's
+    ``stat`` of ``main/.deleted`` was answered by sshfs's cache (names kept by path,
+    past the rename that replaced the directory) with the old mark, and the writer
+    removed what it had made, by name: the new session, host 2's batch in it. The mark
+    is judged by an open (the server's answer), and nothing is removed by name.
+    Staged: the mark and the delete on the server (the export); host 2's append at
+    host 1's check."""
+    from fsstore import _commit
+
+    pair = pair_of(request, kind)
+    r1, r2 = pair.fresh("mark-cached")
+    root1, root2 = str(r1 / "store"), str(r2 / "store")
+    s1, s2 = FsSessionStore(root1, create=True).sync, FsSessionStore(root2, create=True).sync
+    key = {"project_key": "-net", "session_id": "marked"}
+    sub = {**key, "subpath": "subagents/agent-1"}
+    s1.append(key, batch("old", 0, 1))
+    assert pair.export is not None
+    main_on_server = pair.export / tdir(r1 / "store", key).relative_to(pair.m1)
+    (main_on_server / ".deleted").touch()  # a delete's mark, as its deleter makes it
+    assert (tdir(r1 / "store", key) / ".deleted").exists()  # host 1 sees it (and keeps it)
+    shutil.rmtree(main_on_server.parent)  # the delete done, its .trash emptied
+    real, host2 = _commit._check_made, []
+
+    def check_made(fd: int, names: list[str], t: Any) -> None:
+        if t.session_marker is not None and not host2:  # host 1's: host 2 appends to
+            host2.append(True)  # the session host 1 just made
+            s2.append(key, batch("h2", 0, 1))
+        real(fd, names, t)
+
+    monkeypatch.setattr(_commit, "_check_made", check_made)
+    s1.append(sub, batch("h1", 0, 1))
+    monkeypatch.undo()
+    assert host2, "host 1's append never made the session anew"
+    time.sleep(pair.cache_window + 0.5)
+    for s in (s1, s2):
+        assert ids(s.load(key) or []) == [("h2", 0, 0)]
+        assert ids(s.load(sub) or []) == [("h1", 0, 0)]
 
 
 @pytest.mark.parametrize("kind", [pytest.param("sshfs", id="sshfs")])
