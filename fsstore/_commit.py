@@ -526,7 +526,7 @@ def check(dir_fd: int, seq: int, session_marker: str | None) -> tuple[list[Item]
         # unless the prune committed first (its mark renamed to .deleted).
         _delete.cancel_prunes(dir_fd, sorted({*pruning, *pruning_again}),
                               None if session_marker is None else os.path.dirname(session_marker))
-        deleted = deleted or _fsio.exists(dir_fd, _layout.DELETED)
+        deleted = deleted or _read.mark_there(dir_fd, _layout.DELETED)
     check_session_marker(dir_fd, session_marker)  # first: the session's delete, if it is one
     if deleted or deleted_again:
         raise Deleted(_layout.part_name(seq))

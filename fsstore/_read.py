@@ -130,3 +130,28 @@ def _anonymous_is_fuse(dev: int) -> bool:
 def forget_mounts() -> None:
     """Forget which devices are FUSE mounts (see :func:`_anonymous_is_fuse`)."""
     _anonymous_is_fuse.cache_clear()
+
+
+_MARK_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+
+
+def mark_there(dir_fd: int, name: str) -> bool:
+    """Whether the mark ``name`` (an empty file: ``.deleted``) is there, as the server
+    says: asked by an open, which reaches it, where a ``stat`` can be answered from a
+    client's cache by path (sshfs keeps a deleted session's names past a new session
+    made at its name: review 111, a writer took the new session for the deleted one and
+    removed it). A symlink there counts (nothing followed); where the open is refused
+    (permissions), the ``stat`` says."""
+    try:
+        os.close(os.open(name, _MARK_FLAGS, dir_fd=dir_fd))
+    except FileNotFoundError:
+        return False
+    except OSError as exc:
+        if exc.errno not in (errno.ELOOP, errno.EACCES, errno.EPERM):
+            raise
+        if exc.errno != errno.ELOOP:  # refused: the stat says
+            try:
+                os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+            except FileNotFoundError:
+                return False
+    return True

@@ -176,26 +176,12 @@ class Deleted(Exception):
         self.session = session
 
 
-_MARK_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
-
-
 def check_session_marker(dir_fd: int, session_marker: str | None) -> None:
     """:class:`Deleted` if ``session_marker`` (a path relative to a subagent
-    transcript: its session's ``main/.deleted``) exists on the server. Asked by an
-    open, which reaches it: a client that keeps names by path (sshfs) answers a
-    ``stat`` from what it saw there before another host deleted the session and a new
-    one was made at its name (review 111: the old session's mark, so seen, made a
-    writer take the new session for a deleted one)."""
-    if session_marker is None:
-        return
-    try:
-        os.close(os.open(session_marker, _MARK_FLAGS, dir_fd=dir_fd))
-    except FileNotFoundError:
-        return
-    except OSError as exc:
-        if exc.errno not in (errno.ELOOP, errno.EACCES, errno.EPERM):
-            raise  # (a mark that is there and cannot be opened still counts)
-    raise Deleted(session_marker, session=True)
+    transcript: its session's ``main/.deleted``) is there, as the server says
+    (:func:`_read.mark_there`)."""
+    if session_marker is not None and _read.mark_there(dir_fd, session_marker):
+        raise Deleted(session_marker, session=True)
 
 
 class Vanished(Exception):
