@@ -787,10 +787,14 @@ for name, op in ops.items():
 def test_a_child_forked_while_the_main_thread_holds_a_lock_is_interrupted_by_ctrl_c(tmp_path: Path) -> None:
     """Ctrl-C is held off while the main thread holds a lock; a child another thread
     forks meanwhile has the handler that was held off, not the one that only notes it
-    (its holder, and the restore, are not in the child)."""
+    (its holder, and the restore, are not in the child). The child's own Ctrl-C
+    handler is Python's default: a test run started in the background of a shell
+    without job control inherits SIGINT ignored, and so did the child (two fresh-clone
+    runs of stop 44)."""
     code = '''
 import os, signal, sys, threading, time
 from fsstore import FsSessionStore
+signal.signal(signal.SIGINT, signal.default_int_handler)
 store = FsSessionStore(sys.argv[1], create=True).sync
 def fork():
     pid = os.fork()
