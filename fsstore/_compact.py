@@ -128,6 +128,7 @@ def compact(
     """Merge (see the module docstring); return how many files were merged (0: none).
     ``hold()`` takes the transcript lock: for steps 3-4 (the look after the reads, the
     move, its check) and again for steps 5-6 (the sidecar, the unlinks)."""
+    last = ""  # what the last lost look saw (said where it gives up, as a load does)
     for attempt in range(READ_ATTEMPTS):
         # As a load: the client may list from a cache (sshfs's 20 s) that still shows
         # what another host's compaction removed (review, stop 33: 30 of 133 `fsstore
@@ -137,7 +138,8 @@ def compact(
         try:
             return _merge(fs, dir_fd, path, hold, everything=everything, operation=operation,
                           summary=summary)
-        except Vanished:
+        except Vanished as exc:
+            last = str(exc)
             continue  # a file merged by an overlapping compaction: look again
         except OSError as exc:
             # A session's delete takes its main transcript's lock only: it can mark,
@@ -147,7 +149,8 @@ def compact(
                 raise
             return 0
     raise FsStoreError("EAGAIN", f"files kept vanishing under {READ_ATTEMPTS} compactions "
-                       "(overlapping compactions, or a client that lists from a stale cache)", operation=operation, path=path, errno=errno.EAGAIN)
+                       "(overlapping compactions, or a client that lists from a stale cache; "
+                       f"the last time: {last})", operation=operation, path=path, errno=errno.EAGAIN)
 
 
 def _deleted(dir_fd: int) -> bool:
@@ -180,7 +183,7 @@ def _merge(
         # A gap in the transcript, or in a listing torn by a compaction or commits while
         # it was read in several parts (found by review: CORRUPT for honest writers).
         if sorted(scan(dir_fd)[0]) != sorted(items):
-            raise Vanished(path)  # changing: looked at again
+            raise Vanished("the listing changed")  # changing: looked at again
         raise FsStoreError("CORRUPT", f"sequence gap at part {gap}: refusing to compact across it",
                            operation=operation, path=path)
     merge = chain[choose(chain, everything=everything):]
@@ -196,7 +199,7 @@ def _merge(
         except OSError as exc:
             if exc.errno not in (errno.ENOENT, errno.ESTALE):  # ESTALE: another host removed it
                 raise
-            raise Vanished(name) from exc  # merged by another compaction: looked at again
+            raise Vanished(f"{name} vanished") from exc  # merged by another compaction: looked at again
         if first == last:
             parse(blob, f"{path}/{name}", operation)  # never copy a damaged part
         blobs[name] = blob
@@ -213,7 +216,7 @@ def _merge(
             # handles go by path (sshfs), another host's delete and new session since
             # the reads make every name the new session's (review, stop 31: the old
             # segment was published into it, hiding its acknowledged parts). Looked at again.
-            raise Vanished(path)
+            raise Vanished("a file read changed before the move")
         with _mtime_kept(dir_fd, held, top(now)):
             # The segment carries the newest merged mtime: retention goes by file age.
             if not _publish(fs, dir_fd, segment, data, newest, lambda: held.check(operation)):

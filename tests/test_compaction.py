@@ -1259,3 +1259,26 @@ def test_a_compaction_whose_listing_is_torn_looks_again_instead_of_raising_corru
     with pytest.raises(FsStoreError) as err:  # a real hole, in every listing
         store.compact(KEY)
     assert err.value.code == "CORRUPT"
+
+
+def test_a_compaction_that_gives_up_says_what_changed_the_last_time(
+    root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """As a load (tests/test_store.py): a compaction whose files keep vanishing ends
+    ``EAGAIN``, and the message says what its last lost look saw. A part whose every
+    open says ENOENT stands in for a client that keeps listing a removed name."""
+    store = SyncStore(root, create=True, compact_every=0)
+    for i in range(3):
+        store.append(KEY, [entry(i)])
+    real = _read.read_file
+
+    def vanishing(dir_fd: int, name: str) -> bytes:
+        if name == "00000000000000000002.jsonl":
+            raise FileNotFoundError(errno.ENOENT, "No such file or directory", name)
+        return real(dir_fd, name)
+
+    monkeypatch.setattr(_read, "read_file", vanishing)
+    with pytest.raises(FsStoreError) as err:
+        store.compact(KEY)
+    assert err.value.code == "EAGAIN"
+    assert str(err.value).endswith("the last time: 00000000000000000002.jsonl vanished)"), err.value
