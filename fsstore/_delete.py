@@ -590,7 +590,7 @@ def _mark_seen(parent: int, name: str, below: str) -> bool:
     """:func:`marked`, raising where that cannot be told (EACCES...): for what must not
     take a mark it could not see for none (:func:`orphan`)."""
     try:
-        return _read.mark_there(parent, f"{name}/{below}/{_layout.DELETED}" if below else f"{name}/{_layout.DELETED}")
+        return _fsio.exists(parent, f"{name}/{below}/{_layout.DELETED}" if below else f"{name}/{_layout.DELETED}")
     except NotADirectoryError:
         return False  # (``main`` a file: no mark in it)
 
