@@ -350,8 +350,9 @@ class Fs:
         os.close(fd)
 
     def subdirs_beneath(self, base_fd: int, names: list[str], base_path: str, operation: str) -> list[str]:
-        """Names of the directories in ``base/names...`` (none if it does not exist);
-        no symlink followed."""
+        """Names of the directories in ``base/names...`` (none if it does not exist, or
+        stops existing before it is listed: removed, or moved where handles go by path,
+        sshfs, by another host's delete); no symlink followed."""
         fd = self.open_dir(base_fd, [(n, None) for n in names], create=False,
                            base_path=base_path, operation=operation)
         if fd is None:
@@ -359,6 +360,8 @@ class Fs:
         try:
             with os.scandir(fd) as it:
                 return [e.name for e in it if is_dir_entry(e)]
+        except FileNotFoundError:
+            return []
         finally:
             os.close(fd)
 

@@ -884,6 +884,40 @@ def test_a_new_session_is_not_taken_for_the_deleted_one_whose_mark_a_client_stil
 
 
 @pytest.mark.parametrize("kind", [pytest.param("sshfs", id="sshfs")])
+def test_a_delete_whose_session_the_other_host_removes_while_it_looks_returns(
+    request: pytest.FixtureRequest, kind: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Review 112 (cached sshfs, both hosts deleting one session and appending to it: 4
+    of 276 deletes raised ``ENOENT``): a delete lists its session's subagent
+    transcripts through a handle of ``subkeys/``, and the other host's delete removed
+    the session between the open and the listing. Nothing is left to delete: the
+    delete returns. Staged: the session removed on the server (the export) there."""
+    pair = pair_of(request, kind)
+    r1, _r2 = pair.fresh("delete-listing")
+    s1 = FsSessionStore(str(r1 / "store"), create=True).sync
+    key = {"project_key": "-net", "session_id": "both"}
+    sub = {**key, "subpath": "subagents/agent-1"}
+    s1.append(key, batch("h1", 0, 1))
+    s1.append(sub, batch("h1", 1, 1))
+    assert pair.export is not None
+    on_server = pair.export / tdir(r1 / "store", key).parent.relative_to(pair.m1)
+    real, removed = os.scandir, []
+
+    def scandir(path: Any = ".") -> Any:
+        if not removed and isinstance(path, int) and os.readlink(f"/proc/self/fd/{path}").endswith("/subkeys"):
+            removed.append(path)
+            shutil.rmtree(on_server)  # the other host's delete, done
+        return real(path)
+
+    monkeypatch.setattr(os, "scandir", scandir)
+    s1.delete(key)
+    monkeypatch.undo()
+    assert removed, "the listing was never staged"
+    time.sleep(pair.cache_window + 0.5)
+    assert s1.load(key) is None and s1.load(sub) is None
+
+
+@pytest.mark.parametrize("kind", [pytest.param("sshfs", id="sshfs")])
 def test_an_append_after_a_remote_delete_starts_a_new_session_where_names_outlive_attributes(
     request: pytest.FixtureRequest, kind: str, tmp_path: Path
 ) -> None:
