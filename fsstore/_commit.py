@@ -56,8 +56,8 @@ linked (a free number below the highest is always inside a segment: step 6). Two
 overlapping holders may therefore reorder their own batches, nothing else.
 
 A transcript's first batch is committed by making its directory with part 1
-already in it (one rename: :func:`_first_commit`); an append to a session another
-host deleted makes it anew (:func:`_recreate`).
+already in it (one rename: :func:`_create.first_commit`); an append to a session another
+host deleted makes it anew (:func:`_create.recreate`).
 """
 
 from __future__ import annotations
@@ -70,7 +70,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from . import _delete, _fsio, _layout, _read, _transcript, _views
+from . import _create, _delete, _fsio, _layout, _read, _transcript, _views
 from ._errors import FsStoreError, from_oserror, log, posix_code
 from ._keys import TranscriptKey
 from ._layout import Component
@@ -88,7 +88,6 @@ if TYPE_CHECKING:
 
 # An append whose transcript directory is deleted under it starts over this often.
 _APPEND_ATTEMPTS = 50
-_STALE_VIEW_PAUSE = 1.1  # s: a GlusterFS client's cached lookups (1 s) lapse unused
 
 
 @dataclasses.dataclass(eq=False)
@@ -146,12 +145,15 @@ def append(
                 # and start over in a new directory. Nothing of ours is visible. Not under
                 # our lock: finishing takes the lock of what it moves (the session's).
                 _delete.finish(store, t.comps, t.path, session=exc.session)
+                if _moved_back_with_it(store, t, payload):
+                    return
             # Where this client still reaches the deleted directory by its path.
             with contextlib.suppress(Deleted):
-                if _recreate(store, t, payload):
+                if _create.recreate(store, t, payload):
                     return
-        except FileNotFoundError:
-            pass  # moved away by a delete before our commit: start over
+        except FileNotFoundError:  # moved away by a delete before our commit: start over
+            if into is None and _moved_back_with_it(store, t, payload):
+                return
         except OSError as exc:
             if exc.errno != errno.ESTALE or attempt == _APPEND_ATTEMPTS - 1:
                 raise
@@ -164,8 +166,47 @@ def append(
                        operation="append", path=t.path, errno=errno.ENOENT)
 
 
+def _moved_back_with_it(store: SyncStore, t: Appending, payload: bytes) -> bool:
+    """Whether the batch is committed after all, after an attempt that found its
+    directory moved away or marked. A delete that moved a directory made anew after its
+    mark (not marked) moves it back, and the part the attempt linked comes back with
+    it: where handles go by path (sshfs) the attempt could not reach it to take it back
+    (review 112: the batch twice, or hidden in .trash until merged into a session made
+    since). What a delete moved by mistake is moved back here, and the transcript at
+    the name is read as a load reads it: the batch in its chain is committed. Moved
+    away again meanwhile: False (the next start-over looks again). (``.trash`` is not
+    listed afresh here: a probe made there beside other hosts' renames crashed the
+    sshfs client, 3 of 3 runs.)"""
+    try:
+        with store._open_root(create=False, path_only=True) as rfd:
+            if rfd is None:
+                return False
+            _delete.restore(store, rfd, t.comps)
+            dfd = store._open(rfd, t.comps, "append")
+        if dfd is None:
+            return False
+        try:
+            for _try in range(_transcript.UNLOCKED_READS):
+                _views.refresh_listing(dfd)
+                seen = _transcript.snapshot(dfd, t.path, "append", session_marker=t.session_marker)
+                if seen.race is None:
+                    break
+        finally:
+            os.close(dfd)
+    except OSError as exc:
+        if exc.errno not in (errno.ENOENT, errno.ESTALE):
+            raise
+        return False
+    if seen.race is not None or seen.deleted is not None:
+        return False
+    if not any(payload in seen.data.get(name, b"") for _f, _l, name in seen.chain):
+        return False
+    t.next_seq, t.last_name = _last_of(seen.items)
+    return True
+
+
 def _append_once(store: SyncStore, t: Appending, payload: bytes, into: Callable[[int], bool] | None) -> None:
-    """Steps 2 to 8 (the first batch of a transcript: :func:`_first_commit`)."""
+    """Steps 2 to 8 (the first batch of a transcript: :func:`_create.first_commit`)."""
     op = "append"
     with store._open_root(create=False, path_only=True) as rfd:
         dfd = store._open(rfd, t.comps, op, path_only=True) if rfd is not None else None
@@ -179,7 +220,7 @@ def _append_once(store: SyncStore, t: Appending, payload: bytes, into: Callable[
         with store._open_root(create=True, path_only=True) as rfd:
             assert rfd is not None
             try:
-                made = _first_commit(store, rfd, t, payload, into)
+                made = _create.first_commit(store, rfd, t, payload, into)
             except FileNotFoundError:
                 # A directory of the path (the session's, another host deleted it) still
                 # opens here but is gone on the server, so making one in it fails: sshfs
@@ -187,7 +228,7 @@ def _append_once(store: SyncStore, t: Appending, payload: bytes, into: Callable[
                 # 65 of 1,733 appends ran out of attempts). As for a part's temp file:
                 if into is not None:
                     raise
-                made = _recreate(store, t, payload)
+                made = _create.recreate(store, t, payload)
             if made:
                 return
         raise FileNotFoundError(errno.ENOENT, "created and deleted meanwhile", t.path)
@@ -207,7 +248,7 @@ def _append_once(store: SyncStore, t: Appending, payload: bytes, into: Callable[
                 tmp = ""
                 if into is not None:
                     raise Gone(t.path) from exc
-                if _recreate(store, t, payload):
+                if _create.recreate(store, t, payload):
                     return
                 raise FileNotFoundError(errno.ENOENT, "transcript directory gone", t.path) from exc
             store._locks_dir(op)
@@ -217,15 +258,15 @@ def _append_once(store: SyncStore, t: Appending, payload: bytes, into: Callable[
                 held.check(op)
                 seq, items = link_and_check(store._fs, dfd, tmp, seq, payload, t.session_marker)
                 if _unvouched(seq, items, remembered):
-                    _at_its_name_or_taken_back(store, t, dfd, seq)
+                    at_its_name_or_taken_back(store, t, dfd, seq, payload)
                 t.next_seq, t.last_name = _last_of(items)
                 tmp = _drop_temp(dfd, tmp, t.path)
                 since_ns = max(before.st_mtime_ns, now.st_mtime_ns)  # (after the unlink: it stamps)
-                _after_commit(t, lambda: _tick(dfd, since_ns, held), "the directory's "
+                after_commit(t, lambda: _tick(dfd, since_ns, held), "the directory's "
                               "mtime tick failed (%s): a summary made just before may look current")
             # Not the lock's to cover (it orders the links and their checks): a fsync under
             # it made the next writer wait for this one's journal commit.
-            _after_commit(t, lambda: store._fs.sync_dir(dfd),
+            after_commit(t, lambda: store._fs.sync_dir(dfd),
                           "the directory fsync failed (%s): it may not survive a power loss")
         finally:
             if tmp:
@@ -251,22 +292,25 @@ def _unvouched(seq: int, items: list[Item], remembered: str | None) -> bool:
     return seq == 1 or (remembered not in names and all(f == last for f, last, _n in items))
 
 
-def _at_its_name_or_taken_back(store: SyncStore, t: Appending, dfd: int, seq: int | None,
-                               up: int = 0) -> None:
+def at_its_name_or_taken_back(store: SyncStore, t: Appending, dfd: int, seq: int | None,
+                               payload: bytes, up: int = 0) -> None:
     """Step 6's last look where the listing does not vouch for the directory
     (:func:`_unvouched`): committed where it is still the one its path names on the
     server; else part ``seq`` is taken back, and :class:`Deleted`: the append starts over
-    at the name. ``up``: ``dfd`` is the directory that many levels above the transcript's."""
+    at the name. ``up``: ``dfd`` is the directory that many levels above the transcript's.
+    Only a file holding this batch (its bytes are its own) is taken back: where handles
+    go by path (sshfs), the name is another directory's by then, or none
+    (:func:`_moved_back_with_it`)."""
     comps = t.comps[: len(t.comps) - up]
     try:
         with store._open_root(create=False, path_only=True) as rfd:
             moved = tuple(i for i in _layout.moved_by_deletes(t.comps) if i < len(comps))
             here = rfd is not None and _views.at_its_name(rfd, comps, dfd, moved)
     except OSError as exc:
-        raise _may_be_committed(exc, t.path, "whether its directory is still the transcript's "
+        raise may_be_committed(exc, t.path, "whether its directory is still the transcript's "
                                 "could not be told") from exc
     if not here:
-        if seq is not None:
+        if seq is not None and _holds(dfd, _layout.part_name(seq), payload):
             _fsio.unlink_quiet(dfd, _layout.part_name(seq))
         raise Deleted(t.path)
 
@@ -392,7 +436,7 @@ def link_and_check(
             seq = top(others) + 1
     except (OSError, FsStoreError) as exc:
         if kept and "may be committed" not in str(exc):
-            raise _may_be_committed(exc, kept[0], f"{kept[0]}, a misplaced copy of the batch, could "
+            raise may_be_committed(exc, kept[0], f"{kept[0]}, a misplaced copy of the batch, could "
                                     "not be removed (fsstore check --repair commits it)") from exc
         raise
     finally:
@@ -417,7 +461,7 @@ def _remove_unchecked(dir_fd: int, names: list[str]) -> None:
                                errno=errno.EIO)
 
 
-def _may_be_committed(exc: OSError | FsStoreError, path: str, why: str) -> FsStoreError:
+def may_be_committed(exc: OSError | FsStoreError, path: str, why: str) -> FsStoreError:
     """The error of an append that fails where its batch may be committed (``why``): after
     a misplaced copy of it could not be removed (`check --repair` commits that copy once
     old), or after its new directory was published. It can neither say that nothing of
@@ -546,7 +590,7 @@ def _drop_temp(dfd: int, tmp: str, path: str) -> str:
     return ""
 
 
-def _after_commit(t: Appending, step: Callable[[], None], failed: str) -> None:
+def after_commit(t: Appending, step: Callable[[], None], failed: str) -> None:
     """``step()``, after the commit point: a failure is logged (``failed`` % the error),
     never raised. The batch is committed; raising now would make the SDK retry it, and a
     retried batch is stored twice (entries without a uuid are not de-duplicated)."""
@@ -565,134 +609,3 @@ def _compaction_due(store: SyncStore, items: list[Item]) -> bool:
         return False
     compacted = max((last for first, last, _ in items if first != last), default=0)
     return sum(1 for first, last, _ in items if first == last and first > compacted) >= store._compact_every
-
-
-# -- a new transcript, or one made anew ------------------------------------------
-
-
-def _first_commit(
-    store: SyncStore, rfd: int, t: Appending, payload: bytes, into: Callable[[int], bool] | None,
-) -> bool:
-    """Commit the first batch of a new transcript: its directory appears with part
-    1 already in it (one rename), so no reader or listing ever sees a transcript
-    without a part. False if another writer's directory appeared first. ``into``:
-    only in that session (see :func:`append`), never making it."""
-    if into is None:
-        parent = store._open(rfd, t.comps[:-1], "append", create=True, path_only=True)
-    else:
-        session = store._open(rfd, t.comps[:4], "append", path_only=True)
-        if session is None or not into(session):
-            if session is not None:
-                os.close(session)
-            raise Gone(t.path)
-        try:
-            parent = store._open(session, t.comps[4:-1], "append", create=True, path_only=True)
-        finally:
-            os.close(session)
-    assert parent is not None
-    name, original = t.comps[-1]
-    try:
-        store._locks_dir("append")
-        with store._locks.hold(t.lock_path, "append") as held:
-            held.check("append")
-            made = store._fs.new_dir(parent, name, original, _filler(store, [], payload))
-            if made:
-                _published(store, t, parent, [name])
-            return made
-    finally:
-        os.close(parent)
-
-
-def _recreate(store: SyncStore, t: Appending, payload: bytes) -> bool:
-    """Commit the batch as part 1 of the transcript made anew where its directory is
-    gone on the server while its path still opens here: another host deleted the
-    session and this client answers from a cache (sshfs keeps names 20 s; mkdir
-    there says EEXIST; a GlusterFS client keeps reaching the moved directory while
-    it uses it, see _views.listed_dir). The missing part of the path is made under a temp name,
-    part 1 inside, and renamed over the stale name (a rename reaches the server).
-    False if nothing is missing there (the caller starts over)."""
-    with store._open_root(create=True, path_only=True) as rfd:
-        assert rfd is not None
-        i, fd = _views.gone_level(rfd, t.comps)
-        try:
-            if i == len(t.comps):
-                return False
-            name, original = t.comps[i]  # gone on the server: comps[i:] made anew
-            store._locks_dir("append")
-            with store._locks.hold(t.lock_path, "append") as held:
-                def make() -> bool:
-                    held.check("append")
-                    return store._fs.new_dir(fd, name, original, _filler(store, t.comps[i + 1:], payload))
-                # A GlusterFS brick that linked the deleted directory under its name again
-                # refuses a rename onto it (review, stop 36: ESTALE after another host's prune).
-                made = _views.rename_onto(fd, name, make)
-            if made:
-                _published(store, t, fd, [n for n, _ in t.comps[i:]])
-            elif _views.listings_number_alike(rfd, _layout.PROJECTS):
-                # Another directory is there on the server, and this client reaches the
-                # old one: its view lapses once unused (GlusterFS: about 1 s). Not
-                # touching it meanwhile is what lets it lapse.
-                time.sleep(_STALE_VIEW_PAUSE)
-            return made
-        finally:
-            os.close(fd)
-
-
-def _filler(store: SyncStore, comps: list[Component], payload: bytes) -> Callable[[int], object]:
-    """What :meth:`_fsio.Fs.new_dir` writes into a new directory: the directories
-    ``comps`` below it (each with its ``.key`` where hashed), part 1 in the last."""
-    def fill(dir_fd: int) -> None:
-        if not comps:
-            store._fs.write_new(dir_fd, _layout.part_name(1), payload)
-            return
-        (name, original), below = comps[0], _filler(store, comps[1:], payload)
-        os.mkdir(name, store._fs.dir_mode, dir_fd=dir_fd)
-        sub = os.open(name, _fsio.DIR_FLAGS, dir_fd=dir_fd)
-        try:
-            store._fs.fix_mode(sub)
-            if original is not None:
-                store._fs.write_new(sub, _fsio.KEY_FILE, original.encode("utf-8"))
-            below(sub)
-        finally:
-            os.close(sub)
-    return fill
-
-
-def _published(store: SyncStore, t: Appending, parent: int, names: list[str]) -> None:
-    """After ``parent/names[0]`` (part 1 in it) was renamed into place, nothing starts the
-    append over (review: committed twice): :class:`Deleted` (what was made is removed, or
-    its part 1 where it is not at its name), a failed check "may be committed", a failed
-    fsync logged (step 8)."""
-    try:
-        _check_made(parent, names, t)
-        made = os.open("/".join(names), _fsio.PATH_FLAGS, dir_fd=parent)
-    except FileNotFoundError as exc:  # a delete took it since (review 103): not at its name
-        raise Deleted(t.path) from exc
-    except OSError as exc:
-        if exc.errno == errno.ESTALE:  # where it was published is removed on the server?
-            _at_its_name_or_taken_back(store, t, parent, None, len(names))
-        raise _may_be_committed(exc, t.path, "its batch was published as the transcript's first "
-                                "and could not be checked (retrying is safe with uuids)") from exc
-    try:  # nothing from before vouches for a new directory: a session gc is removing can take it
-        _at_its_name_or_taken_back(store, t, made, 1)
-    finally:
-        os.close(made)
-    _after_commit(t, lambda: store._fs.sync_dir(parent),
-                  "the directory fsync failed (%s): it may not survive a power loss")
-    t.next_seq, t.last_name = 2, _layout.part_name(1)
-
-
-def _check_made(fd: int, names: list[str], t: Appending) -> None:
-    """:class:`Deleted` if the subagent transcript just published at ``fd/names...``
-    belongs to a session marked deleted: a session delete that marked it before the new
-    directory appeared moves it away with the session (here the append finishes that
-    delete, :func:`append`), so nothing of it is kept. What was made is not removed
-    here: a removal goes by name, and where names go by path (sshfs) the name can be
-    another's by then, a new session another host made and appended to (review 111:
-    acknowledged batches so removed)."""
-    if t.session_marker is None:
-        return
-    marker = "/".join([*names, t.session_marker])
-    # A prune marks only the subagent transcripts it found: it commits in main/.
-    _delete.cancel_prunes_in(fd, os.path.dirname(marker))
-    check_session_marker(fd, marker)

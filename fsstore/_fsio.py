@@ -350,9 +350,8 @@ class Fs:
         os.close(fd)
 
     def subdirs_beneath(self, base_fd: int, names: list[str], base_path: str, operation: str) -> list[str]:
-        """Names of the directories in ``base/names...`` (none if it does not exist, or
-        stops existing before it is listed: removed, or moved where handles go by path,
-        sshfs, by another host's delete); no symlink followed."""
+        """Names of the directories in ``base/names...`` (none if it does not exist, or is
+        gone by its listing: sshfs goes by path); no symlink followed."""
         fd = self.open_dir(base_fd, [(n, None) for n in names], create=False,
                            base_path=base_path, operation=operation)
         if fd is None:
@@ -694,10 +693,5 @@ def same_dir(fd: int, parent_fd: int, components: Sequence[str]) -> bool:
 
 
 def unsafe(path: str, operation: str) -> FsStoreError:
-    return FsStoreError(
-        "UNSAFE_PATH",
-        "expected a directory, found a symlink or another kind of file; refusing to follow it",
-        operation=operation,
-        path=path,
-        errno=errno.ELOOP,
-    )
+    return FsStoreError("UNSAFE_PATH", "expected a directory, found a symlink or another kind of "
+                        "file; refusing to follow it", operation=operation, path=path, errno=errno.ELOOP)

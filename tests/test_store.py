@@ -29,6 +29,7 @@ from fsstore import (
     FsStoreError,
     _cleanup,
     _commit,
+    _create,
     _fsio,
     _layout,
     _read,
@@ -1127,8 +1128,8 @@ def test_a_process_appending_to_hundreds_of_transcripts_in_turn_remembers_each(
     for k in keys:
         store.append(k, [entry(1)])
     looks: list[str] = []
-    real = _commit._at_its_name_or_taken_back
-    monkeypatch.setattr(_commit, "_at_its_name_or_taken_back",
+    real = _commit.at_its_name_or_taken_back
+    monkeypatch.setattr(_commit, "at_its_name_or_taken_back",
                         lambda store, t, *a, **kw: looks.append(t.path) or real(store, t, *a, **kw))
     for k in keys:
         store.append(k, [entry(2)])
@@ -1348,7 +1349,7 @@ def test_a_first_batch_whose_directory_a_delete_took_right_after_it_was_publishe
     append starts over at the name, as where it finds a delete's mark."""
     store = SyncStore(root, create=True)
     store.append(KEY, [entry(0)])
-    real, taken = _commit._check_made, []
+    real, taken = _create._check_made, []
 
     def check_made(fd: int, names: list[str], t: Any) -> None:
         if not taken:
@@ -1356,7 +1357,7 @@ def test_a_first_batch_whose_directory_a_delete_took_right_after_it_was_publishe
             os.rename(names[0], f"{names[0]}-taken", src_dir_fd=fd, dst_dir_fd=fd)  # (the delete's move)
         real(fd, names, t)
 
-    monkeypatch.setattr(_commit, "_check_made", check_made)
+    monkeypatch.setattr(_create, "_check_made", check_made)
     store.append(SUB, [entry(1)])  # acknowledged
     monkeypatch.undo()
     assert taken and SyncStore(root).load(SUB) == [entry(1)]
@@ -1425,7 +1426,7 @@ def test_a_first_batch_published_into_a_directory_then_removed_on_the_server_sta
     starts over there. Staged as the test above."""
     other, store = SyncStore(root, create=True), SyncStore(root)
     other.append(KEY, [entry(0)])
-    real_check, staged = _commit._check_made, []
+    real_check, staged = _create._check_made, []
 
     def check_made(fd: int, names: list[str], t: Any) -> None:
         if not staged:
@@ -1434,7 +1435,7 @@ def test_a_first_batch_published_into_a_directory_then_removed_on_the_server_sta
         fstat(fd)
         real_check(fd, names, t)
 
-    monkeypatch.setattr(_commit, "_check_made", check_made)
+    monkeypatch.setattr(_create, "_check_made", check_made)
     fstat = _removed_dirs_answer_estale(monkeypatch)
     store.append(SUB, [entry(1)])  # acknowledged
     monkeypatch.undo()
@@ -1614,7 +1615,7 @@ def test_a_first_batch_whose_check_fails_after_it_was_published_is_not_committed
     from the check."""
     store = SyncStore(root, create=True)
     store.append(KEY, [{"type": "user", "n": 0}])
-    real = _commit.check_session_marker
+    real = _create.check_session_marker
     failed: list[str] = []
 
     def check_session_marker(fd: int, marker: str | None) -> None:
@@ -1623,7 +1624,7 @@ def test_a_first_batch_whose_check_fails_after_it_was_published_is_not_committed
             raise OSError(errno.ESTALE, os.strerror(errno.ESTALE))
         real(fd, marker)
 
-    monkeypatch.setattr(_commit, "check_session_marker", check_session_marker)
+    monkeypatch.setattr(_create, "check_session_marker", check_session_marker)
     with pytest.raises(FsStoreError) as err:
         store.append(SUB, [{"type": "user", "n": 1}])  # no uuid: a second copy would load twice
     monkeypatch.undo()

@@ -851,7 +851,7 @@ def test_a_new_session_is_not_taken_for_the_deleted_one_whose_mark_a_client_stil
     is judged by an open (the server's answer), and nothing is removed by name.
     Staged: the mark and the delete on the server (the export); host 2's append at
     host 1's check."""
-    from fsstore import _commit
+    from fsstore import _create
 
     pair = pair_of(request, kind)
     r1, r2 = pair.fresh("mark-cached")
@@ -865,7 +865,7 @@ def test_a_new_session_is_not_taken_for_the_deleted_one_whose_mark_a_client_stil
     (main_on_server / ".deleted").touch()  # a delete's mark, as its deleter makes it
     assert (tdir(r1 / "store", key) / ".deleted").exists()  # host 1 sees it (and keeps it)
     shutil.rmtree(main_on_server.parent)  # the delete done, its .trash emptied
-    real, host2 = _commit._check_made, []
+    real, host2 = _create._check_made, []
 
     def check_made(fd: int, names: list[str], t: Any) -> None:
         if t.session_marker is not None and not host2:  # host 1's: host 2 appends to
@@ -873,7 +873,7 @@ def test_a_new_session_is_not_taken_for_the_deleted_one_whose_mark_a_client_stil
             s2.append(key, batch("h2", 0, 1))
         real(fd, names, t)
 
-    monkeypatch.setattr(_commit, "_check_made", check_made)
+    monkeypatch.setattr(_create, "_check_made", check_made)
     s1.append(sub, batch("h1", 0, 1))
     monkeypatch.undo()
     assert host2, "host 1's append never made the session anew"
@@ -881,6 +881,42 @@ def test_a_new_session_is_not_taken_for_the_deleted_one_whose_mark_a_client_stil
     for s in (s1, s2):
         assert ids(s.load(key) or []) == [("h2", 0, 0)]
         assert ids(s.load(sub) or []) == [("h1", 0, 0)]
+
+
+@pytest.mark.parametrize("kind", [pytest.param("sshfs", id="sshfs")])
+def test_a_batch_whose_directory_a_delete_moves_by_mistake_before_its_check_is_there_once(
+    request: pytest.FixtureRequest, kind: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Review 112 (cached sshfs, both hosts deleting one session and appending to it: a
+    batch loaded twice): host 2 linked its part; before its check, a delete whose lock
+    was overtaken moved the directory, made anew, into .trash (unmarked: it moves it
+    back). The check found it not at its name and took the part back by name, which
+    sshfs resolves by path: the part stayed in the moved directory. The append started
+    over, moved the directory back (as an append that finds its transcript missing
+    does), and appended the batch again: twice. Now the writer moves it back before it
+    decides, and the batch in it is committed, once. Staged: the move by host 1, at
+    host 2's check (a writer with no memory of the transcript: nothing vouches for it)."""
+    from fsstore import _commit
+
+    pair = pair_of(request, kind)
+    r1, r2 = pair.fresh("taken-back")
+    root1, root2 = str(r1 / "store"), str(r2 / "store")
+    key = {"project_key": "-net", "session_id": "moved", "subpath": "subagents/agent-1"}
+    FsSessionStore(root2, create=True).sync.append(key, batch("h2", 0, 1))
+    real, moved = _commit.check, []
+
+    def check(dir_fd: int, seq: int, marker: str | None) -> Any:
+        if not moved:
+            moved.append(moved_by_a_dead_deleter(r1 / "store", key))
+        return real(dir_fd, seq, marker)
+
+    monkeypatch.setattr(_commit, "check", check)
+    FsSessionStore(root2).sync.append(key, batch("h2", 1, 1))
+    monkeypatch.undo()
+    assert moved, "the move was never staged"
+    time.sleep(pair.cache_window + 0.5)
+    for root in (root1, root2):
+        assert ids(FsSessionStore(root).sync.load(key) or []) == [("h2", 0, 0), ("h2", 1, 0)]
 
 
 @pytest.mark.parametrize("kind", [pytest.param("sshfs", id="sshfs")])
