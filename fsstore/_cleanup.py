@@ -27,7 +27,7 @@ import stat
 from dataclasses import dataclass
 from typing import Any
 
-from . import _delete, _fsio, _keys, _layout, _merge
+from . import _delete, _fsio, _keys, _layout, _merge, _trash
 from ._errors import FsStoreError, posix_code
 from ._layout import Component
 from ._lockfiles import LockInfo, name_locks, scan_locks
@@ -195,7 +195,7 @@ def _remove_trash(w: Walker, g: Garbage, older_than: float, dry_run: bool,
     act = _remove_garbage(w, g, older_than, dry_run)
     if act.code != "ESTALE":
         return act
-    for where, name in _delete.old_names(g.name, *homes):
+    for where, name in _trash.old_names(g.name, *homes):
         pfd = w.open(where)
         if pfd is not None:
             try:
@@ -303,12 +303,12 @@ def _merge_orphan(
 ) -> Action | None:
     """Finish the merge of what a delete moved by mistake into the session (or
     transcript) at its name (its merger died, or failed: :func:`_merge.merge_back`);
-    where nothing is at its name, move it back there (:func:`_delete.moved_from`; a load
+    where nothing is at its name, move it back there (:func:`_trash.moved_from`; a load
     or append of it by name moves it back too); else None."""
     name = g.name
-    target = _delete.orphan_target(name, transcripts)
+    target = _trash.orphan_target(name, transcripts)
     if target is None:
-        home = _delete.moved_from(name, _projects(w), sessions)
+        home = _trash.moved_from(name, _projects(w), sessions)
         return None if home is None else _restore_orphan(w, g, home, dry_run)
     comps, mark = target
     into = w.path([c for c, _ in comps])
@@ -528,7 +528,7 @@ def _moved_by_mistake(w: Walker, ref: SessionRef) -> str | None:
     if trash is None:
         return None
     try:
-        return _delete.moved_by_mistake(trash, [(c, None) for c in ref.comps])
+        return _trash.moved_by_mistake(trash, [(c, None) for c in ref.comps])
     finally:
         os.close(trash)
 

@@ -44,24 +44,22 @@ import contextlib
 import errno
 import functools
 import os
-import re
 import time
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, TypeVar
 
-from . import _fsio, _keys, _layout, _merge, _read, _views
+from . import _fsio, _keys, _layout, _merge, _read, _trash, _views
 from ._errors import FsStoreError, log
 from ._layout import Component
+from ._trash import ASIDE_TAG, FROM
 
 if TYPE_CHECKING:
     from ._store import SyncStore
 
 T = TypeVar("T")
 
-ASIDE_TAG = "-deleted"  # what a delete moved into .trash, until it is emptied or moved back
 CLAIM_TAG = "-claim"  # a delete's ticket in what it is to delete (see _tickets)
 MOVING_TAG = "-moving"  # beside what a delete moves, its name, until the delete knows what it moved
-FROM = "="  # in what a delete moves into .trash: the name it had (no key's name holds "=")
 
 
 def moving_record(aside: str) -> str:
@@ -82,7 +80,7 @@ def remove(
     that make the session (or transcript) anew: so what a delete moves is what it
     marked. Correctness does not rest on it (step 4)."""
     lock_name = _layout.lock_name([*comps, (_layout.MAIN, None)] if mark else comps)
-    tags, name = _tags(comps), comps[-1][0]
+    tags, name = _trash.tags(comps), comps[-1][0]
     claiming = not finishing and keep is None  # a plain delete (see _claim_moved)
     with store._open_root(create=False) as rfd:
         if rfd is None:
@@ -239,13 +237,22 @@ def finish(store: SyncStore, comps: list[Component], path: str, *, session: bool
         log.debug("could not finish a marked delete: %s", exc)
 
 
-def marked(parent: int, name: str, below: str) -> bool:
+def marked(parent: int, name: str, below: str, *, asked: bool = False) -> bool:
     """Whether ``parent/name`` (``below``: its ``main``) holds a ``.deleted`` mark;
-    False where that cannot be told (the caller then leaves the directory where it is)."""
+    False where that cannot be told (the caller then leaves the directory where it is).
+    ``asked``: for a look that decides to move or empty a directory, a mark the ``stat``
+    sees is confirmed by an open (:func:`_read.mark_there`): sshfs answers a ``stat`` from
+    what it saw at the path, and moves that along with a rename made through it (stop
+    45: a new session taken for the deleted one and emptied). Where the open cannot
+    tell (``ESTALE`` on GlusterFS, where the ``stat`` reaches the server), the stat says."""
     try:
-        return _mark_seen(parent, name, below)
+        seen = _trash.mark_seen(parent, name, below)
     except OSError:
         return False
+    try:
+        return seen and (not asked or _read.mark_there(parent, _trash.mark_path(name, below)))
+    except OSError:
+        return True
 
 
 def _move_to_trash(store: SyncStore, rfd: int, parent: int, name: str, path: str, mark: str,
@@ -263,7 +270,7 @@ def _move_to_trash(store: SyncStore, rfd: int, parent: int, name: str, path: str
                 _mark(store, parent, name, path, mark, _layout.DELETED)
             except FileNotFoundError:
                 return None
-        elif not marked(parent, name, mark):
+        elif not marked(parent, name, mark, asked=True):
             return None  # finished already: what is there now was made anew
         aside = _fsio.temp_name(f"-{tag}{FROM}{name}{ASIDE_TAG}")  # names what it was (moved_from)
         moving = moving_record(aside)
@@ -284,29 +291,6 @@ def _move_to_trash(store: SyncStore, rfd: int, parent: int, name: str, path: str
             _fsio.unlink_quiet(parent, moving)
     finally:
         os.close(trash)
-
-
-def holds_batches(parent_fd: int, name: str) -> bool:
-    """Whether a part or segment is anywhere below ``parent/name``. Where that cannot
-    be told (a directory this process may not read now), the OSError is raised: what
-    decides whether gc may remove it, or move it back, must not take batches it could
-    not see for none, nor a mark it could not see for none (found by review: an orphan
-    whose ``main/`` was unreadable for a moment was removed as "a leftover of a
-    delete" once readable again, its batches lost)."""
-    try:
-        fd = os.open(name, _fsio.DIR_FLAGS, dir_fd=parent_fd)
-    except (FileNotFoundError, NotADirectoryError):
-        return False  # gone, or not a directory: no batch
-    except OSError as exc:
-        if exc.errno == errno.ELOOP:
-            return False  # a symlink: never ours, nothing of ours below it
-        raise
-    try:
-        with os.scandir(fd) as entries:
-            return any(holds_batches(fd, e.name) if e.is_dir(follow_symlinks=False)
-                       else _layout.parse_item(e.name) is not None for e in entries)
-    finally:
-        os.close(fd)
 
 
 def _renew(store: SyncStore, parent: int, moving: str, name: str) -> None:
@@ -333,7 +317,7 @@ def _after_move(
     # its rename to the new name (GlusterFS).
     moved = _views.listed_ino(trash, aside)
     agrees = not ident or moved == _views.looked_up_ino(trash, aside)
-    if not (agrees and marked(trash, aside, mark)):
+    if not (agrees and marked(trash, aside, mark, asked=True)):
         return _put_back(trash, aside, parent, name, path)
     store._fs.sync_dir(parent)
     _empty(trash, aside, path)
@@ -392,10 +376,10 @@ def restore(store: SyncStore, rfd: int, comps: list[Component], *, listing: bool
     restored = False
     try:
         names = _fsio.listdir(trash)
-        for target, tags, mark in [(session, _tags(session), _layout.MAIN)] + (
-                [(comps, _tags(comps), "")] if sub else []):
+        for target, tags, mark in [(session, _trash.tags(session), _layout.MAIN)] + (
+                [(comps, _trash.tags(comps), "")] if sub else []):
             for name in names:
-                if _tags_of(name) != tags or marked(trash, name, mark):
+                if _trash.tags_of(name) != tags or marked(trash, name, mark):
                     continue
                 parent = store._open(rfd, target[:-1], "load")
                 if parent is None:
@@ -456,7 +440,7 @@ def _claim_moved(store: SyncStore, rfd: int, tags: list[str], ticket: str, path:
     base = f"{store.root}/{_layout.TRASH}"
     try:
         for name in _fsio.listdir(trash):
-            found = _tags_of(name)
+            found = _trash.tags_of(name)
             if found is None or found[0] != tags[0]:
                 continue  # not of this session
             if len(tags) == 2 and len(found) == 2 and found[1] != tags[1]:
@@ -511,7 +495,7 @@ def _tickets(
         return
     try:
         for moved in _fsio.listdir(trash):
-            found = _tags_of(moved)
+            found = _trash.tags_of(moved)
             if found is not None and found[0] == tags[0]:
                 _ticket_dirs(store, trash, moved, _layout.MAIN if len(found) == 1 else "",
                              f"{store.root}/{_layout.TRASH}", ticket, undo=undo)
@@ -535,105 +519,6 @@ def _holds(store: SyncStore, parent: int, name: str, mark: str, base: str, ticke
     holds ``ticket``."""
     with _transcript_dirs(store, parent, name, mark, base) as tfds:
         return any(_fsio.exists(tfd, ticket) for tfd in tfds)
-
-
-# What a delete moves into .trash is named for what it was: the session's tag (the
-# first 16 hex digits of its main transcript's lock name), for a subagent transcript
-# its own tag too, and the name it had (since stop 21; what a claim takes, already
-# marked, has none). A directory of the session that holds no mark was moved by
-# mistake (see the module docstring).
-_MOVED = re.compile(r"\.tmp-[0-9]+-[0-9a-f]+-[0-9]+-([0-9a-f]{16})(?:-([0-9a-f]{16}))?"
-                    rf"(?:{FROM}([^/{FROM}]+))?{ASIDE_TAG}")
-
-
-def orphan_target(name: str, transcripts: list[list[Component]]) -> tuple[list[Component], str] | None:
-    """Where the orphan ``.trash/<name>`` (moved by mistake, unmarked) was moved from,
-    if it was one of ``transcripts`` (their components) or their sessions: the
-    arguments :func:`_merge.merge_back` takes (``comps``, ``mark``); None if none is there."""
-    tags = _tags_of(name)
-    for comps in transcripts if tags is not None else []:
-        found = _tags(comps)
-        if tags == found[:1]:
-            return comps[:4], _layout.MAIN
-        if tags == found:
-            return comps, ""
-    return None
-
-
-def moved_by_mistake(trash: int, comps: list[Component]) -> str | None:
-    """The name of a directory in ``.trash`` of the session ``comps[:4]`` (or of one of
-    its transcripts) that no delete marked: moved there by mistake, and not moved back
-    or merged yet (its batches are the session's); None if there is none."""
-    tag = _tags(comps)[0]
-    return next((name for name in _fsio.listdir(trash)
-                 if (_tags_of(name) or [""])[0] == tag and _surely_orphan(trash, name)), None)
-
-
-def _surely_orphan(trash: int, name: str) -> bool:
-    try:
-        return orphan(trash, name)
-    except OSError:
-        return False  # cannot be told now: left where it is (gc reports it)
-
-
-def orphan(trash: int, name: str) -> bool:
-    """Whether ``.trash/name`` is what a delete moved there by mistake (a ``-deleted``
-    directory with no mark and batches in it: no delete's to remove), not yet moved
-    back, merged or claimed. OSError where that cannot be told: its mark or its batches
-    this process may not see (:func:`holds_batches`; a ``main/`` it may read but not
-    search hid the mark of a deleted session's tomb, which gc then moved back: review)."""
-    return (name.endswith(ASIDE_TAG) and not (_mark_seen(trash, name, _layout.MAIN) or _mark_seen(trash, name, ""))
-            and holds_batches(trash, name))
-
-
-def _mark_seen(parent: int, name: str, below: str) -> bool:
-    """:func:`marked`, raising where that cannot be told (EACCES...): for what must not
-    take a mark it could not see for none (:func:`orphan`)."""
-    try:
-        return _fsio.exists(parent, f"{name}/{below}/{_layout.DELETED}" if below else f"{name}/{_layout.DELETED}")
-    except NotADirectoryError:
-        return False  # (``main`` a file: no mark in it)
-
-
-def moved_from(name: str, projects: list[str], sessions: list[tuple[str, ...]]) -> list[Component] | None:
-    """The transcript whose session (or which) the orphan ``.trash/<name>`` was, by the
-    name it had and its tags, looked for in ``projects`` (the names in ``projects/``)
-    or ``sessions`` (each one's path components); None if not there."""
-    m = _MOVED.fullmatch(name)
-    if m is None or m.group(3) is None:
-        return None  # not moved by mistake, or moved by a delete before stop 21
-    tags = [t for t in (m.group(1), m.group(2)) if t]
-    homes = ([(_layout.PROJECTS, p, _layout.SESSIONS, m.group(3), _layout.MAIN) for p in projects]
-             if len(tags) == 1 else [(*s, _layout.SUBKEYS, m.group(3)) for s in sessions])
-    comps: list[list[Component]] = [[(c, None) for c in h] for h in homes]
-    return next((c for c in comps if _tags(c) == tags), None)
-
-
-def old_names(name: str, projects: list[str], sessions: list[tuple[str, ...]]) -> list[tuple[tuple[str, ...], str]]:
-    """The names (parent, name) the directory ``.trash/<name>`` had before, as far as
-    its name says: where a delete moved it from (looked for as :func:`moved_from`
-    does) and, for a tomb (named so since stop 36), its name in ``.trash`` before."""
-    out: list[tuple[tuple[str, ...], str]] = []
-    if name.endswith(_layout.TOMB_TAG):
-        name = name[: -len(_layout.TOMB_TAG)] + ASIDE_TAG
-        out.append(((_layout.TRASH,), name))
-    home = moved_from(name, projects, sessions)
-    if home is not None:
-        moved = home[:4] if home[-1][0] == _layout.MAIN else home
-        out.append((tuple(c for c, _ in moved[:-1]), moved[-1][0]))
-    return out
-
-
-def _tags(comps: list[Component]) -> list[str]:
-    """The tags of the session ``comps[:4]`` and, below it, of a subagent transcript."""
-    session = _layout.lock_name([*comps[:4], (_layout.MAIN, None)])[:16]
-    return [session] if len(comps) <= 5 else [session, _layout.lock_name(comps)[:16]]
-
-
-def _tags_of(name: str) -> list[str] | None:
-    """The tags of a name in ``.trash`` that a delete moved there; None for any other."""
-    m = _MOVED.fullmatch(name)
-    return None if m is None else [t for t in (m.group(1), m.group(2)) if t]
 
 
 def _mark(store: SyncStore, parent: int, name: str, path: str, below: str, mark: str, *, undo: bool = False) -> None:

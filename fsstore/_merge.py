@@ -36,7 +36,7 @@ def merge_back(store: SyncStore, orphan: str, comps: list[Component], mark: str,
     removed: a merger still going through it stops at its next look, and a removal
     cut short leaves garbage, never an orphan to merge again. So an orphan gone from
     ``.trash`` was merged whole or taken by a later delete (gc never removes one:
-    :func:`_delete.holds_batches`).
+    :func:`_trash.holds_batches`).
 
     Returns how it ended: ``"merged"``; ``"claimed"``, ``"gone"``, ``"back"``,
     ``"done"`` (another process merged or removed it first), as logged; ``"busy"``

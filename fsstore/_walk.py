@@ -41,7 +41,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from . import _delete, _fsio, _keys, _layout, _output, _views
+from . import _fsio, _keys, _layout, _output, _trash, _views
 from ._errors import FsStoreError, posix_code
 from ._keys import TranscriptKey
 from ._store import SyncStore
@@ -695,4 +695,4 @@ def _moved_by_mistake(trash_fd: int, entry: os.DirEntry[str], st: os.stat_result
     """A directory a delete moved into ``.trash`` that holds no mark: made anew after the
     delete's mark, its batches are no delete's to remove. Its deleter moves it back or
     merges it (young, in flight); if that deleter died, it is an orphan for the operator."""
-    return stat.S_ISDIR(st.st_mode) and _delete.orphan(trash_fd, entry.name)
+    return stat.S_ISDIR(st.st_mode) and _trash.orphan(trash_fd, entry.name)

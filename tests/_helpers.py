@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from fsstore import _delete, _layout
+from fsstore import _delete, _layout, _trash
 from fsstore._keys import parse_key
 from fsstore._store import SyncStore
 
@@ -189,7 +189,7 @@ def orphan_of(root: Path, batches: list[list[dict[str, Any]]], *, key: dict[str,
     main = {"project_key": key["project_key"], "session_id": key["session_id"]}
     store.append(main, [entry(2)] if made_since is None else made_since)
     (root / _layout.TRASH).mkdir(exist_ok=True)
-    name = f".tmp-4242-0123456789ab-0-{_delete._tags(comps)[0]}{_delete.ASIDE_TAG}"
+    name = f".tmp-4242-0123456789ab-0-{_trash.tags(comps)[0]}{_delete.ASIDE_TAG}"
     aside.rename(root / _layout.TRASH / name)
     return name
 
@@ -202,7 +202,7 @@ def moved_by_a_dead_deleter(root: Path, key: dict[str, Any] = KEY, *, record: bo
     .trash."""
     comps = _layout.transcript_dirs(parse_key(key, "test"))
     moved = comps if key.get("subpath") is not None else comps[:4]
-    tags = "-".join(_delete._tags(moved))
+    tags = "-".join(_trash.tags(moved))
     aside = f".tmp-4242-0123456789ab-0-{tags}{_delete.FROM}{moved[-1][0]}{_delete.ASIDE_TAG}"
     if record:
         (root / _layout.rel(moved[:-1]) / _delete.moving_record(aside)).write_text(moved[-1][0])

@@ -30,6 +30,7 @@ from fsstore import (
     _listing,
     _merge,
     _transfer,
+    _trash,
     _views,
 )
 from fsstore._keys import parse_key
@@ -1147,9 +1148,9 @@ def test_a_listing_that_moves_back_a_session_deleted_after_all_finishes_its_dele
     (moved / "main" / ".deleted").touch()  # a committed delete's mark
     real, looks = _delete.marked, []
 
-    def missed_once(parent: int, name: str, below: str) -> bool:
+    def missed_once(parent: int, name: str, below: str, **kw: Any) -> bool:
         looks.append(name)
-        return False if len(looks) == 1 else real(parent, name, below)
+        return False if len(looks) == 1 else real(parent, name, below, **kw)
 
     monkeypatch.setattr(_delete, "marked", missed_once)
     assert SyncStore(root).list_sessions(KEY["project_key"]) == []
@@ -1343,7 +1344,7 @@ def test_a_delete_takes_what_it_began_with_though_a_stalled_delete_moves_it_mean
     store.append(SUB, [entry(1)])
     source = tdir(root, moved).parent if moved is KEY else tdir(root, moved)
     comps = _layout.transcript_dirs(parse_key(moved, "test"))
-    aside = root / _layout.TRASH / f".tmp-1-ab-0-{'-'.join(_delete._tags(comps[:4] if moved is KEY else comps))}-deleted"
+    aside = root / _layout.TRASH / f".tmp-1-ab-0-{'-'.join(_trash.tags(comps[:4] if moved is KEY else comps))}-deleted"
     real, moves = _delete._tickets, []
 
     def then_moved(*args: Any, **kwargs: Any) -> None:
@@ -1403,7 +1404,7 @@ def test_a_subagent_delete_while_its_session_is_hidden_in_trash_deletes_it(root:
     store.append(KEY, [entry(0)])
     store.append(SUB, [entry(1)])
     comps = _layout.transcript_dirs(parse_key(KEY, "test"))
-    aside = root / _layout.TRASH / f".tmp-1-ab-0-{_delete._tags(comps[:4])[0]}-deleted"
+    aside = root / _layout.TRASH / f".tmp-1-ab-0-{_trash.tags(comps[:4])[0]}-deleted"
     aside.parent.mkdir(exist_ok=True)
     tdir(root, KEY).parent.rename(aside)
     SyncStore(root).delete(SUB)

@@ -884,6 +884,57 @@ def test_a_new_session_is_not_taken_for_the_deleted_one_whose_mark_a_client_stil
 
 
 @pytest.mark.parametrize("kind", [pytest.param("sshfs", id="sshfs")])
+def test_a_writer_finishing_a_delete_whose_mark_its_client_still_has_keeps_the_new_session(
+    request: pytest.FixtureRequest, kind: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Stop 45's runs of review 112's harness (cached sshfs, 1 of 9: 33 batches host 2
+    acknowledged after the last delete lost, in all four transcripts of the session):
+    host 1's check found a delete's mark; before host 1 finished that delete, its
+    deleter on host 2 had finished it and host 2 had made the session anew. Host 1
+    looked at the mark with a ``stat``, which its client answered from what it had
+    seen at that path, then moved the new session into .trash and looked again there:
+    the client's entries had moved along with the rename made through it, so the old
+    mark again. The new session was taken for the deleted one and emptied. The looks
+    that decide to move and to empty are confirmed by an open (the server's answer).
+    Staged: the mark made on the server (the export) at host 1's check; at its finish,
+    host 1's look at the mark, then the delete done on the server and host 2's append."""
+    from fsstore import _commit, _delete
+
+    pair = pair_of(request, kind)
+    r1, r2 = pair.fresh("finish-cached")
+    s1 = FsSessionStore(str(r1 / "store"), create=True).sync
+    s2 = FsSessionStore(str(r2 / "store"), create=True).sync
+    key = {"project_key": "-net", "session_id": "finished"}
+    s1.append(key, batch("old", 0, 1))
+    assert pair.export is not None
+    main_on_server = pair.export / tdir(r1 / "store", key).relative_to(pair.m1)
+    real_check, real_finish, staged = _commit.check, _delete.finish, []
+
+    def check(dir_fd: int, seq: int, marker: str | None) -> Any:
+        if not staged:
+            staged.append("marked")
+            (main_on_server / ".deleted").touch()  # a delete's mark, made on host 2
+        return real_check(dir_fd, seq, marker)
+
+    def finish(store: Any, comps: Any, path: str, *, session: bool) -> None:
+        if staged == ["marked"]:
+            staged.append("made anew")
+            assert (tdir(r1 / "store", key) / ".deleted").exists()  # host 1 looks at it
+            shutil.rmtree(main_on_server.parent)  # the delete done, its .trash emptied
+            s2.append(key, batch("h2", 0, 1))  # host 2 makes the session anew
+        real_finish(store, comps, path, session=session)
+
+    monkeypatch.setattr(_commit, "check", check)
+    monkeypatch.setattr(_delete, "finish", finish)
+    s1.append(key, batch("h1", 0, 1))
+    monkeypatch.undo()
+    assert staged == ["marked", "made anew"]
+    time.sleep(pair.cache_window + 0.5)
+    for s in (s1, s2):
+        assert sorted(ids(s.load(key) or [])) == [("h1", 0, 0), ("h2", 0, 0)]
+
+
+@pytest.mark.parametrize("kind", [pytest.param("sshfs", id="sshfs")])
 def test_a_batch_whose_directory_a_delete_moves_by_mistake_before_its_check_is_there_once(
     request: pytest.FixtureRequest, kind: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
