@@ -182,7 +182,7 @@ def _moved_back_with_it(store: SyncStore, t: Appending, payload: bytes) -> bool:
             if rfd is None:
                 return False
             _delete.restore(store, rfd, t.comps)
-            dfd = store._open(rfd, t.comps, "append")
+            dfd = store._open(rfd, t.comps, "append", path_only=True)  # no handle to keep open
         if dfd is None:
             return False
         try:
