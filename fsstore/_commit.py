@@ -117,6 +117,11 @@ def _last_of(items: list[Item]) -> tuple[int, str | None]:
 # -- steps 2 to 8 ------------------------------------------------------------------
 
 
+class PartLeft(FileNotFoundError):
+    """The transcript directory went away after the batch's part was linked in it: the
+    part may have gone with it (see :func:`_moved_back_with_it`)."""
+
+
 class Gone(Exception):
     """``append(..., into=...)``: that session is not at the name (or is being deleted);
     nothing was committed."""
@@ -145,15 +150,17 @@ def append(
                 # and start over in a new directory. Nothing of ours is visible. Not under
                 # our lock: finishing takes the lock of what it moves (the session's).
                 _delete.finish(store, t.comps, t.path, session=exc.session)
-                if _moved_back_with_it(store, t, payload):
+                if exc.left and _moved_back_with_it(store, t, payload):
                     return
             # Where this client still reaches the deleted directory by its path.
             with contextlib.suppress(Deleted):
                 if _create.recreate(store, t, payload):
                     return
-        except FileNotFoundError:  # moved away by a delete before our commit: start over
+        except PartLeft:  # moved away with our part in it: where is it now?
             if into is None and _moved_back_with_it(store, t, payload):
                 return
+        except FileNotFoundError:
+            pass  # moved away by a delete before our commit: start over
         except OSError as exc:
             if exc.errno != errno.ESTALE or attempt == _APPEND_ATTEMPTS - 1:
                 raise
@@ -167,16 +174,16 @@ def append(
 
 
 def _moved_back_with_it(store: SyncStore, t: Appending, payload: bytes) -> bool:
-    """Whether the batch is committed after all, after an attempt that found its
-    directory moved away or marked. A delete that moved a directory made anew after its
-    mark (not marked) moves it back, and the part the attempt linked comes back with
-    it: where handles go by path (sshfs) the attempt could not reach it to take it back
-    (review 112: the batch twice, or hidden in .trash until merged into a session made
-    since). What a delete moved by mistake is moved back here, and the transcript at
-    the name is read as a load reads it: the batch in its chain is committed. Moved
-    away again meanwhile: False (the next start-over looks again). (``.trash`` is not
-    listed afresh here: a probe made there beside other hosts' renames crashed the
-    sshfs client, 3 of 3 runs.)"""
+    """Whether the batch is committed after all, after an attempt whose directory went
+    away with its part in it, out of reach (:class:`PartLeft`, ``Deleted.left``). A
+    delete that moved a directory made anew after its mark (not marked) moves it back,
+    and the part comes back with it: where handles go by path (sshfs) the attempt could
+    not reach it to take it back (review 112: the batch twice, or hidden in .trash until
+    merged into a session made since). What a delete moved by mistake is moved back
+    here, and the transcript at the name is read as a load reads it: the batch in its
+    chain is committed. Moved away again meanwhile: False (the next start-over looks
+    again). Only then: reading a directory a delete on this client is emptying is what
+    crashes sshfs 3.7's client (a ``NULL`` path in its cache: see docs/operations.md)."""
     try:
         with store._open_root(create=False, path_only=True) as rfd:
             if rfd is None:
@@ -298,21 +305,35 @@ def at_its_name_or_taken_back(store: SyncStore, t: Appending, dfd: int, seq: int
     (:func:`_unvouched`): committed where it is still the one its path names on the
     server; else part ``seq`` is taken back, and :class:`Deleted`: the append starts over
     at the name. ``up``: ``dfd`` is the directory that many levels above the transcript's.
-    Only a file holding this batch (its bytes are its own) is taken back: where handles
-    go by path (sshfs), the name is another directory's by then, or none
-    (:func:`_moved_back_with_it`)."""
+    Where handles go by path (sshfs), ``dfd`` names whatever is at the path now: so the
+    part must be there, holding this batch (its bytes are its own), for the batch to be
+    committed (review 113: a directory made anew at the name passed for the one the part
+    was linked in, which a delete had emptied), and only such a file is taken back
+    (:func:`_moved_back_with_it` looks for it where it went)."""
     comps = t.comps[: len(t.comps) - up]
     try:
         with store._open_root(create=False, path_only=True) as rfd:
             moved = tuple(i for i in _layout.moved_by_deletes(t.comps) if i < len(comps))
             here = rfd is not None and _views.at_its_name(rfd, comps, dfd, moved)
+        ours = seq is None or _is_ours(dfd, _layout.part_name(seq), payload)
     except OSError as exc:
         raise may_be_committed(exc, t.path, "whether its directory is still the transcript's "
                                 "could not be told") from exc
-    if not here:
-        if seq is not None and _holds(dfd, _layout.part_name(seq), payload):
-            _fsio.unlink_quiet(dfd, _layout.part_name(seq))
-        raise Deleted(t.path)
+    if here and ours:
+        return
+    if seq is not None and ours:
+        _fsio.unlink_quiet(dfd, _layout.part_name(seq))
+    raise Deleted(t.path, left=not ours)
+
+
+def _is_ours(dfd: int, part: str, payload: bytes) -> bool:
+    """Whether ``part`` holds exactly this batch; False where it is gone."""
+    try:
+        return _read.read_file(dfd, part) == payload
+    except OSError as exc:
+        if exc.errno in (errno.ENOENT, errno.ESTALE):
+            return False
+        raise
 
 
 def _tick(dfd: int, since_ns: int, held: Held) -> None:
@@ -398,6 +419,9 @@ def link_and_check(
                 src = name  # moved, not linked (a mount without hard links)
             try:
                 checked = _check_holding(dir_fd, seq, session_marker, payload)
+            except FileNotFoundError as exc:
+                misplaced.append(name)  # not committed: the check did not pass
+                raise PartLeft(errno.ENOENT, "the directory went away after the link", name) from exc
             except BaseException:
                 misplaced.append(name)  # not committed: the check did not pass
                 raise

@@ -169,11 +169,13 @@ Item = tuple[int, int, str]
 
 class Deleted(Exception):
     """The transcript is marked ``.deleted`` (``session``: its session's main
-    transcript is, which deletes the whole session): a delete is under way."""
+    transcript is, which deletes the whole session): a delete is under way. Or (``left``)
+    its directory is no longer at its name, and the part an append linked there could
+    not be reached to be taken back."""
 
-    def __init__(self, what: str, *, session: bool = False) -> None:
+    def __init__(self, what: str, *, session: bool = False, left: bool = False) -> None:
         super().__init__(what)
-        self.session = session
+        self.session, self.left = session, left
 
 
 def check_session_marker(dir_fd: int, session_marker: str | None) -> None:

@@ -935,6 +935,48 @@ def test_a_writer_finishing_a_delete_whose_mark_its_client_still_has_keeps_the_n
 
 
 @pytest.mark.parametrize("kind", [pytest.param("sshfs", id="sshfs")])
+def test_a_batch_whose_directory_is_deleted_and_made_anew_before_its_check_is_committed_anew(
+    request: pytest.FixtureRequest, kind: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Review 113 (cached sshfs, a directed race with real processes, 2 of 2): host 1
+    linked its part; before its check, the session was deleted (the part with it) and
+    host 2 made it anew. Host 1's check, through a handle that sshfs resolves by path,
+    listed the new directory, found it at its name and acknowledged the batch, which
+    was nowhere. The check finds its own part, holding its batch, before it trusts the
+    directory; the batch is committed anew. Staged: at host 1's check (a writer with
+    no memory of the transcript), the session removed on the server and host 2's append
+    (its lock taken over: host 1 stalled past its lease)."""
+    from fsstore import _commit
+
+    pair = pair_of(request, kind)
+    r1, r2 = pair.fresh("made-anew")
+    s2 = FsSessionStore(str(r2 / "store"), create=True).sync
+    overtaken = type("Held", (), {"check": lambda self, op: None, "since": 0.0, "budget": float("inf")})()
+    monkeypatch.setattr(s2._locks, "hold", lambda path, op, *a: contextlib.nullcontext(overtaken))
+    key = {"project_key": "-net", "session_id": "anew"}
+    FsSessionStore(str(r1 / "store"), create=True).sync.append(key, batch("old", 0, 1))
+    assert pair.export is not None
+    on_server = pair.export / tdir(r1 / "store", key).parent.relative_to(pair.m1)
+    real, staged = _commit.check, []
+
+    def check(dir_fd: int, seq: int, marker: str | None) -> Any:
+        if not staged:
+            staged.append(seq)
+            shutil.rmtree(on_server)  # deleted, this part with it
+            s2.append(key, batch("h2", 0, 1))  # host 2 makes the session anew
+        return real(dir_fd, seq, marker)
+
+    monkeypatch.setattr(_commit, "check", check)
+    FsSessionStore(str(r1 / "store")).sync.append(key, batch("h1", 0, 1))
+    monkeypatch.undo()
+    assert staged == [2]
+    time.sleep(pair.cache_window + 0.5)
+    for root in (r1, r2):
+        assert sorted(ids(FsSessionStore(str(root / "store")).sync.load(key) or [])) == [
+            ("h1", 0, 0), ("h2", 0, 0)]
+
+
+@pytest.mark.parametrize("kind", [pytest.param("sshfs", id="sshfs")])
 def test_a_batch_whose_directory_a_delete_moves_by_mistake_before_its_check_is_there_once(
     request: pytest.FixtureRequest, kind: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
