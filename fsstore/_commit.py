@@ -180,7 +180,7 @@ def _moved_back_with_it(store: SyncStore, t: Appending, payload: bytes) -> bool:
     and the part comes back with it: where handles go by path (sshfs) the attempt could
     not reach it to take it back (review 112: the batch twice, or hidden in .trash until
     merged into a session made since). What a delete moved by mistake is moved back
-    here, and the transcript at the name is read as a load reads it: the batch in its
+    here (``.trash`` listed afresh), and the transcript at the name is read as a load reads it: the batch in its
     chain is committed. Moved away again meanwhile: False (the next start-over looks
     again). Only then: reading a directory a delete on this client is emptying is what
     crashes sshfs 3.7's client (a ``NULL`` path in its cache: see docs/operations.md)."""
@@ -188,6 +188,10 @@ def _moved_back_with_it(store: SyncStore, t: Appending, payload: bytes) -> bool:
         with store._open_root(create=False, path_only=True) as rfd:
             if rfd is None:
                 return False
+            trash = store._open(rfd, [(_layout.TRASH, None)], "append", path_only=True)
+            if trash is not None:  # listed afresh: another host's move, which sshfs's cache hides
+                _views.refresh_listing(trash)
+                os.close(trash)
             _delete.restore(store, rfd, t.comps)
             dfd = store._open(rfd, t.comps, "append", path_only=True)  # no handle to keep open
         if dfd is None:
@@ -617,10 +621,15 @@ def _drop_temp(dfd: int, tmp: str, path: str) -> str:
 def after_commit(t: Appending, step: Callable[[], None], failed: str) -> None:
     """``step()``, after the commit point: a failure is logged (``failed`` % the error),
     never raised. The batch is committed; raising now would make the SDK retry it, and a
-    retried batch is stored twice (entries without a uuid are not de-duplicated)."""
+    retried batch is stored twice (entries without a uuid are not de-duplicated). A
+    directory gone meanwhile (ENOENT, ESTALE: deleted since the commit) has nothing left
+    to tick or fsync: no error (review 113: logged as one)."""
     try:
         step()
     except OSError as exc:
+        if exc.errno in (errno.ENOENT, errno.ESTALE):
+            log.debug("after the commit, the directory was gone: %s", exc)
+            return
         log.error("batch committed and visible, but " + failed, exc,
                   extra={"code": posix_code(exc.errno), "operation": "append", "path": t.path, "errno": exc.errno})
 

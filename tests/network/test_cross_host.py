@@ -996,6 +996,8 @@ def test_a_batch_whose_directory_a_delete_moves_by_mistake_before_its_check_is_t
     root1, root2 = str(r1 / "store"), str(r2 / "store")
     key = {"project_key": "-net", "session_id": "moved", "subpath": "subagents/agent-1"}
     FsSessionStore(root2, create=True).sync.append(key, batch("h2", 0, 1))
+    os.makedirs(f"{root2}/.trash", exist_ok=True)
+    os.listdir(f"{root2}/.trash")  # host 2's client keeps this listing (sshfs's cache)
     real, moved = _commit.check, []
 
     def check(dir_fd: int, seq: int, marker: str | None) -> Any:
