@@ -180,10 +180,11 @@ def _moved_back_with_it(store: SyncStore, t: Appending, payload: bytes) -> bool:
     and the part comes back with it: where handles go by path (sshfs) the attempt could
     not reach it to take it back (review 112: the batch twice, or hidden in .trash until
     merged into a session made since). What a delete moved by mistake is moved back
-    here (``.trash`` listed afresh), and the transcript at the name is read as a load reads it: the batch in its
-    chain is committed. Moved away again meanwhile: False (the next start-over looks
-    again). Only then: reading a directory a delete on this client is emptying is what
-    crashes sshfs 3.7's client (a ``NULL`` path in its cache: see docs/operations.md)."""
+    here (``.trash`` listed afresh), and the transcript at the name is read as a load
+    reads it: the batch in its chain is committed. Moved away again meanwhile: False
+    (the next start-over looks again). Only then: reading a directory a delete on this
+    client is emptying is what crashes sshfs 3.7's client (a ``NULL`` path in its
+    cache: see docs/operations.md)."""
     try:
         with store._open_root(create=False, path_only=True) as rfd:
             if rfd is None:
@@ -274,11 +275,11 @@ def _append_once(store: SyncStore, t: Appending, payload: bytes, into: Callable[
                 tmp = _drop_temp(dfd, tmp, t.path)
                 since_ns = max(before.st_mtime_ns, now.st_mtime_ns)  # (after the unlink: it stamps)
                 after_commit(t, lambda: _tick(dfd, since_ns, held), "the directory's "
-                              "mtime tick failed (%s): a summary made just before may look current")
+                             "mtime tick failed (%s): a summary made just before may look current")
             # Not the lock's to cover (it orders the links and their checks): a fsync under
             # it made the next writer wait for this one's journal commit.
             after_commit(t, lambda: store._fs.sync_dir(dfd),
-                          "the directory fsync failed (%s): it may not survive a power loss")
+                         "the directory fsync failed (%s): it may not survive a power loss")
         finally:
             if tmp:
                 _drop_temp(dfd, tmp, t.path)
@@ -304,7 +305,7 @@ def _unvouched(seq: int, items: list[Item], remembered: str | None) -> bool:
 
 
 def at_its_name_or_taken_back(store: SyncStore, t: Appending, dfd: int, seq: int | None,
-                               payload: bytes, up: int = 0) -> None:
+                              payload: bytes, up: int = 0) -> None:
     """Step 6's last look where the listing does not vouch for the directory
     (:func:`_unvouched`): committed where it is still the one its path names on the
     server; else part ``seq`` is taken back, and :class:`Deleted`: the append starts over
@@ -322,7 +323,7 @@ def at_its_name_or_taken_back(store: SyncStore, t: Appending, dfd: int, seq: int
         ours = seq is None or _is_ours(dfd, _layout.part_name(seq), payload)
     except OSError as exc:
         raise may_be_committed(exc, t.path, "whether its directory is still the transcript's "
-                                "could not be told") from exc
+                               "could not be told") from exc
     if here and ours:
         return
     if seq is not None and ours:
@@ -465,7 +466,7 @@ def link_and_check(
     except (OSError, FsStoreError) as exc:
         if kept and "may be committed" not in str(exc):
             raise may_be_committed(exc, kept[0], f"{kept[0]}, a misplaced copy of the batch, could "
-                                    "not be removed (fsstore check --repair commits it)") from exc
+                                   "not be removed (fsstore check --repair commits it)") from exc
         raise
     finally:
         _remove_unchecked(dir_fd, misplaced)

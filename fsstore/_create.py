@@ -112,25 +112,25 @@ def _filler(store: SyncStore, comps: list[Component], payload: bytes) -> Callabl
 
 def _published(store: SyncStore, t: _commit.Appending, parent: int, names: list[str], payload: bytes) -> None:
     """After ``parent/names[0]`` (part 1 in it) was renamed into place, nothing starts the
-    append over (review: committed twice): :class:`Deleted` (what was made is removed, or
-    its part 1 where it is not at its name), a failed check "may be committed", a failed
-    fsync logged (step 8)."""
+    append over (review: committed twice): :class:`Deleted` (its session marked; or its
+    part 1, where it is not at its name, taken back or out of reach: ``left``), a failed
+    check "may be committed", a failed fsync logged (step 8)."""
     try:
         _check_made(parent, names, t)
         made = os.open("/".join(names), _fsio.PATH_FLAGS, dir_fd=parent)
     except FileNotFoundError as exc:  # a delete took it since (review 103): not at its name
-        raise Deleted(t.path) from exc
+        raise Deleted(t.path, left=True) from exc  # (part 1 with it)
     except OSError as exc:
         if exc.errno == errno.ESTALE:  # where it was published is removed on the server?
             _commit.at_its_name_or_taken_back(store, t, parent, None, b"", len(names))
-        raise _commit.may_be_committed(exc, t.path, "its batch was published as the transcript's first "
-                                "and could not be checked (retrying is safe with uuids)") from exc
+        raise _commit.may_be_committed(exc, t.path, "its batch was published as the transcript's "
+                                       "first and could not be checked (retrying is safe with uuids)") from exc
     try:  # nothing from before vouches for a new directory: a session gc is removing can take it
         _commit.at_its_name_or_taken_back(store, t, made, 1, payload)
     finally:
         os.close(made)
     _commit.after_commit(t, lambda: store._fs.sync_dir(parent),
-                  "the directory fsync failed (%s): it may not survive a power loss")
+                         "the directory fsync failed (%s): it may not survive a power loss")
     t.next_seq, t.last_name = 2, _layout.part_name(1)
 
 
