@@ -70,7 +70,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from . import _create, _delete, _fsio, _layout, _read, _transcript, _views
+from . import _create, _delete, _fsio, _layout, _merge, _read, _transcript, _views
 from ._errors import FsStoreError, from_oserror, log, posix_code
 from ._keys import TranscriptKey
 from ._layout import Component
@@ -181,7 +181,9 @@ def _moved_back_with_it(store: SyncStore, t: Appending, payload: bytes) -> bool:
     not reach it to take it back (review 112: the batch twice, or hidden in .trash until
     merged into a session made since). What a delete moved by mistake is moved back
     here (``.trash`` listed afresh), and the transcript at the name is read as a load
-    reads it: the batch in its chain is committed. Moved away again meanwhile: False
+    reads it: the batch in its chain is committed. Where another session is at the
+    name, the directory is merged into it, not moved back: :func:`_merge.withdraw`
+    says whether that merge appended the batch. Moved away again meanwhile: False
     (the next start-over looks again). Only then: reading a directory a delete on this
     client is emptying is what crashes sshfs 3.7's client (a ``NULL`` path in its
     cache: see docs/operations.md)."""
@@ -211,10 +213,19 @@ def _moved_back_with_it(store: SyncStore, t: Appending, payload: bytes) -> bool:
         return False
     if seen.race is not None or seen.deleted is not None:
         return False
-    if not any(payload in seen.data.get(name, b"") for _f, _l, name in seen.chain):
+    if any(payload in seen.data.get(name, b"") for _f, _l, name in seen.chain):
+        t.next_seq, t.last_name = _last_of(seen.items)
+        return True
+    # Not moved back: another session is at the name, and the directory will be merged
+    # into it. Merged already, or taken out of it so that it never is (review 114).
+    t.last_name = None
+    try:
+        with store._open_root(create=False, path_only=True) as rfd:
+            return rfd is not None and _merge.withdraw(store, rfd, t, payload)
+    except OSError as exc:
+        if exc.errno not in (errno.ENOENT, errno.ESTALE):
+            raise
         return False
-    t.next_seq, t.last_name = _last_of(seen.items)
-    return True
 
 
 def _append_once(store: SyncStore, t: Appending, payload: bytes, into: Callable[[int], bool] | None) -> None:

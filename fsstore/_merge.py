@@ -9,7 +9,7 @@ import contextlib
 import os
 from typing import TYPE_CHECKING, Any
 
-from . import _commit, _delete, _fsio, _keys, _layout, _views
+from . import _commit, _delete, _fsio, _keys, _layout, _read, _trash, _views
 from ._errors import FsStoreError, log
 from ._layout import Component
 from ._transcript import Deleted, Vanished, read_snapshot
@@ -208,6 +208,48 @@ def _claimed(store: SyncStore, trash: int, orphan: str, names: list[str], mark: 
         finally:
             os.close(fd)
     return None
+
+def withdraw(store: SyncStore, rfd: int, t: _commit.Appending, payload: bytes) -> bool:
+    """For an append whose part went, out of its reach, with its directory into
+    ``.trash`` (moved there by mistake: :func:`_commit._moved_back_with_it`) while
+    another session was made at the name, so that it is merged, not moved back: True
+    where a merge appended the batch already (committed, in the session at the name);
+    else the part, found by its bytes in this session's orphans, is marked merged and
+    removed, under the locks a merge takes, so that no merge appends it (review 114:
+    the batch twice): False, and the append commits it anew."""
+    trash = store._open(rfd, [(_layout.TRASH, None)], "append")
+    if trash is None:
+        return False
+    main = {"project_key": t.key.project_key, "session_id": t.key.session_id}
+    try:
+        tags = _trash.tags(t.comps)
+        for orphan in _fsio.listdir(trash):
+            found = _trash.tags_of(orphan)
+            if found is None or found[0] != tags[0] or (len(found) == 2 and found != tags):
+                continue
+            below = [(n, None) for n, _ in t.comps[4:]] if len(found) == 1 else []
+            with contextlib.ExitStack() as held:
+                held.enter_context(store.locked(main))
+                if t.key.subpath is not None:
+                    held.enter_context(store.locked(t.key.as_dict()))
+                tfd = store._open(trash, [(orphan, None), *below], "append")
+                if tfd is None:
+                    continue
+                try:
+                    for name in _fsio.listdir(tfd):
+                        item = _layout.parse_item(name)
+                        if item is None or item[0] != item[1] or _read.read_file(tfd, name) != payload:
+                            continue
+                        if merged_name(item[0]) in _fsio.listdir(tfd):
+                            return True
+                        os.close(os.open(merged_name(item[0]), os.O_WRONLY | os.O_CREAT, 0o600, dir_fd=tfd))
+                        _fsio.unlink_quiet(tfd, name)
+                        return False
+                finally:
+                    os.close(tfd)
+    finally:
+        os.close(trash)
+    return False
 
 def merged_name(last: int) -> str:
     """The mark a merge leaves in an orphan's transcript once the batch ending at part

@@ -977,6 +977,51 @@ def test_a_batch_whose_directory_is_deleted_and_made_anew_before_its_check_is_co
 
 
 @pytest.mark.parametrize("kind", [pytest.param("sshfs", id="sshfs")])
+def test_a_batch_whose_directory_is_moved_by_mistake_while_a_session_is_made_at_its_name_is_there_once(
+    request: pytest.FixtureRequest, kind: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """Review 114 (cached sshfs, directed races with real processes, 8 of 8): host 1
+    linked its part; before its check, a delete whose lock was overtaken moved the
+    directory into .trash by mistake, and another writer made the session anew at the
+    name, so the directory is merged into the new one, not moved back. Host 1's part
+    was out of its reach (sshfs goes by path): it committed the batch anew, and the
+    merge appended it again: twice. Now it takes its part out of the directory to be
+    merged (or, merged already, calls it committed). Staged: at host 1's check, host 2
+    moves the directory as a dead deleter does, and the session made anew appears on
+    the server (a third host's, which did not see the moved one: it does not move it
+    back); then gc merges what was moved."""
+    from fsstore import _commit
+
+    pair = pair_of(request, kind)
+    r1, r2 = pair.fresh("withdrawn")
+    root1, root2 = str(r1 / "store"), str(r2 / "store")
+    key = {"project_key": "-net", "session_id": "merged"}
+    FsSessionStore(root1, create=True).sync.append(key, batch("h1", 0, 1))
+    FsSessionStore(str(tmp_path / "h3"), create=True).sync.append(key, batch("h2", 0, 1))
+    assert pair.export is not None
+    on_server = pair.export / tdir(r1 / "store", key).parent.relative_to(pair.m1)
+    real, staged = _commit.check, []
+
+    def check(dir_fd: int, seq: int, marker: str | None) -> Any:
+        if not staged:
+            staged.append(moved_by_a_dead_deleter(r2 / "store", key))  # through host 2's mount
+            shutil.copytree(tdir(tmp_path / "h3", key).parent, on_server)  # the session made anew
+        return real(dir_fd, seq, marker)
+
+    monkeypatch.setattr(_commit, "check", check)
+    FsSessionStore(root1).sync.append(key, batch("h1", 1, 1))
+    monkeypatch.undo()
+    assert staged
+    gc = subprocess.run([sys.executable, "-m", "fsstore", "gc", root2, "--older-than", "0s"],
+                        check=False, capture_output=True, text=True, timeout=60)
+    assert gc.returncode == 0 and not staged[0].exists(), gc.stdout + gc.stderr
+    time.sleep(pair.cache_window + 0.5)
+    for root in (root1, root2):
+        assert sorted(ids(FsSessionStore(root).sync.load(key) or [])) == [
+            ("h1", 0, 0), ("h1", 1, 0), ("h2", 0, 0)]
+
+
+@pytest.mark.parametrize("kind", [pytest.param("sshfs", id="sshfs")])
 def test_a_batch_whose_directory_a_delete_moves_by_mistake_before_its_check_is_there_once(
     request: pytest.FixtureRequest, kind: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
