@@ -331,7 +331,7 @@ def at_its_name_or_taken_back(store: SyncStore, t: Appending, dfd: int, seq: int
         with store._open_root(create=False, path_only=True) as rfd:
             moved = tuple(i for i in _layout.moved_by_deletes(t.comps) if i < len(comps))
             here = rfd is not None and _views.at_its_name(rfd, comps, dfd, moved)
-        ours = seq is None or _is_ours(dfd, _layout.part_name(seq), payload)
+        ours = seq is None or _holds(dfd, _layout.part_name(seq), payload) is True
     except OSError as exc:
         raise may_be_committed(exc, t.path, "whether its directory is still the transcript's "
                                "could not be told") from exc
@@ -340,16 +340,6 @@ def at_its_name_or_taken_back(store: SyncStore, t: Appending, dfd: int, seq: int
     if seq is not None and ours:
         _fsio.unlink_quiet(dfd, _layout.part_name(seq))
     raise Deleted(t.path, left=not ours)
-
-
-def _is_ours(dfd: int, part: str, payload: bytes) -> bool:
-    """Whether ``part`` holds exactly this batch; False where it is gone."""
-    try:
-        return _read.read_file(dfd, part) == payload
-    except OSError as exc:
-        if exc.errno in (errno.ENOENT, errno.ESTALE):
-            return False
-        raise
 
 
 def _tick(dfd: int, since_ns: int, held: Held) -> None:
@@ -583,10 +573,10 @@ def _found(dir_fd: int, payload: bytes) -> tuple[int, list[Item]] | None:
                        "repair commits that copy", operation="append", errno=errno.EAGAIN)
 
 
-def _holds(dir_fd: int, segment: str, payload: bytes) -> bool | None:
-    """Whether ``segment`` holds ``payload``; None where it is gone."""
+def _holds(dir_fd: int, name: str, payload: bytes) -> bool | None:
+    """Whether the file ``name`` holds ``payload``; None where it is gone."""
     try:
-        return payload in _read.read_file(dir_fd, segment)
+        return payload in _read.read_file(dir_fd, name)
     except OSError as exc:
         if exc.errno in (errno.ENOENT, errno.ESTALE):  # ESTALE: another host removed it
             return None

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import json
 import logging
@@ -15,7 +14,6 @@ import sys
 import tempfile
 import threading
 import time
-import types
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -39,7 +37,15 @@ from fsstore import (
 from fsstore._keys import parse_key
 from fsstore._store import SyncStore
 
-from ._helpers import fast_writer, first_line, no_lock_taken_twice, parts_of, tdir
+from ._helpers import (
+    fast_writer,
+    first_line,
+    no_lock_taken_twice,
+    overtake_locks,
+    parts_of,
+    tdir,
+    with_a_part_that_keeps_vanishing,
+)
 from .conftest import KEY, entry
 
 
@@ -1146,11 +1152,14 @@ def _when_the_check_reads_the_segment(monkeypatch: pytest.MonkeyPatch, before: C
     segment its listing found over its part; the names it read, in order."""
     real, read = _commit._holds, []
 
-    def holds(dir_fd: int, segment: str, payload: bytes) -> bool | None:
+    def holds(dir_fd: int, name: str, payload: bytes) -> bool | None:
+        item = _layout.parse_item(name)
+        if item is None or item[0] == item[1]:  # a part: a writer's look at its own
+            return real(dir_fd, name, payload)
         if not read:
-            before(segment)
-        read.append(segment)
-        return real(dir_fd, segment, payload)
+            before(name)
+        read.append(name)
+        return real(dir_fd, name, payload)
 
     monkeypatch.setattr(_commit, "_holds", holds)
     return read
@@ -1181,8 +1190,7 @@ def test_a_commit_whose_segment_is_merged_again_before_its_check_reads_it_is_the
         other._compact(parse_key(KEY, "compact"), everything=True)  # 1-4 and 5 into 1-5
 
     monkeypatch.setattr(_commit, "check", check)
-    overtaken = types.SimpleNamespace(check=lambda operation: None, since=0.0, budget=math.inf)  # its lock: the writer's, overtaken
-    monkeypatch.setattr(other._locks, "hold", lambda path, op, *a: contextlib.nullcontext(overtaken))
+    overtake_locks(monkeypatch, other)  # its lock: the writer's, overtaken
     read = _when_the_check_reads_the_segment(monkeypatch, merge_again)
     store.append(KEY, [entry(3), {"type": "no-uuid"}])
     monkeypatch.undo()
@@ -1219,8 +1227,7 @@ def test_a_commit_whose_covering_segment_its_compaction_removed_keeps_its_part(
         other.append(KEY, [entry(9)])  # its lock overtaken too: at 6
 
     monkeypatch.setattr(_commit, "check", check)
-    overtaken = types.SimpleNamespace(check=lambda operation: None, since=0.0, budget=math.inf)
-    monkeypatch.setattr(other._locks, "hold", lambda path, op, *a: contextlib.nullcontext(overtaken))
+    overtake_locks(monkeypatch, other)
     read = _when_the_check_reads_the_segment(monkeypatch, lost)
     store.append(KEY, [entry(4)])
     monkeypatch.undo()
@@ -1267,17 +1274,7 @@ def test_a_compaction_that_gives_up_says_what_changed_the_last_time(
     """As a load (tests/test_store.py): a compaction whose files keep vanishing ends
     ``EAGAIN``, and the message says what its last lost look saw. A part whose every
     open says ENOENT stands in for a client that keeps listing a removed name."""
-    store = SyncStore(root, create=True, compact_every=0)
-    for i in range(3):
-        store.append(KEY, [entry(i)])
-    real = _read.read_file
-
-    def vanishing(dir_fd: int, name: str) -> bytes:
-        if name == "00000000000000000002.jsonl":
-            raise FileNotFoundError(errno.ENOENT, "No such file or directory", name)
-        return real(dir_fd, name)
-
-    monkeypatch.setattr(_read, "read_file", vanishing)
+    store = with_a_part_that_keeps_vanishing(root, monkeypatch)
     with pytest.raises(FsStoreError) as err:
         store.compact(KEY)
     assert err.value.code == "EAGAIN"
