@@ -4,7 +4,10 @@ run as a user runs it."""
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
+import math
 import os
 import signal
 import subprocess
@@ -15,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from fsstore import _delete, _layout, _trash
+from fsstore import _delete, _layout, _read, _trash
 from fsstore._keys import parse_key
 from fsstore._store import SyncStore
 
@@ -40,6 +43,40 @@ def first_line(proc: subprocess.Popen[str]) -> str:
             break
         line += byte
     return line.decode()
+
+
+class Overtaken:
+    """A lock hold whose lease another process has taken over (a stall past it): what
+    its holder checks passes, and nothing keeps others out."""
+
+    path = "-"
+    since = 0.0
+    budget = math.inf
+
+    def check(self, operation: str) -> None:
+        pass
+
+
+def overtake_locks(monkeypatch: pytest.MonkeyPatch, store: SyncStore) -> None:
+    """``store``'s lock holds keep nobody out, as if each were overtaken."""
+    monkeypatch.setattr(store._locks, "hold", lambda *a, **k: contextlib.nullcontext(Overtaken()))
+
+
+def with_a_part_that_keeps_vanishing(root: Path, monkeypatch: pytest.MonkeyPatch) -> SyncStore:
+    """A store holding three parts of ``KEY`` (no compaction), the second of which every
+    read finds gone: a client that keeps listing a removed name."""
+    store = SyncStore(root, create=True, compact_every=0)
+    for i in range(3):
+        store.append(KEY, [entry(i)])
+    real = _read.read_file
+
+    def vanishing(dir_fd: int, name: str) -> bytes:
+        if name == _layout.part_name(2):
+            raise FileNotFoundError(errno.ENOENT, "No such file or directory", name)
+        return real(dir_fd, name)
+
+    monkeypatch.setattr(_read, "read_file", vanishing)
+    return store
 
 
 def tdir(root: Path, key: dict[str, Any]) -> Path:

@@ -48,6 +48,7 @@ from ._helpers import (
     lock_file,
     moved_by_a_dead_deleter,
     orphan_of,
+    overtake_locks,
     snapshot,
     tdir,
     write_jsonl,
@@ -1576,16 +1577,6 @@ def _gc_killed_at_each_unlink_removing_a_deleted_session(base: Path) -> None:
     assert k > 3, "too few kill points to tell anything"
 
 
-class _Overtaken:
-    """A lock hold whose lease another process has taken over (a stall past it): what
-    its holder checks passes, and nothing keeps others out."""
-
-    path = "-"
-
-    def check(self, operation: str) -> None:
-        pass
-
-
 @pytest.mark.parametrize("into", ["its main transcript", "a subagent transcript new in it"])
 def test_a_merger_stalled_past_its_lease_never_appends_into_a_session_made_after_a_delete(
     root: Path, monkeypatch: pytest.MonkeyPatch, into: str
@@ -1599,7 +1590,7 @@ def test_a_merger_stalled_past_its_lease_never_appends_into_a_session_made_after
     key = KEY if into == "its main transcript" else SUB
     orphan = orphan_of(root, [[{"type": "user", "n": 0}]], key=key)
     merger, deleter, writer = SyncStore(root), SyncStore(root), SyncStore(root)
-    monkeypatch.setattr(merger._locks, "hold", lambda *a, **k: contextlib.nullcontext(_Overtaken()))
+    overtake_locks(monkeypatch, merger)
     real, stalls = merger._append, []
 
     def append(*args: Any, **kwargs: Any) -> None:
@@ -1630,7 +1621,7 @@ def test_a_stalled_merger_never_appends_into_a_session_made_since_at_the_same_in
     delete takes what it claims off its name; and a gc meanwhile, the re-review's case)."""
     orphan = orphan_of(root, [[{"type": "user", "n": 0}]])
     merger, deleter, writer = SyncStore(root), SyncStore(root), SyncStore(root)
-    monkeypatch.setattr(merger._locks, "hold", lambda *a, **k: contextlib.nullcontext(_Overtaken()))
+    overtake_locks(monkeypatch, merger)
     real, stalls = merger._append, []
     session = tdir(root, KEY).parent
 

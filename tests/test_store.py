@@ -38,7 +38,7 @@ from fsstore import (
 )
 from fsstore._store import SyncStore
 
-from ._helpers import SUB, fsstore, lock_file, parts_of, tdir
+from ._helpers import SUB, fsstore, lock_file, parts_of, tdir, with_a_part_that_keeps_vanishing
 from .conftest import KEY, entry, trash_left
 
 
@@ -266,17 +266,7 @@ def test_a_load_that_gives_up_says_what_changed_the_last_time(
     reader 50 times in a row" on a quiet GlusterFS store, and nothing more) can tell a
     file that keeps vanishing from a listing that keeps changing. A listed part whose
     every open says ENOENT stands in for a client that keeps listing a removed name."""
-    store = SyncStore(tmp_path / "s", create=True, compact_every=0)
-    for i in range(3):
-        store.append(KEY, [entry(i)])
-    real = _read.read_file
-
-    def vanishing(dir_fd: int, name: str) -> bytes:
-        if name == "00000000000000000002.jsonl":
-            raise FileNotFoundError(errno.ENOENT, "No such file or directory", name)
-        return real(dir_fd, name)
-
-    monkeypatch.setattr(_read, "read_file", vanishing)
+    store = with_a_part_that_keeps_vanishing(tmp_path / "s", monkeypatch)
     with pytest.raises(FsStoreError) as err:
         store.load(KEY)
     assert err.value.code == "EAGAIN"
@@ -727,6 +717,30 @@ def test_delete_main_cascades_to_subpaths_and_summary(store: SyncStore, root: Pa
     assert store.list_subkeys(KEY) == []
     assert [s["session_id"] for s in store.list_session_summaries(KEY["project_key"])] == ["other"]
     assert store.load(other) == [entry(3)]
+    assert trash_left(root) == []
+
+
+def test_a_delete_whose_open_of_its_mark_cannot_tell_goes_by_its_stat(
+    store: SyncStore, root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The looks that decide to move a session and to empty it confirm the mark a stat
+    sees with an open (docs/format.md, "Deletes"); where the open cannot tell (ESTALE,
+    as a GlusterFS client can answer one while its stat reaches the server), the stat
+    says: the delete is done, not put back."""
+    store.append(KEY, [entry(1)])
+    store.append(SUB, [entry(2)])
+    asked: list[str] = []
+
+    def stale(dir_fd: int, name: str) -> bool:
+        asked.append(name)
+        raise OSError(errno.ESTALE, os.strerror(errno.ESTALE), name)
+
+    monkeypatch.setattr(_read, "mark_there", stale)
+    store.delete(KEY)
+    monkeypatch.undo()
+    assert any(name.endswith("main/.deleted") for name in asked), asked
+    assert not tdir(root, KEY).parent.exists()  # not put back at its name
+    assert store.load(KEY) is None and store.load(SUB) is None and store.list_subkeys(KEY) == []
     assert trash_left(root) == []
 
 

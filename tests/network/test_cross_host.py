@@ -31,7 +31,14 @@ import anyio
 import pytest
 
 from fsstore import FsSessionStore, FsStoreError
-from tests._helpers import first_line, lock_file, moved_by_a_dead_deleter, orphan_of, tdir
+from tests._helpers import (
+    first_line,
+    lock_file,
+    moved_by_a_dead_deleter,
+    orphan_of,
+    overtake_locks,
+    tdir,
+)
 from tests.reliability._check import assert_transcript, batch, ids, verify
 from tests.reliability._overlap import faketime_unavailable
 
@@ -951,8 +958,7 @@ def test_a_batch_whose_directory_is_deleted_and_made_anew_before_its_check_is_co
     pair = pair_of(request, kind)
     r1, r2 = pair.fresh("made-anew")
     s2 = FsSessionStore(str(r2 / "store"), create=True).sync
-    overtaken = type("Held", (), {"check": lambda self, op: None, "since": 0.0, "budget": float("inf")})()
-    monkeypatch.setattr(s2._locks, "hold", lambda path, op, *a: contextlib.nullcontext(overtaken))
+    overtake_locks(monkeypatch, s2)
     key = {"project_key": "-net", "session_id": "anew"}
     FsSessionStore(str(r1 / "store"), create=True).sync.append(key, batch("old", 0, 1))
     assert pair.export is not None
