@@ -44,10 +44,10 @@ def moved_by_mistake(trash: int, comps: list[Component]) -> str | None:
     or merged yet (its batches are the session's); None if there is none."""
     tag = tags(comps)[0]
     return next((name for name in _fsio.listdir(trash)
-                 if (tags_of(name) or [""])[0] == tag and _surely_orphan(trash, name)), None)
+                 if (tags_of(name) or [""])[0] == tag and surely_orphan(trash, name)), None)
 
 
-def _surely_orphan(trash: int, name: str) -> bool:
+def surely_orphan(trash: int, name: str) -> bool:
     try:
         return orphan(trash, name)
     except OSError:

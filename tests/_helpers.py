@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from fsstore import _delete, _layout, _read, _trash
+from fsstore import _create, _delete, _layout, _read, _trash
 from fsstore._keys import parse_key
 from fsstore._store import SyncStore
 
@@ -246,6 +246,19 @@ def moved_by_a_dead_deleter(root: Path, key: dict[str, Any] = KEY, *, record: bo
     (root / _layout.TRASH).mkdir(exist_ok=True)
     (root / _layout.rel(moved)).rename(root / _layout.TRASH / aside)
     return root / _layout.TRASH / aside
+
+
+def made_anew_blind(monkeypatch: pytest.MonkeyPatch, store: SyncStore, key: dict[str, Any],
+                    entries: list[dict[str, Any]]) -> None:
+    """``store.append(key, entries)`` as a writer that makes the transcript (or its
+    session) anew and never sees what a delete moved from that name into .trash by
+    mistake: its look there before making it missed it (a client's cached listing), and
+    it died before its look after (docs/format.md, "Deletes"). What is moved stays for
+    its deleter's merge, or gc's."""
+    with monkeypatch.context() as m:
+        m.setattr(_delete, "restore", lambda *args: False)
+        m.setattr(_create, "_merge_what_was_moved", lambda *args: None)
+        store.append(key, entries)
 
 
 def stall(pid: int, calls: str, delay_us: int, *, path: str | os.PathLike[str], when: str | None = None

@@ -46,6 +46,7 @@ from ._helpers import (
     fsstore,
     fsstore_json,
     lock_file,
+    made_anew_blind,
     moved_by_a_dead_deleter,
     orphan_of,
     overtake_locks,
@@ -1010,9 +1011,7 @@ def _delete_racing_two_remakes(root: Path, store: SyncStore, deleter: SyncStore,
     other = SyncStore(root)
 
     def remake() -> None:
-        with monkeypatch.context() as m:
-            m.setattr(_delete, "restore", lambda *args: False)
-            other.append(KEY, [entry(2)])
+        made_anew_blind(monkeypatch, other, KEY, [entry(2)])
 
     _delete_racing_remakes(root, store, deleter, monkeypatch, remake, more)
 
@@ -1237,9 +1236,7 @@ def test_a_session_a_delete_could_not_move_back_is_merged_into_one_made_since_wi
     other = SyncStore(root)
 
     def remake_sub_only() -> None:
-        with monkeypatch.context() as m:
-            m.setattr(_delete, "restore", lambda *args: False)
-            other.append(SUB, [entry(2)])
+        made_anew_blind(monkeypatch, other, SUB, [entry(2)])
 
     _delete_racing_remakes(root, store, SyncStore(root), monkeypatch, remake_sub_only)
     assert SyncStore(root).load(KEY) == [entry(1)] and SyncStore(root).load(SUB) == [entry(2)]
@@ -1256,9 +1253,7 @@ def test_a_subagent_delete_during_a_merge_takes_its_transcript_in_the_session_me
     other, deleter = SyncStore(root), SyncStore(root)
 
     def remake() -> None:
-        with monkeypatch.context() as m:
-            m.setattr(_delete, "restore", lambda *args: False)
-            other.append(KEY, [entry(2)])
+        made_anew_blind(monkeypatch, other, KEY, [entry(2)])
 
     real, deleted = deleter._append, []
 

@@ -31,6 +31,7 @@ from ._helpers import (
     chown_tree,
     fsstore,
     lock_file,
+    made_anew_blind,
     moved_by_a_dead_deleter,
     orphan_of,
     snapshot,
@@ -151,7 +152,7 @@ def test_prune_keeps_a_session_with_an_append_in_flight(root: Path, store: SyncS
 
 @pytest.mark.parametrize("moved", ["a subagent transcript", "the session, made anew since"])
 def test_prune_keeps_a_session_part_of_which_a_delete_moved_into_trash_by_mistake(
-    root: Path, store: SyncStore, moved: str
+    root: Path, store: SyncStore, moved: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Review: a stalled delete moved part of the session into .trash by mistake and
     died; prune's look does not see what is there, and did not claim it as a delete
@@ -164,7 +165,7 @@ def test_prune_keeps_a_session_part_of_which_a_delete_moved_into_trash_by_mistak
         moved_by_a_dead_deleter(root, SUB)
     else:
         orphan_of(root, [[entry(0)]])  # and a session made at its name since, with entry(2)
-        store.append(SUB, [entry(1)])
+        made_anew_blind(monkeypatch, store, SUB, [entry(1)])
     time.sleep(1.1)
     assert actions(root, 1.0, dry_run=True) == [("keep", False, False)]
     found, _ = _cleanup.prune(str(root), older_than=1.0)

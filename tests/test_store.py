@@ -30,6 +30,7 @@ from fsstore import (
     _cleanup,
     _commit,
     _create,
+    _delete,
     _fsio,
     _layout,
     _read,
@@ -38,7 +39,15 @@ from fsstore import (
 )
 from fsstore._store import SyncStore
 
-from ._helpers import SUB, fsstore, lock_file, parts_of, tdir, with_a_part_that_keeps_vanishing
+from ._helpers import (
+    SUB,
+    fsstore,
+    lock_file,
+    moved_by_a_dead_deleter,
+    parts_of,
+    tdir,
+    with_a_part_that_keeps_vanishing,
+)
 from .conftest import KEY, entry, trash_left
 
 
@@ -1585,6 +1594,37 @@ def test_a_writer_finishing_a_delete_never_moves_the_session_made_anew(
     reader = SyncStore(root)
     assert reader.load(KEY) == [entry(2)] and reader.load(SUB) == [entry(3)]
     assert trash_left(root) == []
+
+
+@pytest.mark.parametrize("key", [KEY, SUB], ids=["session", "subagent transcript"])
+def test_a_transcript_made_anew_after_a_delete_moved_one_by_mistake_holds_its_batches_at_once(
+    root: Path, monkeypatch: pytest.MonkeyPatch, key: dict[str, Any]
+) -> None:
+    """Left by review 114: a delete moved a transcript made anew after its mark into
+    .trash by mistake and stalled or died before moving it back, and a writer whose
+    look in .trash came before that move (or through sshfs's cached listing) made the
+    transcript anew at the name: the moved batch was in no load until gc merged it. The
+    writer that makes it merges it at once. Staged: the other writer's batch and the
+    dead deleter's move between the writer's look in .trash and its making."""
+    store = SyncStore(root, create=True)
+    store.append({**KEY, "session_id": "another"}, [entry(0)])  # a store made
+    real, moved = _delete.restore, []
+
+    def restore(*args: Any, **kwargs: Any) -> bool:
+        if moved:
+            return real(*args, **kwargs)
+        moved.append(None)
+        looked = real(*args, **kwargs)
+        SyncStore(root).append(key, [entry(1)])  # made anew by another writer
+        moved[0] = moved_by_a_dead_deleter(root, key)  # and moved by mistake
+        return looked
+
+    monkeypatch.setattr(_delete, "restore", restore)
+    store.append(key, [entry(2)])
+    monkeypatch.undo()
+    assert moved and not moved[0].exists()
+    assert SyncStore(root).load(key) == [entry(2), entry(1)]
+    assert fsstore("check", root).returncode == 0
 
 
 def test_a_writer_making_a_deleted_session_anew_retries_a_stale_handle(
