@@ -628,12 +628,13 @@ def after_commit(t: Appending, step: Callable[[], None], failed: str) -> None:
     to tick or fsync: no error (review 113: logged as one)."""
     try:
         step()
-    except OSError as exc:
-        if exc.errno in (errno.ENOENT, errno.ESTALE):
+    except (OSError, FsStoreError) as exc:
+        if isinstance(exc, OSError) and exc.errno in (errno.ENOENT, errno.ESTALE):
             log.debug("after the commit, the directory was gone: %s", exc)
             return
+        code = exc.code if isinstance(exc, FsStoreError) else posix_code(exc.errno)
         log.error("batch committed and visible, but " + failed, exc,
-                  extra={"code": posix_code(exc.errno), "operation": "append", "path": t.path, "errno": exc.errno})
+                  extra={"code": code, "operation": "append", "path": t.path, "errno": exc.errno})
 
 
 def _compaction_due(store: SyncStore, items: list[Item]) -> bool:

@@ -1627,6 +1627,31 @@ def test_a_transcript_made_anew_after_a_delete_moved_one_by_mistake_holds_its_ba
     assert fsstore("check", root).returncode == 0
 
 
+def test_a_first_batch_whose_look_in_trash_fails_after_its_commit_is_acknowledged(
+    root: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The look in .trash after a transcript's first batch is committed (for what a
+    delete moved from its name by mistake) fails, here .trash swapped for a symlink
+    between the commit and the look (UNSAFE_PATH): the batch is committed, so the
+    append returns and the failure is logged with its code, never raised (the SDK
+    would send the batch again: twice)."""
+    store = SyncStore(root, create=True)
+    store.append({**KEY, "session_id": "gone"}, [entry(0)])
+    store.delete({**KEY, "session_id": "gone"})  # a .trash
+    real = _create._published
+
+    def published(*args: Any, **kwargs: Any) -> None:
+        real(*args, **kwargs)
+        (root / ".trash").rename(root / "trash-aside")
+        (root / ".trash").symlink_to(root / "trash-aside", target_is_directory=True)
+
+    monkeypatch.setattr(_create, "_published", published)
+    with caplog.at_level(logging.ERROR):
+        store.append(KEY, [entry(1)])
+    assert store.load(KEY) == [entry(1)]
+    assert [getattr(r, "code", None) for r in caplog.records if r.levelname == "ERROR"] == ["UNSAFE_PATH"]
+
+
 def test_a_writer_making_a_deleted_session_anew_retries_a_stale_handle(
     root: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
