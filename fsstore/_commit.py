@@ -222,10 +222,13 @@ def _moved_back_with_it(store: SyncStore, t: Appending, payload: bytes) -> bool:
     try:
         with store._open_root(create=False, path_only=True) as rfd:
             return rfd is not None and _merge.withdraw(store, rfd, t, payload)
-    except OSError as exc:
-        if exc.errno not in (errno.ENOENT, errno.ESTALE):
-            raise
-        return False
+    except (OSError, FsStoreError) as exc:
+        if isinstance(exc, OSError) and exc.errno in (errno.ENOENT, errno.ESTALE):
+            return False
+        # Left where a merge finds it (e.g. LOCK_TIMEOUT: a merge or a writer holds the
+        # session): nothing can say it is not committed (review 114).
+        raise may_be_committed(exc, t.path, "its part went with its directory, which a delete moved "
+                               "by mistake, and could not be kept out of its merge") from exc
 
 
 def _append_once(store: SyncStore, t: Appending, payload: bytes, into: Callable[[int], bool] | None) -> None:

@@ -22,6 +22,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -1018,6 +1019,59 @@ def test_a_batch_whose_directory_is_moved_by_mistake_while_a_session_is_made_at_
     FsSessionStore(root1).sync.append(key, batch("h1", 1, 1))
     monkeypatch.undo()
     assert staged
+    gc = subprocess.run([sys.executable, "-m", "fsstore", "gc", root2, "--older-than", "0s"],
+                        check=False, capture_output=True, text=True, timeout=60)
+    assert gc.returncode == 0 and not staged[0].exists(), gc.stdout + gc.stderr
+    time.sleep(pair.cache_window + 0.5)
+    for root in (root1, root2):
+        assert sorted(ids(FsSessionStore(root).sync.load(key) or [])) == [
+            ("h1", 0, 0), ("h1", 1, 0), ("h2", 0, 0)]
+
+
+@pytest.mark.parametrize("kind", [pytest.param("sshfs", id="sshfs")])
+def test_a_batch_whose_part_a_delete_moved_by_mistake_says_it_may_be_committed_where_it_cannot_be_kept_out_of_the_merge(
+    request: pytest.FixtureRequest, kind: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """The case above, with the session's lock busy (another host's merge, or a writer)
+    from host 1's commit until past its lock timeout: its part, in the directory a merge
+    appends, cannot be taken out of it. Said as LOCK_TIMEOUT alone, "nothing committed",
+    a retry would store the batch twice once merged (review 114's note). The append
+    now says its batch may be committed, and the merge (gc's here) commits it once."""
+    from fsstore import _commit
+
+    pair = pair_of(request, kind)
+    r1, r2 = pair.fresh("withdraw-busy")
+    root1, root2 = str(r1 / "store"), str(r2 / "store")
+    key = {"project_key": "-net", "session_id": "busy"}
+    FsSessionStore(root1, create=True).sync.append(key, batch("h1", 0, 1))
+    FsSessionStore(str(tmp_path / "h3"), create=True).sync.append(key, batch("h2", 0, 1))
+    assert pair.export is not None
+    on_server = pair.export / tdir(r1 / "store", key).parent.relative_to(pair.m1)
+    real, staged = _commit.check, []
+    holding = threading.Event()
+
+    def hold() -> None:  # from host 1's release of its commit hold, for 4 s
+        with FsSessionStore(root2, lock_timeout_seconds=30).sync.locked(key):
+            holding.set()
+            time.sleep(4)
+
+    def check(dir_fd: int, seq: int, marker: str | None) -> Any:
+        if not staged:
+            staged.append(moved_by_a_dead_deleter(r2 / "store", key))
+            shutil.copytree(tdir(tmp_path / "h3", key).parent, on_server)
+            staged.append(threading.Thread(target=hold))
+            staged[1].start()
+        return real(dir_fd, seq, marker)
+
+    monkeypatch.setattr(_commit, "check", check)
+    try:
+        with pytest.raises(FsStoreError) as caught:
+            FsSessionStore(root1, lock_timeout_seconds=1).sync.append(key, batch("h1", 1, 1))
+    finally:
+        monkeypatch.undo()
+        if len(staged) > 1:
+            staged[1].join(30)
+    assert holding.is_set() and "may be committed" in str(caught.value), caught.value
     gc = subprocess.run([sys.executable, "-m", "fsstore", "gc", root2, "--older-than", "0s"],
                         check=False, capture_output=True, text=True, timeout=60)
     assert gc.returncode == 0 and not staged[0].exists(), gc.stdout + gc.stderr
