@@ -1033,11 +1033,11 @@ def test_a_batch_whose_part_a_delete_moved_by_mistake_says_it_may_be_committed_w
     request: pytest.FixtureRequest, kind: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     """The case above, with the session's lock busy (another host's merge, or a writer)
-    from host 1's commit until past its lock timeout: its part, in the directory a merge
-    appends, cannot be taken out of it. Said as LOCK_TIMEOUT alone, "nothing committed",
-    a retry would store the batch twice once merged (review 114's note). The append
-    now says its batch may be committed, and the merge (gc's here) commits it once."""
-    from fsstore import _commit
+    when host 1 goes to take its part out of the directory to be merged, past its lock
+    timeout: the part stays there. Said as LOCK_TIMEOUT alone, "nothing committed", a
+    retry would store the batch twice once merged (review 114's note). The append now
+    says its batch may be committed, and the merge (gc's here) commits it once."""
+    from fsstore import _commit, _merge
 
     pair = pair_of(request, kind)
     r1, r2 = pair.fresh("withdraw-busy")
@@ -1047,10 +1047,10 @@ def test_a_batch_whose_part_a_delete_moved_by_mistake_says_it_may_be_committed_w
     FsSessionStore(str(tmp_path / "h3"), create=True).sync.append(key, batch("h2", 0, 1))
     assert pair.export is not None
     on_server = pair.export / tdir(r1 / "store", key).parent.relative_to(pair.m1)
-    real, staged = _commit.check, []
+    real_check, real_withdraw, staged = _commit.check, _merge.withdraw, []
     holding = threading.Event()
 
-    def hold() -> None:  # from host 1's release of its commit hold, for 4 s
+    def hold() -> None:  # host 2's hold of the session's lock, 4 s
         with FsSessionStore(root2, lock_timeout_seconds=30).sync.locked(key):
             holding.set()
             time.sleep(4)
@@ -1059,19 +1059,24 @@ def test_a_batch_whose_part_a_delete_moved_by_mistake_says_it_may_be_committed_w
         if not staged:
             staged.append(moved_by_a_dead_deleter(r2 / "store", key))
             shutil.copytree(tdir(tmp_path / "h3", key).parent, on_server)
-            staged.append(threading.Thread(target=hold))
-            staged[1].start()
-        return real(dir_fd, seq, marker)
+        return real_check(dir_fd, seq, marker)
+
+    def withdraw(*args: Any) -> bool:
+        staged.append(threading.Thread(target=hold))
+        staged[-1].start()
+        assert holding.wait(20)
+        return real_withdraw(*args)
 
     monkeypatch.setattr(_commit, "check", check)
+    monkeypatch.setattr(_merge, "withdraw", withdraw)
     try:
         with pytest.raises(FsStoreError) as caught:
             FsSessionStore(root1, lock_timeout_seconds=1).sync.append(key, batch("h1", 1, 1))
     finally:
         monkeypatch.undo()
-        if len(staged) > 1:
-            staged[1].join(30)
-    assert holding.is_set() and "may be committed" in str(caught.value), caught.value
+        for thread in staged[1:]:
+            thread.join(30)
+    assert len(staged) == 2 and "may be committed" in str(caught.value), caught.value
     gc = subprocess.run([sys.executable, "-m", "fsstore", "gc", root2, "--older-than", "0s"],
                         check=False, capture_output=True, text=True, timeout=60)
     assert gc.returncode == 0 and not staged[0].exists(), gc.stdout + gc.stderr
