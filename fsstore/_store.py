@@ -301,12 +301,14 @@ class SyncStore:
 
     def _append(
         self, key: Mapping[str, Any], entries: list[Any], *, into: Callable[[int], bool] | None = None,
+        payload: bytes | None = None,
     ) -> None:
+        """``payload``: the bytes ``entries`` were written as once (a merge's: see _merge)."""
         op = "append"
         t = self._appending_to(key, op)
         if isinstance(entries, list) and not entries:
             return
-        payload = _transcript.encode_batch(entries, op)
+        payload = _transcript.encode_batch(entries, op) if payload is None else payload
         with translating(op, t.path):
             _commit.append(self, t, payload, into=into)
 

@@ -490,14 +490,21 @@ def read_snapshot(
     :class:`Deleted` if the transcript is being deleted, :class:`Vanished` on a race
     with a compaction (see the module docstring), else the first damaged file's error
     (``CORRUPT`` naming file and line, or the read's OSError)."""
-    seen = snapshot(dir_fd, path, operation, session_marker=session_marker)
+    seen = whole(snapshot(dir_fd, path, operation, session_marker=session_marker))
+    return seen.batches, seen.gap
+
+
+def whole(seen: Snapshot) -> Snapshot:
+    """``seen``, where it is the whole transcript (its ``batches`` then follow its
+    ``chain`` one for one); else :class:`Deleted`, :class:`Vanished` or the first damaged
+    file's error is raised."""
     if seen.deleted is not None:
         raise seen.deleted
     if seen.race is not None:
         raise seen.race
     if seen.damage:
         raise seen.damage[0].error
-    return seen.batches, seen.gap
+    return seen
 
 
 # -- reading: what a reader saw -------------------------------------------------

@@ -17,6 +17,7 @@ import collections
 import contextlib
 import itertools
 import json
+import logging
 import os
 import shutil
 import signal
@@ -1026,6 +1027,48 @@ def test_a_batch_whose_directory_is_moved_by_mistake_while_a_session_is_made_at_
     for root in (root1, root2):
         assert sorted(ids(FsSessionStore(root).sync.load(key) or [])) == [
             ("h1", 0, 0), ("h1", 1, 0), ("h2", 0, 0)]
+
+
+@pytest.mark.parametrize("kind", [pytest.param("sshfs", id="sshfs")])
+def test_a_batch_whose_directory_a_session_made_anew_merges_before_its_check_is_there_once(
+    request: pytest.FixtureRequest, kind: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Stop 46 (review 114's directed race F, real processes on cached sshfs, 2 of 2 once
+    a writer that makes a session anew merges what a delete moved from its name): host
+    1 linked its part; before its check, a delete whose lock was overtaken moved the
+    directory into .trash by mistake and died, and host 2, through a cached listing of
+    .trash, made the session anew and merged the moved directory into it at once, host
+    1's part with it. The merge appended entries encoded anew, which host 1 could not
+    tell for its batch: it committed the batch again, twice. A merge now appends the
+    bytes as written (each batch's nonce with them)."""
+    from fsstore import _commit
+
+    pair = pair_of(request, kind)
+    r1, r2 = pair.fresh("merged-first")
+    root1, root2 = str(r1 / "store"), str(r2 / "store")
+    key = {"project_key": "-net", "session_id": "merged-first"}
+    FsSessionStore(root1, create=True).sync.append(key, batch("h1", 0, 1))
+    os.makedirs(f"{root1}/.trash", exist_ok=True)
+    os.listdir(f"{root2}/.trash")  # host 2's client keeps this listing
+    host1 = FsSessionStore(root1).sync
+    overtake_locks(monkeypatch, host1)  # host 1 stalls past its lease at its check
+    real, staged = _commit.check, []
+
+    def check(dir_fd: int, seq: int, marker: str | None) -> Any:
+        if not staged:
+            staged.append(moved_by_a_dead_deleter(r1 / "store", key))
+            FsSessionStore(root2).sync.append(key, batch("h2", 0, 1))  # and merges the moved one
+        return real(dir_fd, seq, marker)
+
+    monkeypatch.setattr(_commit, "check", check)
+    with caplog.at_level(logging.WARNING):
+        host1.append(key, batch("h1", 1, 1))
+    monkeypatch.undo()
+    assert staged and not staged[0].exists()
+    assert any("merged into the one made since" in r.getMessage() for r in caplog.records)
+    time.sleep(pair.cache_window + 0.5)
+    for root in (root1, root2):
+        assert ids(FsSessionStore(root).sync.load(key) or []) == [("h2", 0, 0), ("h1", 0, 0), ("h1", 1, 0)]
 
 
 @pytest.mark.parametrize("kind", [pytest.param("sshfs", id="sshfs")])
