@@ -110,8 +110,10 @@ class FsSessionStore:
                 nothing of the batch committed (safe to retry), except where the
                 message says the batch may be committed (``EAGAIN`` after others'
                 compactions or repairs, ``EIO`` where a part it linked could not be
-                removed): a retry may then store it twice (entries with a ``uuid``
-                still load once).
+                removed, ``LOCK_TIMEOUT`` where its part went with a directory a
+                delete moved by mistake and could not be kept out of its merge): a
+                retry may then store it twice (entries with a ``uuid`` still load
+                once).
         """
         await _run(self.sync.append, key, entries)
 

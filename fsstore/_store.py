@@ -295,7 +295,8 @@ class SyncStore:
         When it returns, the batch is in every later ``load()`` on every host whose
         client sees the file, exactly once and whole. An empty list writes nothing.
         Raises :class:`~fsstore.FsStoreError`: ``INVALID_KEY``/``INVALID_ENTRY``
-        before anything touches disk; otherwise nothing of the batch is committed.
+        before anything touches disk; otherwise nothing of the batch is committed,
+        except where the message says it may be (see :meth:`FsSessionStore.append`).
         """
         self._append(key, entries)
 
