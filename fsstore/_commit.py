@@ -182,11 +182,13 @@ def _moved_back_with_it(store: SyncStore, t: Appending, payload: bytes) -> bool:
     merged into a session made since). What a delete moved by mistake is moved back
     here (``.trash`` listed afresh), and the transcript at the name is read as a load
     reads it: the batch in its chain is committed. Where another session is at the
-    name, the directory is merged into it, not moved back: :func:`_merge.withdraw`
-    says whether that merge appended the batch. Moved away again meanwhile: False
-    (the next start-over looks again). Only then: reading a directory a delete on this
-    client is emptying is what crashes sshfs 3.7's client (a ``NULL`` path in its
-    cache: see docs/operations.md)."""
+    name, the directory is merged into it, our part with it (:func:`_merge.merge_moved`:
+    a merge appends the bytes as written), and the chain is read again: there, it is
+    committed; not there (a delete claimed the directory; it went before), False: the
+    append commits it anew. Where the merge could not be done (busy, failed), the
+    append says its batch may be committed (review 114). Only then: reading a
+    directory a delete on this client is emptying is what crashes sshfs 3.7's client (a
+    ``NULL`` path in its cache: see docs/operations.md)."""
     try:
         with store._open_root(create=False, path_only=True) as rfd:
             if rfd is None:
@@ -196,39 +198,52 @@ def _moved_back_with_it(store: SyncStore, t: Appending, payload: bytes) -> bool:
                 _views.refresh_listing(trash)
                 os.close(trash)
             _delete.restore(store, rfd, t.comps)
-            dfd = store._open(rfd, t.comps, "append", path_only=True)  # no handle to keep open
-        if dfd is None:
-            return False
-        try:
-            for _try in range(_transcript.UNLOCKED_READS):
-                _views.refresh_listing(dfd)
-                seen = _transcript.snapshot(dfd, t.path, "append", session_marker=t.session_marker)
-                if seen.race is None:
-                    break
-        finally:
-            os.close(dfd)
+            seen = chain_at_the_name(store, rfd, t)
+            if seen is None:
+                return False  # not there, being deleted, or changing: the next start-over looks
+            if not holds(seen, payload):
+                t.last_name = None
+                ended = _merge.merge_moved(store, t.comps)
+                seen = chain_at_the_name(store, rfd, t)
+                if not holds(seen, payload):
+                    if {"busy", "failed"} & set(ended):
+                        busy = "busy" in ended
+                        raise FsStoreError("LOCK_TIMEOUT" if busy else "EAGAIN",
+                                           "its part went with its directory, which a delete moved by "
+                                           "mistake, and that directory could not be merged now: the batch "
+                                           "may be committed", operation="append", path=t.path,
+                                           errno=None if busy else errno.EAGAIN)
+                    return False
+            assert seen is not None
+            t.next_seq, t.last_name = _last_of(seen.items)
+            return True
     except OSError as exc:
         if exc.errno not in (errno.ENOENT, errno.ESTALE):
             raise
         return False
-    if seen.race is not None or seen.deleted is not None:
-        return False
-    if any(payload in seen.data.get(name, b"") for _f, _l, name in seen.chain):
-        t.next_seq, t.last_name = _last_of(seen.items)
-        return True
-    # Not moved back: another session is at the name, and the directory will be merged
-    # into it. Merged already, or taken out of it so that it never is (review 114).
-    t.last_name = None
+
+
+def chain_at_the_name(store: SyncStore, rfd: int, t: Appending) -> _transcript.Snapshot | None:
+    """The transcript at ``t``'s name read as a load reads it (listed afresh); None where
+    nothing is there, it is being deleted, or it kept changing."""
+    dfd = store._open(rfd, t.comps, "append", path_only=True)  # no handle to keep open
+    if dfd is None:
+        return None
     try:
-        with store._open_root(create=False, path_only=True) as rfd:
-            return rfd is not None and _merge.withdraw(store, rfd, t, payload)
-    except (OSError, FsStoreError) as exc:
-        if isinstance(exc, OSError) and exc.errno in (errno.ENOENT, errno.ESTALE):
-            return False
-        # Left where a merge finds it (e.g. LOCK_TIMEOUT: a merge or a writer holds the
-        # session): nothing can say it is not committed (review 114).
-        raise may_be_committed(exc, t.path, "its part went with its directory, which a delete moved "
-                               "by mistake, and could not be kept out of its merge") from exc
+        for _try in range(_transcript.UNLOCKED_READS):
+            _views.refresh_listing(dfd)
+            seen = _transcript.snapshot(dfd, t.path, "append", session_marker=t.session_marker)
+            if seen.race is None:
+                break
+    finally:
+        os.close(dfd)
+    return seen if seen.race is None and seen.deleted is None else None
+
+
+def holds(seen: _transcript.Snapshot | None, payload: bytes) -> bool:
+    """Whether a file of ``seen``'s chain holds the batch ``payload`` (its bytes are its
+    own: its nonce)."""
+    return seen is not None and any(payload in seen.data.get(name, b"") for _f, _l, name in seen.chain)
 
 
 def _append_once(store: SyncStore, t: Appending, payload: bytes, into: Callable[[int], bool] | None) -> None:

@@ -12,7 +12,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from . import _commit, _delete, _fsio, _layout, _merge, _trash, _views
+from . import _commit, _delete, _fsio, _layout, _merge, _views
 from ._layout import Component
 from ._transcript import Deleted, check_session_marker
 
@@ -96,27 +96,16 @@ def recreate(store: SyncStore, t: _commit.Appending, payload: bytes) -> bool:
 def _merge_what_was_moved(store: SyncStore, t: _commit.Appending) -> None:
     """Once the transcript is made anew at its name (its first batch committed): what a
     delete moved from that name into ``.trash`` by mistake (unmarked: made anew after
-    the delete's mark) is merged into it now (:func:`_merge.merge_back`), not hidden
+    the delete's mark) is merged into it now (:func:`_merge.merge_moved`), not hidden
     until its deleter resumes or ``fsstore gc`` runs. The look before making it
     (:func:`_delete.restore`) moves such a directory back instead, but it misses one
     moved after it, by a deleter that then stalled or died, and one a client's cached
     listing of ``.trash`` does not show yet (sshfs: 20 s): review 114's runs. Its batches
     come after this one. A failed look is logged; the batch is committed."""
-    def look() -> None:
-        with store._open_root(create=False, path_only=True) as rfd:
-            trash = store._open(rfd, [(_layout.TRASH, None)], "append") if rfd is not None else None
-            if trash is None:
-                return
-            try:
-                _views.refresh_listing(trash)  # another host's move, which a cached listing hides
-                found = [(name, target) for name in _fsio.listdir(trash)
-                         if (target := _trash.orphan_target(name, [t.comps])) is not None
-                         and _trash.surely_orphan(trash, name)]
-            finally:
-                os.close(trash)
-        for name, (comps, mark) in found:
-            _merge.merge_back(store, name, comps, mark, store._path(comps))
-    _commit.after_commit(t, look, "the look in .trash for what a delete moved from its name by "
+    def merge() -> None:
+        _merge.merge_moved(store, t.comps)
+
+    _commit.after_commit(t, merge, "the look in .trash for what a delete moved from its name by "
                          "mistake failed (%s): that stays there, out of loads, until the next gc")
 
 

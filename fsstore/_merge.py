@@ -7,9 +7,10 @@ from __future__ import annotations
 
 import contextlib
 import os
+import time
 from typing import TYPE_CHECKING, Any
 
-from . import _commit, _delete, _fsio, _keys, _layout, _read, _trash, _views
+from . import _commit, _delete, _fsio, _keys, _layout, _trash, _views
 from ._errors import FsStoreError, log
 from ._layout import Component
 from ._transcript import Deleted, Vanished, snapshot, whole
@@ -18,11 +19,16 @@ if TYPE_CHECKING:
     from ._store import SyncStore
 
 MERGED_TAG = "-merged"  # what a delete moved by mistake, merged back, until it is removed
+_TRIES = 3  # of a merge that another process's work there interrupted
 
 
 def merge_back(store: SyncStore, orphan: str, comps: list[Component], mark: str, path: str) -> str:
     """Append the batches of ``.trash/<orphan>`` (each transcript's, in order, one
-    append a batch) to the transcripts at its old name, then remove it.
+    append a file, its bytes as written) to the transcripts at its old name, then
+    remove it. A hole (a part its writer took back) is merged past; a file its writer
+    took back since the read, or whose bytes the transcript holds already (another
+    merger's, whose lock this one took over before its mark), is not appended; a read
+    another process's work spoilt is tried again (:data:`_TRIES`).
 
     Only into the session the look found there (never making it anew:
     :class:`_commit.Gone`), each batch looked at and appended under the locks a delete
@@ -44,50 +50,32 @@ def merge_back(store: SyncStore, orphan: str, comps: list[Component], mark: str,
     writer's; it stays for the next gc); or ``"failed"`` (logged as an error; it
     stays)."""
     stopped: str | None = None
-    try:
-        with store._open_root(create=False) as rfd:
-            trash = store._open(rfd, [(_layout.TRASH, None)], "delete") if rfd is not None else None
-            if rfd is None or trash is None:
-                return "done"
-            try:
-                ident = os.stat(orphan, dir_fd=trash, follow_symlinks=False).st_ino
-                target = (_layout.rel(comps), _layout.rel(comps[:4]))
-                main = {"project_key": _part(comps[1]), "session_id": _part(comps[3])}
-                for key, names in _transcripts(store, trash, orphan, comps, mark):
-                    stopped = _merge_transcript(store, rfd, trash, orphan, (ident, *target), names, mark,
-                                                main, key, path)
-                    if stopped is not None:
-                        break
-                if stopped in (None, "claimed"):
-                    _fsio.sync_fs(rfd)  # the last mark too: a cut from here appends nothing twice
-                    # Off its name under the lock first: a merger still going through it
-                    # stops at its next look, and what a crash leaves is no orphan.
-                    with store.locked(main):
-                        done = _fsio.temp_name(MERGED_TAG)
-                        try:
-                            os.rename(orphan, done, src_dir_fd=trash, dst_dir_fd=trash)
-                        except FileNotFoundError:
-                            done, stopped = "", "done"  # another merger's, a step ahead
-                    if done:
-                        _fsio.remove_tree(trash, done)
-            finally:
-                os.close(trash)
-    except FsStoreError as exc:
-        if exc.code != "LOCK_TIMEOUT":
-            _orphaned(orphan, path, exc)
-            return "failed"
-        # Another merger (a gc, a delete) or a busy writer holds the session: nothing
-        # is wrong; the merge is that merger's, or the next gc's (review: logged as
-        # an error while the merge it waited for completed).
-        log.warning("the transcript a delete moved by mistake is busy: %s; left for the "
-                    "process that holds it, or the next gc", exc, extra={
-                        "code": "LOCK_TIMEOUT", "operation": "delete", "path": path})
-        return "busy"
-    except (OSError, Vanished) as exc:  # Vanished: someone else's work there
-        if _in_trash(store, orphan):
-            _orphaned(orphan, path, exc)
-            return "failed"
-        stopped = "done"  # merged and removed by another merger while this one read it (review)
+    for attempt in range(_TRIES):
+        try:
+            stopped = _merge_once(store, orphan, comps, mark, path)
+            break
+        except FsStoreError as exc:
+            if exc.code != "LOCK_TIMEOUT":
+                _orphaned(orphan, path, exc)
+                return "failed"
+            # Another merger (a gc, a delete) or a busy writer holds the session: nothing
+            # is wrong; the merge is that merger's, or the next gc's (review: logged as
+            # an error while the merge it waited for completed).
+            log.warning("the transcript a delete moved by mistake is busy: %s; left for the "
+                        "process that holds it, or the next gc", exc, extra={
+                            "code": "LOCK_TIMEOUT", "operation": "delete", "path": path})
+            return "busy"
+        except (OSError, Vanished) as exc:  # Vanished: someone else's work there
+            if not _in_trash(store, orphan):
+                stopped = "done"  # merged and removed by another merger while this one read it (review)
+                break
+            if attempt == _TRIES - 1:
+                _orphaned(orphan, path, exc)
+                return "failed"
+            # Another process's work in it, seen through a client's cache (a part its
+            # writer took back, a directory another merger renamed): read it again
+            # (review 115: left for gc although its deleter had returned).
+            time.sleep(0.05 * (attempt + 1))
     log.warning("the transcript a delete moved by mistake is %s", {
         None: "merged into the one made since", "claimed": "deleted by a later delete",
         "gone": "left in .trash: the session was deleted while it was merged (that delete takes it)",
@@ -95,6 +83,39 @@ def merge_back(store: SyncStore, orphan: str, comps: list[Component], mark: str,
         "done": "merged or deleted by another process meanwhile"}[stopped],
         extra={"code": "DELETE_RACED", "operation": "delete", "path": path})
     return stopped or "merged"
+
+def _merge_once(store: SyncStore, orphan: str, comps: list[Component], mark: str, path: str) -> str | None:
+    """One try of :func:`merge_back`: why it stopped (None: merged whole)."""
+    stopped: str | None = None
+    with store._open_root(create=False) as rfd:
+        trash = store._open(rfd, [(_layout.TRASH, None)], "delete") if rfd is not None else None
+        if rfd is None or trash is None:
+            return "done"
+        try:
+            ident = os.stat(orphan, dir_fd=trash, follow_symlinks=False).st_ino
+            target = (_layout.rel(comps), _layout.rel(comps[:4]))
+            main = {"project_key": _part(comps[1]), "session_id": _part(comps[3])}
+            for key, names in _transcripts(store, trash, orphan, comps, mark):
+                stopped = _merge_transcript(store, rfd, trash, orphan, (ident, *target), names, mark,
+                                            main, key, path)
+                if stopped is not None:
+                    break
+            if stopped in (None, "claimed"):
+                _fsio.sync_fs(rfd)  # the last mark too: a cut from here appends nothing twice
+                # Off its name under the lock first: a merger still going through it
+                # stops at its next look, and what a crash leaves is no orphan.
+                with store.locked(main):
+                    done = _fsio.temp_name(MERGED_TAG)
+                    try:
+                        os.rename(orphan, done, src_dir_fd=trash, dst_dir_fd=trash)
+                    except FileNotFoundError:
+                        done, stopped = "", "done"  # another merger's, a step ahead
+                if done:
+                    _fsio.remove_tree(trash, done)
+        finally:
+            os.close(trash)
+    return stopped
+
 
 def _merge_transcript(
     store: SyncStore, rfd: int, trash: int, orphan: str, itself: tuple[int, str, str], names: list[str],
@@ -110,11 +131,17 @@ def _merge_transcript(
         return None
     try:
         try:
+            _views.refresh_listing(tfd)  # a client's cache can still list a part taken back
             seen = whole(snapshot(tfd, f"{path}/{'/'.join(names)}", "delete"))
         except Deleted:
             return "claimed" if _delete.marked(trash, orphan, mark) else None
         if seen.gap is not None:
-            raise FsStoreError("GAP", f"part {seen.gap} is missing", operation="delete", path=path)
+            # A part its writer took back (it commits the batch anew), or one lost: the rest
+            # is merged, as a load returns it (review 115: raised, the orphan was merged by
+            # no one, and the acknowledged batches above the hole were in no load).
+            log.warning("part %s of what a delete moved by mistake is missing (taken back by "
+                        "its writer, or lost); merging the rest", seen.gap, extra={
+                            "code": "GAP", "operation": "delete", "path": path})
         for (_first, last, name), (_last, entries) in zip(seen.chain, seen.batches):
             # The look and the append under the locks a delete of the session (or of this
             # transcript) takes: one that runs between two batches claims the orphan (its
@@ -141,8 +168,15 @@ def _merge_transcript(
                 claim = _claimed(store, trash, orphan, names, mark)
                 if claim is not None:
                     return {"gone": "done", "claimed": "claimed", "alone": None}[claim]  # alone: skipped
-                if merged_name(last) in _fsio.listdir(tfd):
-                    continue  # appended by a merge of it that died before removing it
+                there = _fsio.listdir(tfd)
+                if merged_name(last) in there or name not in there:
+                    continue  # appended by a merge of it that died; or taken back by its writer
+                if _commit.holds(_commit.chain_at_the_name(store, rfd, store._appending_to(key, "append")),
+                                 seen.data[name]):
+                    # Appended already by another merger whose lock this one took over before
+                    # its mark (a stall): its bytes are there (review 115: twice).
+                    os.close(os.open(merged_name(last), os.O_WRONLY | os.O_CREAT, 0o600, dir_fd=tfd))
+                    continue
 
                 def into(session_fd: int, session: int = session) -> bool:
                     """Only into the session seen here, and only while nothing is claimed,
@@ -212,47 +246,25 @@ def _claimed(store: SyncStore, trash: int, orphan: str, names: list[str], mark: 
             os.close(fd)
     return None
 
-def withdraw(store: SyncStore, rfd: int, t: _commit.Appending, payload: bytes) -> bool:
-    """For an append whose part went, out of its reach, with its directory into
-    ``.trash`` (moved there by mistake: :func:`_commit._moved_back_with_it`) while
-    another session was made at the name, so that it is merged, not moved back: True
-    where a merge appended the batch already (committed, in the session at the name);
-    else the part, found by its bytes in this session's orphans, is marked merged and
-    removed, under the locks a merge takes, so that no merge appends it (review 114:
-    the batch twice): False, and the append commits it anew."""
-    trash = store._open(rfd, [(_layout.TRASH, None)], "append")
-    if trash is None:
-        return False
-    main = {"project_key": t.key.project_key, "session_id": t.key.session_id}
-    try:
-        tags = _trash.tags(t.comps)
-        for orphan in _fsio.listdir(trash):
-            found = _trash.tags_of(orphan)
-            if found is None or found[0] != tags[0] or (len(found) == 2 and found != tags):
-                continue
-            below = [(n, None) for n, _ in t.comps[4:]] if len(found) == 1 else []
-            with contextlib.ExitStack() as held:
-                held.enter_context(store.locked(main))
-                if t.key.subpath is not None:
-                    held.enter_context(store.locked(t.key.as_dict()))
-                tfd = store._open(trash, [(orphan, None), *below], "append")
-                if tfd is None:
-                    continue
-                try:
-                    for name in _fsio.listdir(tfd):
-                        item = _layout.parse_item(name)
-                        if item is None or item[0] != item[1] or _read.read_file(tfd, name) != payload:
-                            continue
-                        if merged_name(item[0]) in _fsio.listdir(tfd):
-                            return True
-                        os.close(os.open(merged_name(item[0]), os.O_WRONLY | os.O_CREAT, 0o600, dir_fd=tfd))
-                        _fsio.unlink_quiet(tfd, name)
-                        return False
-                finally:
-                    os.close(tfd)
-    finally:
-        os.close(trash)
-    return False
+def merge_moved(store: SyncStore, comps: list[Component]) -> list[str]:
+    """Merge into the session (or transcript) at the name of transcript ``comps`` what a
+    delete moved from that name into ``.trash`` by mistake (unmarked: made anew after
+    the delete's mark), listed afresh: for the writer that has made it anew
+    (:mod:`fsstore._create`), and for one whose part went with the moved directory
+    (:func:`_commit._moved_back_with_it`). How each merge ended (:func:`merge_back`)."""
+    with store._open_root(create=False, path_only=True) as rfd:
+        trash = store._open(rfd, [(_layout.TRASH, None)], "append") if rfd is not None else None
+        if trash is None:
+            return []
+        try:
+            _views.refresh_listing(trash)  # another host's move, which a cached listing hides
+            found = [(name, target) for name in _fsio.listdir(trash)
+                     if (target := _trash.orphan_target(name, [comps])) is not None
+                     and _trash.surely_orphan(trash, name)]
+        finally:
+            os.close(trash)
+    return [merge_back(store, name, where, mark, store._path(where)) for name, (where, mark) in found]
+
 
 def merged_name(last: int) -> str:
     """The mark a merge leaves in an orphan's transcript once the batch ending at part

@@ -29,6 +29,7 @@ from fsstore import (
     _layout,
     _listing,
     _merge,
+    _transcript,
     _transfer,
     _trash,
     _views,
@@ -1570,6 +1571,68 @@ def _gc_killed_at_each_unlink_removing_a_deleted_session(base: Path) -> None:
     else:
         raise AssertionError("gc was killed at every unlink tried")
     assert k > 3, "too few kill points to tell anything"
+
+
+def test_what_a_delete_moved_by_mistake_with_a_hole_is_merged_past_the_hole(root: Path) -> None:
+    """Review 115 (real processes, GlusterFS and cached sshfs: 3 of 3, 4 of 4): a writer
+    took back the part it had linked into a directory a delete then moved by mistake,
+    below another writer's acknowledged part: a hole. Every merge raised GAP, gc failed
+    each time, and the acknowledged batches in it were in no load for good. The rest is
+    merged, as a load returns it."""
+    batches = [[{"type": "user", "n": n}] for n in range(3)]
+    orphan = orphan_of(root, batches, compact_every=0)
+    (root / _layout.TRASH / orphan / "main" / _layout.part_name(2)).unlink()  # taken back
+    gc = fsstore("gc", root, "--older-than", "0s")
+    assert gc.returncode == 0 and "merged" in gc.stdout, gc.stdout + gc.stderr
+    assert SyncStore(root).load(KEY) == [entry(2), batches[0][0], batches[2][0]] and _orphans(root) == []
+
+
+def test_two_mergers_of_one_orphan_whose_locks_overlap_append_each_batch_once(
+    root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Review 115 (real processes on cached sshfs, 3 of 3): a merger appended a batch and
+    stalled past its lease before its merged mark; a second merger (the writer that made
+    the session anew, or gc) took the lock over and appended the batch again: twice.
+    A merger now leaves a batch whose bytes the transcript holds already (its nonce
+    makes them its own)."""
+    batches = [[{"type": "user", "n": n}] for n in range(3)]
+    orphan = orphan_of(root, batches, compact_every=0)
+    first, second = SyncStore(root), SyncStore(root)
+    overtake_locks(monkeypatch, second)
+    comps = _layout.transcript_dirs(parse_key(KEY, "test"))[:4]
+    real, stalled = _fsio.sync_fs, []
+
+    def sync_fs(fd: int) -> None:  # the first merger's, after its first append, before its mark
+        real(fd)
+        if not stalled:
+            stalled.append("")
+            stalled[0] = _merge.merge_back(second, orphan, comps, _layout.MAIN, "-")
+
+    monkeypatch.setattr(_fsio, "sync_fs", sync_fs)
+    _merge.merge_back(first, orphan, comps, _layout.MAIN, "-")
+    assert stalled == ["merged"]
+    assert SyncStore(root).load(KEY) == [entry(2), *(b[0] for b in batches)] and _orphans(root) == []
+
+
+def test_a_merge_another_process_interrupts_is_tried_again(root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Review 115 (real processes on cached sshfs, 3 of 5 runs): a deleter's merge read
+    the moved directory while another process changed it (a part its writer took back,
+    still listed by the client's cache: Vanished; a directory gone under a handle),
+    called it failed, and left the acknowledged batches in it for gc, out of every load,
+    although the deleter returned. It reads it again."""
+    orphan = orphan_of(root, [[{"type": "user", "n": 0}]])
+    real, raised = _merge.whole, []
+
+    def whole(seen: Any) -> Any:
+        if not raised:
+            raised.append(1)
+            raise _transcript.Vanished("00000000000000000002.jsonl vanished")
+        return real(seen)
+
+    monkeypatch.setattr(_merge, "whole", whole)
+    comps = _layout.transcript_dirs(parse_key(KEY, "test"))[:4]
+    assert _merge.merge_back(SyncStore(root), orphan, comps, _layout.MAIN, "-") == "merged" and raised
+    assert SyncStore(root).load(KEY) == [entry(2), {"type": "user", "n": 0}] and _orphans(root) == []
 
 
 @pytest.mark.parametrize("into", ["its main transcript", "a subagent transcript new in it"])

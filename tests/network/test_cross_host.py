@@ -984,9 +984,10 @@ def test_a_batch_whose_directory_is_deleted_and_made_anew_before_its_check_is_co
             ("h1", 0, 0), ("h2", 0, 0)]
 
 
+@pytest.mark.parametrize("compacted", [False, True], ids=["its part", "its part compacted"])
 @pytest.mark.parametrize("kind", [pytest.param("sshfs", id="sshfs")])
 def test_a_batch_whose_directory_is_moved_by_mistake_while_a_session_is_made_at_its_name_is_there_once(
-    request: pytest.FixtureRequest, kind: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+    request: pytest.FixtureRequest, kind: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path, compacted: bool
 ) -> None:
     """Review 114 (cached sshfs, directed races with real processes, 8 of 8): host 1
     linked its part; before its check, a delete whose lock was overtaken moved the
@@ -997,7 +998,11 @@ def test_a_batch_whose_directory_is_moved_by_mistake_while_a_session_is_made_at_
     merged (or, merged already, calls it committed). Staged: at host 1's check, host 2
     moves the directory as a dead deleter does, and the session made anew appears on
     the server (a third host's, which did not see the moved one: it does not move it
-    back); then gc merges what was moved."""
+    back); then gc merges what was moved. ``compacted``: a compaction (another host's,
+    its lock taken over) put host 1's part into a segment before the move (review
+    115, 3 of 3: the part could not be taken out of a segment, and the batch came twice
+    once merged). Host 1 now merges the moved directory itself, part and all, and finds
+    its batch in the session by its bytes."""
     from fsstore import _commit
 
     pair = pair_of(request, kind)
@@ -1010,8 +1015,13 @@ def test_a_batch_whose_directory_is_moved_by_mistake_while_a_session_is_made_at_
     on_server = pair.export / tdir(r1 / "store", key).parent.relative_to(pair.m1)
     real, staged = _commit.check, []
 
+    host2 = FsSessionStore(root2).sync
+    overtake_locks(monkeypatch, host2)
+
     def check(dir_fd: int, seq: int, marker: str | None) -> Any:
         if not staged:
+            if compacted:
+                assert host2.compact(key) == 2
             staged.append(moved_by_a_dead_deleter(r2 / "store", key))  # through host 2's mount
             shutil.copytree(tdir(tmp_path / "h3", key).parent, on_server)  # the session made anew
         return real(dir_fd, seq, marker)
@@ -1072,14 +1082,14 @@ def test_a_batch_whose_directory_a_session_made_anew_merges_before_its_check_is_
 
 
 @pytest.mark.parametrize("kind", [pytest.param("sshfs", id="sshfs")])
-def test_a_batch_whose_part_a_delete_moved_by_mistake_says_it_may_be_committed_where_it_cannot_be_kept_out_of_the_merge(
+def test_a_batch_whose_part_a_delete_moved_by_mistake_says_it_may_be_committed_where_that_cannot_be_merged_at_once(
     request: pytest.FixtureRequest, kind: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     """The case above, with the session's lock busy (another host's merge, or a writer)
-    when host 1 goes to take its part out of the directory to be merged, past its lock
-    timeout: the part stays there. Said as LOCK_TIMEOUT alone, "nothing committed", a
-    retry would store the batch twice once merged (review 114's note). The append now
-    says its batch may be committed, and the merge (gc's here) commits it once."""
+    when host 1 goes to merge the directory its part went with, past its lock timeout:
+    the part stays there. Said as LOCK_TIMEOUT alone, "nothing committed", a retry
+    would store the batch twice once merged (review 114's note). The append says its
+    batch may be committed, and the merge (gc's here) commits it once."""
     from fsstore import _commit, _merge
 
     pair = pair_of(request, kind)
@@ -1090,7 +1100,7 @@ def test_a_batch_whose_part_a_delete_moved_by_mistake_says_it_may_be_committed_w
     FsSessionStore(str(tmp_path / "h3"), create=True).sync.append(key, batch("h2", 0, 1))
     assert pair.export is not None
     on_server = pair.export / tdir(r1 / "store", key).parent.relative_to(pair.m1)
-    real_check, real_withdraw, staged = _commit.check, _merge.withdraw, []
+    real_check, real_merge, staged = _commit.check, _merge.merge_moved, []
     holding = threading.Event()
 
     def hold() -> None:  # host 2's hold of the session's lock, 4 s
@@ -1104,14 +1114,14 @@ def test_a_batch_whose_part_a_delete_moved_by_mistake_says_it_may_be_committed_w
             shutil.copytree(tdir(tmp_path / "h3", key).parent, on_server)
         return real_check(dir_fd, seq, marker)
 
-    def withdraw(*args: Any) -> bool:
+    def merge_moved(*args: Any) -> list[str]:
         staged.append(threading.Thread(target=hold))
         staged[-1].start()
         assert holding.wait(20)
-        return real_withdraw(*args)
+        return real_merge(*args)
 
     monkeypatch.setattr(_commit, "check", check)
-    monkeypatch.setattr(_merge, "withdraw", withdraw)
+    monkeypatch.setattr(_merge, "merge_moved", merge_moved)
     try:
         with pytest.raises(FsStoreError) as caught:
             FsSessionStore(root1, lock_timeout_seconds=1).sync.append(key, batch("h1", 1, 1))
