@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 from . import _commit, _delete, _fsio, _keys, _layout, _trash, _views
 from ._errors import FsStoreError, log
 from ._layout import Component
-from ._transcript import Deleted, Vanished, snapshot, whole
+from ._transcript import Deleted, Vanished, nonced, snapshot, whole
 
 if TYPE_CHECKING:
     from ._store import SyncStore
@@ -168,11 +168,11 @@ def _merge_transcript(
                 claim = _claimed(store, trash, orphan, names, mark)
                 if claim is not None:
                     return {"gone": "done", "claimed": "claimed", "alone": None}[claim]  # alone: skipped
-                there = _fsio.listdir(tfd)
-                if merged_name(last) in there or name not in there:
+                data = seen.data[name]
+                if merged_name(last) in _fsio.listdir(tfd) or _taken_back(tfd, name):
                     continue  # appended by a merge of it that died; or taken back by its writer
-                if _commit.holds(_commit.chain_at_the_name(store, rfd, store._appending_to(key, "append")),
-                                 seen.data[name]):
+                if nonced(data) and _commit.holds(
+                        _commit.chain_at_the_name(store, rfd, store._appending_to(key, "append")), data):
                     # Appended already by another merger whose lock this one took over before
                     # its mark (a stall): its bytes are there (review 115: twice).
                     os.close(os.open(merged_name(last), os.O_WRONLY | os.O_CREAT, 0o600, dir_fd=tfd))
@@ -192,7 +192,7 @@ def _merge_transcript(
                     # Its bytes as they were written (each batch's nonce with it): a writer whose
                     # part went with the orphan finds its batch committed by them (review 115:
                     # encoded anew, it was not recognised, and committed again: twice).
-                    store._append(key, entries, into=into, payload=seen.data[name])
+                    store._append(key, entries, into=into, payload=data)
                 except _commit.Gone:  # why: looked at again
                     claim = _claimed(store, trash, orphan, names, mark)
                     return {"gone": "done", "claimed": "claimed", "alone": None, None: "gone"}[claim]
@@ -205,6 +205,18 @@ def _merge_transcript(
         return None
     finally:
         os.close(tfd)
+
+def _taken_back(tfd: int, name: str) -> bool:
+    """Whether the file ``name`` read from the orphan is gone from it since: its writer
+    took the part back (a GlusterFS handle reaches the moved directory) and commits the
+    batch anew. Asked of the server by name (a cached listing could miss a file there:
+    merged past and removed with the orphan, it would be lost)."""
+    try:
+        os.stat(name, dir_fd=tfd, follow_symlinks=False)
+    except FileNotFoundError:
+        return True
+    return False
+
 
 def _in_trash(store: SyncStore, orphan: str) -> bool:
     """Whether ``orphan`` is still in .trash, by a listing made afresh (True where that

@@ -44,7 +44,17 @@ from ._cleanup import Action, not_looked_at
 from ._commit import link_and_check
 from ._errors import FsStoreError, posix_code
 from ._store import SyncStore
-from ._transcript import UNLOCKED_READS, Item, Snapshot, misplaced, plan, scan, snapshot, top
+from ._transcript import (
+    UNLOCKED_READS,
+    Item,
+    Snapshot,
+    misplaced,
+    nonced,
+    plan,
+    scan,
+    snapshot,
+    top,
+)
 from ._walk import Progress, TranscriptRef, Walker, tick, walking
 
 
@@ -306,7 +316,7 @@ def _batches(data: bytes) -> list[bytes]:
     begin = end = 0
     for line in data.split(b"\n")[:-1]:  # each ended with a newline (what follows: torn)
         end += len(line) + 1
-        if not line or _nonced(line):
+        if not line or nonced(line):
             out.append(data[begin:end])
             begin = end
     return out if begin == len(data) else []
@@ -337,9 +347,9 @@ def _recommit(fs: _fsio.Fs, fd: int, path: str, dry_run: bool, older_than: float
     # (Bytes too, with an inode: a number freed and reused meanwhile is another file.)
     copies: dict[object, list[str]] = {}
     for name, data, _age, ino in misplaced:  # oldest first
-        copies.setdefault(data if _nonced(data) else (ino, data), []).append(name)
+        copies.setdefault(data if nonced(data) else (ino, data), []).append(name)
     for name, data, age, ino in misplaced:
-        names = copies.pop(data if _nonced(data) else (ino, data), None)
+        names = copies.pop(data if nonced(data) else (ino, data), None)
         where = f"{path}/{name}"
         if names is None:
             continue  # a copy of a batch handled with its first
@@ -354,7 +364,7 @@ def _recommit(fs: _fsio.Fs, fd: int, path: str, dry_run: bool, older_than: float
             continue
         same = chain_inodes.get(ino)
         held = same if same is not None and seen.data.get(same) == data else next(
-            (n for _f, _l, n in seen.chain if _nonced(data) and data in seen.data.get(n, b"")), None)
+            (n for _f, _l, n in seen.chain if nonced(data) and data in seen.data.get(n, b"")), None)
         if held is not None:
             left = "" if dry_run else _remove_copies(fd, names)
             actions.append(Action("remove", where, f"a copy of a batch committed in {held}: "
@@ -403,12 +413,6 @@ def _inodes(fd: int, names: list[str]) -> dict[int, str]:
         except OSError:
             continue  # gone meanwhile: merged into a segment, which holds the bytes
     return found
-
-
-def _nonced(batch: bytes) -> bool:
-    """Whether ``batch`` ends with a nonce (written since stop 23): its bytes are then
-    this batch's only."""
-    return batch.rstrip(b"\n")[-1:] in (b" ", b"\t")
 
 
 def _settled(fd: int, path: str) -> Snapshot | None:

@@ -97,6 +97,12 @@ def nonce() -> str:
     return format(bits, f"0{_NONCE_BITS}b").translate(_AS_WHITESPACE)
 
 
+def nonced(batch: bytes) -> bool:
+    """Whether ``batch`` ends with a nonce (written since stop 23): its bytes are then
+    this batch's only."""
+    return batch.rstrip(b"\n")[-1:] in (b" ", b"\t")
+
+
 # -- the state file: the Claude summary, written by compaction -------------------
 
 

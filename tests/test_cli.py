@@ -1614,6 +1614,21 @@ def test_two_mergers_of_one_orphan_whose_locks_overlap_append_each_batch_once(
     assert SyncStore(root).load(KEY) == [entry(2), *(b[0] for b in batches)] and _orphans(root) == []
 
 
+def test_a_merge_appends_a_batch_without_a_nonce_whose_equal_the_session_holds(root: Path) -> None:
+    """A merge leaves out a file whose bytes the session made since holds already (the
+    test above), but only where those bytes carry a nonce: a batch written before nonces
+    (format 1, a migrated store) that equals another one is another batch, and is
+    appended."""
+    old = {"type": "user", "n": 0}
+    orphan = orphan_of(root, [[old]], made_since=[old], compact_every=0)
+    line = (json.dumps(old, separators=(",", ":")) + "\n").encode()
+    for part in [root / _layout.TRASH / orphan / "main" / _layout.part_name(1), tdir(root, KEY) / _layout.part_name(1)]:
+        part.write_bytes(line)  # as format 1 wrote them: no nonce
+    gc = fsstore("gc", root, "--older-than", "0s")
+    assert gc.returncode == 0 and "merged" in gc.stdout, gc.stdout + gc.stderr
+    assert SyncStore(root).load(KEY) == [old, old] and _orphans(root) == []
+
+
 def test_a_merge_another_process_interrupts_is_tried_again(root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Review 115 (real processes on cached sshfs, 3 of 5 runs): a deleter's merge read
     the moved directory while another process changed it (a part its writer took back,
