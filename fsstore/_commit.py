@@ -198,14 +198,14 @@ def _moved_back_with_it(store: SyncStore, t: Appending, payload: bytes) -> bool:
                 _views.refresh_listing(trash)
                 os.close(trash)
             _delete.restore(store, rfd, t.comps)
-            seen = chain_at_the_name(store, rfd, t)
+            seen = _chain_at_the_name(store, rfd, t)
             if seen is None:
                 return False  # not there, being deleted, or changing: the next start-over looks
-            if not holds(seen, payload):
+            if not _in_chain(seen, payload):
                 t.last_name = None
                 ended = _merge.merge_moved(store, t.comps)
-                seen = chain_at_the_name(store, rfd, t)
-                if not holds(seen, payload):
+                seen = _chain_at_the_name(store, rfd, t)
+                if not _in_chain(seen, payload):
                     if {"busy", "failed"} & set(ended):
                         busy = "busy" in ended
                         raise FsStoreError("LOCK_TIMEOUT" if busy else "EAGAIN",
@@ -223,7 +223,7 @@ def _moved_back_with_it(store: SyncStore, t: Appending, payload: bytes) -> bool:
         return False
 
 
-def chain_at_the_name(store: SyncStore, rfd: int, t: Appending) -> _transcript.Snapshot | None:
+def _chain_at_the_name(store: SyncStore, rfd: int, t: Appending) -> _transcript.Snapshot | None:
     """The transcript at ``t``'s name read as a load reads it (listed afresh); None where
     nothing is there, it is being deleted, or it kept changing."""
     dfd = store._open(rfd, t.comps, "append", path_only=True)  # no handle to keep open
@@ -240,7 +240,7 @@ def chain_at_the_name(store: SyncStore, rfd: int, t: Appending) -> _transcript.S
     return seen if seen.race is None and seen.deleted is None else None
 
 
-def holds(seen: _transcript.Snapshot | None, payload: bytes) -> bool:
+def _in_chain(seen: _transcript.Snapshot | None, payload: bytes) -> bool:
     """Whether a file of ``seen``'s chain holds the batch ``payload`` (its bytes are its
     own: its nonce)."""
     return seen is not None and any(payload in seen.data.get(name, b"") for _f, _l, name in seen.chain)
@@ -357,7 +357,10 @@ def at_its_name_or_taken_back(store: SyncStore, t: Appending, dfd: int, seq: int
         return
     if seq is not None and ours:
         _fsio.unlink_quiet(dfd, _layout.part_name(seq))
-    raise Deleted(t.path, left=not ours)
+    # Taken back or out of reach, the part may have been copied before: a merge of the
+    # moved directory appends its bytes as written (review 116: where a handle follows
+    # the move, the part was taken back after that copy, and the batch came twice).
+    raise Deleted(t.path, left=True)
 
 
 def _tick(dfd: int, since_ns: int, held: Held) -> None:
@@ -428,9 +431,13 @@ def link_and_check(
             name = _layout.part_name(seq)
             try:
                 linked = _fsio.link_noreplace(fs, dir_fd, src, name)
-            except FileNotFoundError:  # our names went: a repair may have committed it
-                if not (relinked or kept or src != tmp) or (found := _found(dir_fd, payload)) is None:
+            except FileNotFoundError as exc:  # our names went: a repair may have committed it
+                if not (relinked or kept or src != tmp):
                     raise
+                if (found := _found(dir_fd, payload)) is None:
+                    # The directory went after our part was linked in it: a merge of it (a
+                    # delete moved it by mistake) may have copied the part (review 116).
+                    raise PartLeft(errno.ENOENT, "the directory went away after the link", name) from exc
                 return found
             if linked is None and forgotten < _FORGET_RETRIES and _views.forgot_stale_name(dir_fd, name):
                 forgotten += 1

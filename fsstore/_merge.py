@@ -10,10 +10,10 @@ import os
 import time
 from typing import TYPE_CHECKING, Any
 
-from . import _commit, _delete, _fsio, _keys, _layout, _trash, _views
+from . import _commit, _delete, _fsio, _keys, _layout, _read, _trash, _views
 from ._errors import FsStoreError, log
 from ._layout import Component
-from ._transcript import Deleted, Vanished, nonced, snapshot, whole
+from ._transcript import Deleted, Vanished, nonced, plan, scan_items, snapshot, whole
 
 if TYPE_CHECKING:
     from ._store import SyncStore
@@ -142,6 +142,7 @@ def _merge_transcript(
             log.warning("part %s of what a delete moved by mistake is missing (taken back by "
                         "its writer, or lost); merging the rest", seen.gap, extra={
                             "code": "GAP", "operation": "delete", "path": path})
+        read: dict[str, bytes] = {}  # the target's files read so far (a name's bytes never change)
         for (_first, last, name), (_last, entries) in zip(seen.chain, seen.batches):
             # The look and the append under the locks a delete of the session (or of this
             # transcript) takes: one that runs between two batches claims the orphan (its
@@ -171,8 +172,7 @@ def _merge_transcript(
                 data = seen.data[name]
                 if merged_name(last) in _fsio.listdir(tfd) or _taken_back(tfd, name):
                     continue  # appended by a merge of it that died; or taken back by its writer
-                if nonced(data) and _commit.holds(
-                        _commit.chain_at_the_name(store, rfd, store._appending_to(key, "append")), data):
+                if nonced(data) and _there_already(store, rfd, key, data, read):
                     # Appended already by another merger whose lock this one took over before
                     # its mark (a stall): its bytes are there (review 115: twice).
                     os.close(os.open(merged_name(last), os.O_WRONLY | os.O_CREAT, 0o600, dir_fd=tfd))
@@ -205,6 +205,30 @@ def _merge_transcript(
         return None
     finally:
         os.close(tfd)
+
+def _there_already(store: SyncStore, rfd: int, key: dict[str, Any], data: bytes, read: dict[str, bytes]) -> bool:
+    """Whether a file of the transcript ``key`` at its name holds ``data`` (a batch's
+    bytes with its nonce: its own): appended by another merger whose lock this one took
+    over before its mark. Listed once (under the locks, which keep compactions out), each
+    file read once per merge (``read``); a file that cannot be read counts as not
+    holding it (appended again, never lost)."""
+    dfd = store._open(rfd, _layout.transcript_dirs(_keys.parse_key(key, "delete")), "delete", path_only=True)
+    if dfd is None:
+        return False
+    try:
+        _views.refresh_listing(dfd)
+        for _first, _last, name in plan(scan_items(dfd))[0]:
+            if name not in read:
+                try:
+                    read[name] = _read.read_file(dfd, name)
+                except OSError:
+                    continue
+            if data in read[name]:
+                return True
+        return False
+    finally:
+        os.close(dfd)
+
 
 def _taken_back(tfd: int, name: str) -> bool:
     """Whether the file ``name`` read from the orphan is gone from it since: its writer

@@ -176,8 +176,9 @@ Item = tuple[int, int, str]
 class Deleted(Exception):
     """The transcript is marked ``.deleted`` (``session``: its session's main
     transcript is, which deletes the whole session): a delete is under way. Or (``left``)
-    its directory is no longer at its name, and the part an append linked there could
-    not be reached to be taken back."""
+    its directory is no longer at its name, and the part an append linked there was
+    taken back, or could not be reached to be: a merge may have copied it meanwhile
+    (:func:`fsstore._commit._moved_back_with_it` looks)."""
 
     def __init__(self, what: str, *, session: bool = False, left: bool = False) -> None:
         super().__init__(what)

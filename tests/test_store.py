@@ -44,6 +44,7 @@ from ._helpers import (
     fsstore,
     lock_file,
     moved_by_a_dead_deleter,
+    overtake_locks,
     parts_of,
     tdir,
     with_a_part_that_keeps_vanishing,
@@ -1625,6 +1626,44 @@ def test_a_transcript_made_anew_after_a_delete_moved_one_by_mistake_holds_its_ba
     assert moved and not moved[0].exists()
     assert SyncStore(root).load(key) == [entry(2), entry(1)]
     assert fsstore("check", root).returncode == 0
+
+
+@pytest.mark.parametrize("removed", [False, True], ids=["taken back", "removed with the merged directory"])
+def test_a_batch_a_merge_copied_before_its_writer_took_it_back_is_there_once(
+    root: Path, monkeypatch: pytest.MonkeyPatch, removed: bool
+) -> None:
+    """Review 116 (real processes: GlusterFS 2 of 2, local disk 4 of 4): a writer linked
+    its part; before its check, a delete whose lock was overtaken moved the directory
+    (made anew after its mark) into .trash by mistake, and another writer, whose look in
+    .trash came first, made the session anew and merged that directory into it at once,
+    the part with it (its bytes as written). The check, through a handle that follows
+    the moved directory, took the part back and started over: the batch twice. A writer
+    that took its part back now looks for its bytes at the name first. ``removed``: the
+    merger removed the merged directory, the part with it, before the check (a link
+    again there fails: the same look)."""
+    old, mine = {"type": "user", "n": 0}, {"type": "user", "n": 1}
+    writer, maker = SyncStore(root, create=True), SyncStore(root)
+    writer.append(KEY, [old])
+    overtake_locks(monkeypatch, maker)
+    real, staged = _commit.check, []
+
+    def check(dir_fd: int, seq: int, marker: str | None) -> Any:
+        if not staged:
+            staged.append(moved_by_a_dead_deleter(root, KEY))
+            with monkeypatch.context() as m:
+                m.setattr(_delete, "restore", lambda *args: False)  # its look came first
+                if not removed:
+                    m.setattr(_fsio, "remove_tree", lambda *args: None)  # (not yet)
+                maker.append(KEY, [entry(2)])  # and merges what was moved, our part with it
+        return real(dir_fd, seq, marker)
+
+    monkeypatch.setattr(_commit, "check", check)
+    SyncStore(root).append(KEY, [mine])  # a writer with no memory of it: nothing vouches
+    monkeypatch.undo()
+    assert staged and not staged[0].exists()
+    assert SyncStore(root).load(KEY) == [entry(2), old, mine]
+    assert fsstore("gc", root, "--older-than", "0s").returncode == 0  # (what the merger left)
+    assert SyncStore(root).load(KEY) == [entry(2), old, mine]
 
 
 def test_a_first_batch_whose_look_in_trash_fails_after_its_commit_is_acknowledged(
