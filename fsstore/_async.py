@@ -111,7 +111,7 @@ class FsSessionStore:
                 message says the batch may be committed (``EAGAIN`` after others'
                 compactions or repairs, ``EIO`` where a part it linked could not be
                 removed, ``LOCK_TIMEOUT`` where its part went with a directory a
-                delete moved by mistake and could not be kept out of its merge): a
+                delete moved by mistake that could not be merged at once): a
                 retry may then store it twice (entries with a ``uuid`` still load
                 once).
         """
