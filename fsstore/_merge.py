@@ -142,7 +142,8 @@ def _merge_transcript(
             log.warning("part %s of what a delete moved by mistake is missing (taken back by "
                         "its writer, or lost); merging the rest", seen.gap, extra={
                             "code": "GAP", "operation": "delete", "path": path})
-        read: dict[str, bytes] = {}  # the target's files read so far (a name's bytes never change)
+        read: dict[str, bytes] = {}  # the target's files read so far, in the session seen (read_in)
+        read_in: int | None = None
         for (_first, last, name), (_last, entries) in zip(seen.chain, seen.batches):
             # The look and the append under the locks a delete of the session (or of this
             # transcript) takes: one that runs between two batches claims the orphan (its
@@ -158,6 +159,8 @@ def _merge_transcript(
                 session = _views.looked_up_ino(rfd, itself[2])
                 if session is None:
                     return "gone"
+                if session != read_in:  # (a name's bytes never change while its session stays)
+                    read, read_in = {}, session
                 if _views.looked_up_ino(rfd, itself[1]) == itself[0]:
                     return "back"
                 # Through listings made afresh, not lookups: a client's caches (GlusterFS
