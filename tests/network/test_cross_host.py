@@ -984,6 +984,30 @@ def test_a_batch_whose_directory_is_deleted_and_made_anew_before_its_check_is_co
             ("h1", 0, 0), ("h2", 0, 0)]
 
 
+def _a_session_and_the_next(pair: Pair, name: str, tmp_path: Path) -> tuple[Path, Path, dict[str, Any], Path]:
+    """A store on both hosts (``pair.fresh(name)``) holding host 1's batch 0 of a session,
+    and a session of the same key made elsewhere with host 2's batch 0 (in ``tmp_path``):
+    the hosts' directories, the key, and where on the server the session made anew goes."""
+    r1, r2 = pair.fresh(name)
+    key = {"project_key": "-net", "session_id": name}
+    FsSessionStore(str(r1 / "store"), create=True).sync.append(key, batch("h1", 0, 1))
+    FsSessionStore(str(tmp_path / "h3"), create=True).sync.append(key, batch("h2", 0, 1))
+    assert pair.export is not None
+    return r1, r2, key, pair.export / tdir(r1 / "store", key).parent.relative_to(pair.m1)
+
+
+def _merged_by_gc_then_once(pair: Pair, root1: str, root2: str, key: dict[str, Any], moved: Path) -> None:
+    """``fsstore gc`` on host 2 merges what is left of ``moved`` (in .trash); then both
+    hosts load host 1's batches 0 and 1 and host 2's 0, each once."""
+    gc = subprocess.run([sys.executable, "-m", "fsstore", "gc", root2, "--older-than", "0s"],
+                        check=False, capture_output=True, text=True, timeout=60)
+    assert gc.returncode == 0 and not moved.exists(), gc.stdout + gc.stderr
+    time.sleep(pair.cache_window + 0.5)
+    for root in (root1, root2):
+        assert sorted(ids(FsSessionStore(root).sync.load(key) or [])) == [
+            ("h1", 0, 0), ("h1", 1, 0), ("h2", 0, 0)]
+
+
 @pytest.mark.parametrize("compacted", [False, True], ids=["its part", "its part compacted"])
 @pytest.mark.parametrize("kind", [pytest.param("sshfs", id="sshfs")])
 def test_a_batch_whose_directory_is_moved_by_mistake_while_a_session_is_made_at_its_name_is_there_once(
@@ -1006,13 +1030,8 @@ def test_a_batch_whose_directory_is_moved_by_mistake_while_a_session_is_made_at_
     from fsstore import _commit
 
     pair = pair_of(request, kind)
-    r1, r2 = pair.fresh("withdrawn")
+    r1, r2, key, on_server = _a_session_and_the_next(pair, "withdrawn", tmp_path)
     root1, root2 = str(r1 / "store"), str(r2 / "store")
-    key = {"project_key": "-net", "session_id": "merged"}
-    FsSessionStore(root1, create=True).sync.append(key, batch("h1", 0, 1))
-    FsSessionStore(str(tmp_path / "h3"), create=True).sync.append(key, batch("h2", 0, 1))
-    assert pair.export is not None
-    on_server = pair.export / tdir(r1 / "store", key).parent.relative_to(pair.m1)
     real, staged = _commit.check, []
 
     host2 = FsSessionStore(root2).sync
@@ -1030,13 +1049,7 @@ def test_a_batch_whose_directory_is_moved_by_mistake_while_a_session_is_made_at_
     FsSessionStore(root1).sync.append(key, batch("h1", 1, 1))
     monkeypatch.undo()
     assert staged
-    gc = subprocess.run([sys.executable, "-m", "fsstore", "gc", root2, "--older-than", "0s"],
-                        check=False, capture_output=True, text=True, timeout=60)
-    assert gc.returncode == 0 and not staged[0].exists(), gc.stdout + gc.stderr
-    time.sleep(pair.cache_window + 0.5)
-    for root in (root1, root2):
-        assert sorted(ids(FsSessionStore(root).sync.load(key) or [])) == [
-            ("h1", 0, 0), ("h1", 1, 0), ("h2", 0, 0)]
+    _merged_by_gc_then_once(pair, root1, root2, key, staged[0])
 
 
 @pytest.mark.parametrize("kind", [pytest.param("sshfs", id="sshfs")])
@@ -1093,13 +1106,8 @@ def test_a_batch_whose_part_a_delete_moved_by_mistake_says_it_may_be_committed_w
     from fsstore import _commit, _merge
 
     pair = pair_of(request, kind)
-    r1, r2 = pair.fresh("withdraw-busy")
+    r1, r2, key, on_server = _a_session_and_the_next(pair, "withdraw-busy", tmp_path)
     root1, root2 = str(r1 / "store"), str(r2 / "store")
-    key = {"project_key": "-net", "session_id": "busy"}
-    FsSessionStore(root1, create=True).sync.append(key, batch("h1", 0, 1))
-    FsSessionStore(str(tmp_path / "h3"), create=True).sync.append(key, batch("h2", 0, 1))
-    assert pair.export is not None
-    on_server = pair.export / tdir(r1 / "store", key).parent.relative_to(pair.m1)
     real_check, real_merge, staged = _commit.check, _merge.merge_moved, []
     holding = threading.Event()
 
@@ -1130,13 +1138,7 @@ def test_a_batch_whose_part_a_delete_moved_by_mistake_says_it_may_be_committed_w
         for thread in staged[1:]:
             thread.join(30)
     assert len(staged) == 2 and "may be committed" in str(caught.value), caught.value
-    gc = subprocess.run([sys.executable, "-m", "fsstore", "gc", root2, "--older-than", "0s"],
-                        check=False, capture_output=True, text=True, timeout=60)
-    assert gc.returncode == 0 and not staged[0].exists(), gc.stdout + gc.stderr
-    time.sleep(pair.cache_window + 0.5)
-    for root in (root1, root2):
-        assert sorted(ids(FsSessionStore(root).sync.load(key) or [])) == [
-            ("h1", 0, 0), ("h1", 1, 0), ("h2", 0, 0)]
+    _merged_by_gc_then_once(pair, root1, root2, key, staged[0])
 
 
 @pytest.mark.parametrize("kind", [pytest.param("sshfs", id="sshfs")])
