@@ -1629,6 +1629,30 @@ def test_a_merge_appends_a_batch_without_a_nonce_whose_equal_the_session_holds(r
     assert SyncStore(root).load(KEY) == [old, old] and _orphans(root) == []
 
 
+def test_a_merge_never_appends_a_part_its_writer_took_back_after_the_merge_read_it(
+    root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Review 116: a writer whose handle follows the moved directory (GlusterFS, local
+    disk) takes its part back and commits the batch anew; a merge that read the part
+    before must not append it too (twice). Staged: the take-back right after the
+    merge's read."""
+    batches = [[{"type": "user", "n": n}] for n in range(3)]
+    orphan = orphan_of(root, batches, compact_every=0)
+    real, taken = _merge.whole, []
+
+    def whole(seen: Any) -> Any:
+        got = real(seen)
+        if not taken:
+            taken.append(root / _layout.TRASH / orphan / "main" / _layout.part_name(3))
+            taken[0].unlink()
+        return got
+
+    monkeypatch.setattr(_merge, "whole", whole)
+    comps = _layout.transcript_dirs(parse_key(KEY, "test"))[:4]
+    assert _merge.merge_back(SyncStore(root), orphan, comps, _layout.MAIN, "-") == "merged" and taken
+    assert SyncStore(root).load(KEY) == [entry(2), batches[0][0], batches[1][0]] and _orphans(root) == []
+
+
 def test_a_merge_another_process_interrupts_is_tried_again(root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Review 115 (real processes on cached sshfs, 3 of 5 runs): a deleter's merge read
     the moved directory while another process changed it (a part its writer took back,

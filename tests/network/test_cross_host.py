@@ -1094,19 +1094,21 @@ def test_a_batch_whose_directory_a_session_made_anew_merges_before_its_check_is_
         assert ids(FsSessionStore(root).sync.load(key) or []) == [("h2", 0, 0), ("h1", 0, 0), ("h1", 1, 0)]
 
 
+@pytest.mark.parametrize("why", ["busy", "failed"])
 @pytest.mark.parametrize("kind", [pytest.param("sshfs", id="sshfs")])
 def test_a_batch_whose_part_a_delete_moved_by_mistake_says_it_may_be_committed_where_that_cannot_be_merged_at_once(
-    request: pytest.FixtureRequest, kind: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+    request: pytest.FixtureRequest, kind: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path, why: str
 ) -> None:
-    """The case above, with the session's lock busy (another host's merge, or a writer)
-    when host 1 goes to merge the directory its part went with, past its lock timeout:
-    the part stays there. Said as LOCK_TIMEOUT alone, "nothing committed", a retry
-    would store the batch twice once merged (review 114's note). The append says its
-    batch may be committed, and the merge (gc's here) commits it once."""
+    """The case above, where host 1 cannot merge the directory its part went with at
+    once: its session's lock busy past its lock timeout (another host's merge, or a
+    writer), or the merge failing (here a damaged file in it): the part stays there.
+    Said as LOCK_TIMEOUT (or the error) alone, "nothing committed", a retry would store
+    the batch twice once merged (review 114's note). The append says its batch may be
+    committed (LOCK_TIMEOUT, EAGAIN); a busy one is merged by gc, once."""
     from fsstore import _commit, _merge
 
     pair = pair_of(request, kind)
-    r1, r2, key, on_server = _a_session_and_the_next(pair, "withdraw-busy", tmp_path)
+    r1, r2, key, on_server = _a_session_and_the_next(pair, f"merge-{why}", tmp_path)
     root1, root2 = str(r1 / "store"), str(r2 / "store")
     real_check, real_merge, staged = _commit.check, _merge.merge_moved, []
     holding = threading.Event()
@@ -1123,6 +1125,9 @@ def test_a_batch_whose_part_a_delete_moved_by_mistake_says_it_may_be_committed_w
         return real_check(dir_fd, seq, marker)
 
     def merge_moved(*args: Any) -> list[str]:
+        if why == "failed":
+            (staged[0] / "main" / "00000000000000000001.jsonl").write_bytes(b"{garbled\n")
+            return real_merge(*args)
         staged.append(threading.Thread(target=hold))
         staged[-1].start()
         assert holding.wait(20)
@@ -1137,8 +1142,12 @@ def test_a_batch_whose_part_a_delete_moved_by_mistake_says_it_may_be_committed_w
         monkeypatch.undo()
         for thread in staged[1:]:
             thread.join(30)
-    assert len(staged) == 2 and "may be committed" in str(caught.value), caught.value
-    _merged_by_gc_then_once(pair, root1, root2, key, staged[0])
+    assert "may be committed" in str(caught.value), caught.value
+    assert caught.value.code == {"busy": "LOCK_TIMEOUT", "failed": "EAGAIN"}[why], caught.value
+    if why == "busy":
+        _merged_by_gc_then_once(pair, root1, root2, key, staged[0])
+    else:  # left for the operator (DELETE_RACED, error), host 1's part in it
+        assert (staged[0] / "main" / "00000000000000000002.jsonl").exists()
 
 
 @pytest.mark.parametrize("kind", [pytest.param("sshfs", id="sshfs")])
