@@ -1,7 +1,8 @@
 """Listing a project's sessions or a session's subagent transcripts: the children of
 one directory that are keys' names, and the mtime of each one's transcript directory
 (the time of its last commit). Used by ``list_sessions``, ``list_subkeys`` and
-``list_session_summaries`` (:func:`children`)."""
+``list_session_summaries`` (:func:`children`); the latter's summaries
+(:func:`summaries`)."""
 
 from __future__ import annotations
 
@@ -9,12 +10,23 @@ import contextlib
 import errno
 import os
 import stat
+import time
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
-from . import _delete, _fsio, _keys, _layout
-from ._errors import FsStoreError, log, posix_code
+from . import _compact, _delete, _fsio, _keys, _layout, _read, _summaries, _views
+from ._errors import FsStoreError, log, posix_code, translating
 from ._layout import Component
+from ._transcript import (
+    READ_ATTEMPTS,
+    UNLOCKED_READS,
+    State,
+    parse,
+    read_state,
+    settled_mtime,
+    snapshot,
+    summary_stamp,
+)
 
 if TYPE_CHECKING:
     from ._store import SyncStore
@@ -198,3 +210,85 @@ def children(store: SyncStore, comps: list[Component], op: str
             yield pfd, children, moved_back
         finally:
             os.close(pfd)
+
+
+# How long one listing of summaries waits, in all, for the clock to pass the mtimes of
+# sessions changed just before (settled_mtime; a second where mtimes are whole seconds).
+_SETTLE_SECONDS = 1.5
+
+
+def summaries(store: SyncStore, project_key: str) -> list[dict[str, Any]]:
+    """:meth:`SyncStore.list_session_summaries`."""
+    op = "list_session_summaries"
+    _keys.check_part(project_key, "project_key", op)
+    comps = _layout.project_dirs(project_key)
+    out: list[dict[str, Any]] = []
+    fold = store._fold  # the SDK's first import, if it comes now: never under a lock
+    deadline = time.monotonic() + _SETTLE_SECONDS  # the whole listing's (see settled_mtime)
+    with translating(op, store._path(comps)), children(store, comps, op) as (pfd, sessions, moved_back):
+
+        def open_main(name: str) -> int | None:  # as list_sessions probes a session
+            sfd = os.open(name, _fsio.PATH_FLAGS, dir_fd=pfd)
+            try:
+                return os.open(_layout.MAIN, _fsio.DIR_FLAGS, dir_fd=sfd)
+            except FileNotFoundError:
+                return None  # subagent transcripts only
+            finally:
+                os.close(sfd)
+
+        for name, session_id in sessions:
+            mfd = probe(open_main, name, op, f"{store._path(comps)}/{name}", moved_back)
+            if mfd is None:
+                continue
+            try:
+                path = f"{store._path(comps)}/{name}/{_layout.MAIN}"
+                key = {"project_key": project_key, "session_id": session_id}
+                summary, stamp = _fresh_summary(store, mfd, path, key, fold, deadline)
+            finally:
+                os.close(mfd)
+            if summary is not None:
+                out.append({**summary, "session_id": session_id, "mtime": stamp})
+    return out
+
+def _fresh_summary(store: SyncStore, mfd: int, path: str, key: dict[str, str], fold: _summaries.Fold | None,
+                   deadline: float) -> tuple[dict[str, Any] | None, int]:
+    """The summary of every part committed before its mtime (the stat comes first,
+    :func:`settled_mtime`), and its stamp (ms, :func:`summary_stamp`): the sidecar a
+    compaction left plus the parts after it, of a chain listed and read as a load
+    does it (:func:`snapshot`; its retries, and its lock); None if it cannot be had
+    now (the SDK then rebuilds it through load())."""
+    problem = f"no whole listing in {READ_ATTEMPTS} reads (compactions racing)"
+    with contextlib.ExitStack() as guard:
+        for attempt in range(READ_ATTEMPTS):
+            if attempt and not _views.refresh_listing(mfd):  # as a load: a client may list
+                return None, 0  # from a cache (sshfs); gone on the server: deleted
+            if attempt == UNLOCKED_READS and not store._hold_for_reading(
+                    guard, _layout.transcript_dirs(_keys.parse_key(key, "list_session_summaries"))):
+                break
+            try:
+                stamp = summary_stamp(*settled_mtime(mfd, deadline))
+                state = read_state(mfd) or State()
+                seen = snapshot(mfd, path, "list_session_summaries", read=False)
+                chain = seen.chain
+                if seen.deleted is not None or not chain:
+                    return None, 0
+                if seen.race is not None:
+                    continue  # a listing torn by a compaction
+                if seen.gap is not None:  # in the transcript: the listings agree
+                    problem = f"part {seen.gap} is missing (see fsstore check)"
+                    break
+                if state.summary is not None and state.folded == chain[-1][1]:
+                    return state.summary, stamp
+                if fold is None:
+                    return None, 0
+                return _compact.fold_chain((fold, key), state, chain, lambda name: parse(
+                    _read.read_file(mfd, name), f"{path}/{name}", "summary"))[0], stamp
+            except OSError as exc:  # a compaction removed a part after the listing, or
+                if exc.errno not in (errno.ENOENT, errno.ESTALE):  # another host replaced
+                    raise  # state.json (ESTALE: GlusterFS, NFS)
+            except FsStoreError as exc:
+                problem = str(exc)
+                break
+    log.warning("summary left out: %s", problem, extra={
+        "code": "SUMMARY_BEHIND", "operation": "list_session_summaries", "path": path})
+    return None, 0

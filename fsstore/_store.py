@@ -43,15 +43,9 @@ from ._transcript import (
     READ_ATTEMPTS,
     UNLOCKED_READS,
     Deleted,
-    State,
     Vanished,
     dedupe,
-    parse,
     read_snapshot,
-    read_state,
-    settled_mtime,
-    snapshot,
-    summary_stamp,
     warn_gap,
 )
 
@@ -479,79 +473,7 @@ class SyncStore:
     def list_session_summaries(self, project_key: str) -> list[dict[str, Any]]:
         """The Claude SDK's summaries of the project's sessions, each current as of its
         ``mtime``; a session whose summary cannot be had now is left out."""
-        op = "list_session_summaries"
-        _keys.check_part(project_key, "project_key", op)
-        comps = _layout.project_dirs(project_key)
-        out: list[dict[str, Any]] = []
-        fold = self._fold  # the SDK's first import, if it comes now: never under a lock
-        deadline = time.monotonic() + _SETTLE_SECONDS  # the whole listing's (see settled_mtime)
-        with translating(op, self._path(comps)), _listing.children(self, comps, op) as (pfd, children, moved_back):
-
-            def open_main(name: str) -> int | None:  # as list_sessions probes a session
-                sfd = os.open(name, _fsio.PATH_FLAGS, dir_fd=pfd)
-                try:
-                    return os.open(_layout.MAIN, _fsio.DIR_FLAGS, dir_fd=sfd)
-                except FileNotFoundError:
-                    return None  # subagent transcripts only
-                finally:
-                    os.close(sfd)
-
-            for name, session_id in children:
-                mfd = _listing.probe(open_main, name, op, f"{self._path(comps)}/{name}", moved_back)
-                if mfd is None:
-                    continue
-                try:
-                    path = f"{self._path(comps)}/{name}/{_layout.MAIN}"
-                    key = {"project_key": project_key, "session_id": session_id}
-                    summary, stamp = self._fresh_summary(mfd, path, key, fold, deadline)
-                finally:
-                    os.close(mfd)
-                if summary is not None:
-                    out.append({**summary, "session_id": session_id, "mtime": stamp})
-        return out
-
-    def _fresh_summary(self, mfd: int, path: str, key: dict[str, str], fold: _summaries.Fold | None,
-                       deadline: float) -> tuple[dict[str, Any] | None, int]:
-        """The summary of every part committed before its mtime (the stat comes first,
-        :func:`settled_mtime`), and its stamp (ms, :func:`summary_stamp`): the sidecar a
-        compaction left plus the parts after it, of a chain listed and read as a load
-        does it (:func:`snapshot`; its retries, and its lock); None if it cannot be had
-        now (the SDK then rebuilds it through load())."""
-        problem = f"no whole listing in {READ_ATTEMPTS} reads (compactions racing)"
-        with contextlib.ExitStack() as guard:
-            for attempt in range(READ_ATTEMPTS):
-                if attempt and not _views.refresh_listing(mfd):  # as a load: a client may list
-                    return None, 0  # from a cache (sshfs); gone on the server: deleted
-                if attempt == UNLOCKED_READS and not self._hold_for_reading(
-                        guard, _layout.transcript_dirs(_keys.parse_key(key, "list_session_summaries"))):
-                    break
-                try:
-                    stamp = summary_stamp(*settled_mtime(mfd, deadline))
-                    state = read_state(mfd) or State()
-                    seen = snapshot(mfd, path, "list_session_summaries", read=False)
-                    chain = seen.chain
-                    if seen.deleted is not None or not chain:
-                        return None, 0
-                    if seen.race is not None:
-                        continue  # a listing torn by a compaction
-                    if seen.gap is not None:  # in the transcript: the listings agree
-                        problem = f"part {seen.gap} is missing (see fsstore check)"
-                        break
-                    if state.summary is not None and state.folded == chain[-1][1]:
-                        return state.summary, stamp
-                    if fold is None:
-                        return None, 0
-                    return _compact.fold_chain((fold, key), state, chain, lambda name: parse(
-                        _read.read_file(mfd, name), f"{path}/{name}", "summary"))[0], stamp
-                except OSError as exc:  # a compaction removed a part after the listing, or
-                    if exc.errno not in (errno.ENOENT, errno.ESTALE):  # another host replaced
-                        raise  # state.json (ESTALE: GlusterFS, NFS)
-                except FsStoreError as exc:
-                    problem = str(exc)
-                    break
-        log.warning("summary left out: %s", problem, extra={
-            "code": "SUMMARY_BEHIND", "operation": "list_session_summaries", "path": path})
-        return None, 0
+        return _listing.summaries(self, project_key)
 
     # -- delete --------------------------------------------------------------------
 
