@@ -424,8 +424,7 @@ def link_and_check(
     relinked: set[str] = set()  # ours, removed already (a cached listing may still show them)
     passed: list[str] = []  # a repair's misplaced links: removed once the batch is committed
     kept: list[str] = []  # our misplaced links that could not be removed (EIO)
-    src = tmp
-    holes = forgotten = 0
+    src, holes, forgotten = tmp, 0, 0
     try:
         while True:
             name = _layout.part_name(seq)
@@ -450,16 +449,14 @@ def link_and_check(
                 src = name  # moved, not linked (a mount without hard links)
             try:
                 checked = _check_holding(dir_fd, seq, session_marker, payload)
-            except FileNotFoundError as exc:
+            except BaseException as exc:
                 misplaced.append(name)  # not committed: the check did not pass
-                raise PartLeft(errno.ENOENT, "the directory went away after the link", name) from exc
-            except BaseException:
-                misplaced.append(name)  # not committed: the check did not pass
+                if isinstance(exc, FileNotFoundError):
+                    raise PartLeft(errno.ENOENT, "the directory went away after the link", name) from exc
                 raise
             if checked is None:
-                raise FsStoreError("EAGAIN", f"the segments over part {seq} kept vanishing "
-                                   "(compactions); the batch may be committed", operation="append",
-                                   path=name, errno=errno.EAGAIN)
+                raise FsStoreError("EAGAIN", f"the segments over part {seq} kept vanishing (compactions); the "
+                                   "batch may be committed", operation="append", path=name, errno=errno.EAGAIN)
             items, cover, merged = checked
             others = [it for it in items if it[2] != name and it[2] not in relinked]
             hole = seq > 1 and not any(f <= seq - 1 <= last for f, last, _n in others)
@@ -469,10 +466,9 @@ def link_and_check(
                     _removed(dir_fd, old)  # (left: a copy, which the next repair removes)
                 return seq, items
             holes += cover is None
-            # Not in the chain: inside a compacted range (two lock holders overlapped, or
-            # a client cache, sshfs's, still showed a compacted file), or above a hole (a
-            # number taken from a stale view: a client cache that still shows a file of a
-            # directory deleted and made anew).
+            # Not in the chain: inside a compacted range (two lock holders overlapped, or a client
+            # cache, sshfs's, still showed a compacted file), or above a hole (a number taken from
+            # a stale view: a client cache still showing a file of a directory made anew).
             _relocating(name, inside=cover is not None)
             # Inside a segment's range no reader takes it: a repair links onward from it
             # (its source is a writer's, who may remove it), a writer removes it or, where

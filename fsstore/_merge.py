@@ -6,6 +6,7 @@ docs/format.md, "Deletes", has the whole story."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import time
 from typing import TYPE_CHECKING, Any
@@ -152,10 +153,9 @@ def _merge_transcript(
                 held.enter_context(store.locked(main))
                 if key != main:
                     held.enter_context(store.locked(key))
-                # The session at the name first, the claims after: a delete that took
-                # the session seen here (or the orphan) before any session made since
-                # could be at the name has claimed the orphan by then (found by review:
-                # a lock overtaken between the two looks, the other way round).
+                # The session at the name first, the claims after: a delete that took the session
+                # seen here (or the orphan) before any session made since could be at the name has
+                # claimed the orphan by then (review: a lock overtaken between the two looks).
                 session = _views.looked_up_ino(rfd, itself[2])
                 if session is None:
                     return "gone"
@@ -180,22 +180,12 @@ def _merge_transcript(
                     # its mark (a stall): its bytes are there (review 115: twice).
                     os.close(os.open(merged_name(last), os.O_WRONLY | os.O_CREAT, 0o600, dir_fd=tfd))
                     continue
-
-                def into(session_fd: int, session: int = session) -> bool:
-                    """Only into the session seen here, and only while nothing is claimed,
-                    looked at again once the commit has the directory it goes into:
-                    should this lock be overtaken (a stall, a clock ahead), a delete and
-                    a session made since (ext4 may give it the same inode number) may
-                    come first; a delete after this look marks the session it moves,
-                    which the commit's check sees."""
-                    return (os.fstat(session_fd).st_ino == session
-                            and _claimed(store, trash, orphan, names, mark) is None)
-
                 try:
                     # Its bytes as they were written (each batch's nonce with it): a writer whose
                     # part went with the orphan finds its batch committed by them (review 115:
                     # encoded anew, it was not recognised, and committed again: twice).
-                    store._append(key, entries, into=into, payload=data)
+                    store._append(key, entries, payload=data, into=functools.partial(
+                        _into_seen, store, trash, orphan, names, mark, session))
                 except _commit.Gone:  # why: looked at again
                     claim = _claimed(store, trash, orphan, names, mark)
                     return {"gone": "done", "claimed": "claimed", "alone": None, None: "gone"}[claim]
@@ -208,6 +198,17 @@ def _merge_transcript(
         return None
     finally:
         os.close(tfd)
+
+def _into_seen(store: SyncStore, trash: int, orphan: str, names: list[str], mark: str, session: int,
+               session_fd: int) -> bool:
+    """Whether a merge's batch may go into ``session_fd``: only into the session seen
+    (inode number ``session``), and only while nothing is claimed, looked at again once
+    the commit has the directory it goes into: should the merger's lock be overtaken (a
+    stall, a clock ahead), a delete and a session made since (ext4 may give it the same
+    inode number) may come first; a delete after this look marks the session it moves,
+    which the commit's check sees."""
+    return os.fstat(session_fd).st_ino == session and _claimed(store, trash, orphan, names, mark) is None
+
 
 def _there_already(store: SyncStore, rfd: int, key: dict[str, Any], data: bytes, read: dict[str, bytes]) -> bool:
     """Whether a file of the transcript ``key`` at its name holds ``data`` (a batch's
