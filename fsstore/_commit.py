@@ -241,9 +241,7 @@ def _chain_at_the_name(store: SyncStore, rfd: int, t: Appending) -> _transcript.
 
 
 def _in_chain(seen: _transcript.Snapshot | None, payload: bytes) -> bool:
-    """Whether a file of ``seen``'s chain holds the batch ``payload`` (its bytes are its
-    own: its nonce)."""
-    return seen is not None and any(payload in seen.data.get(name, b"") for _f, _l, name in seen.chain)
+    return seen is not None and seen.holding(payload) is not None
 
 
 def _append_once(store: SyncStore, t: Appending, payload: bytes, into: Callable[[int], bool] | None) -> None:
@@ -574,9 +572,8 @@ def _found(dir_fd: int, payload: bytes) -> tuple[int, list[Item]] | None:
         seen = _transcript.snapshot(dir_fd, "", "append")
         if seen.race is not None:
             continue
-        for _first, last, name in seen.chain:
-            if payload in seen.data.get(name, b""):
-                return last, seen.items
+        if (last := seen.holding(payload)) is not None:
+            return last, seen.items
         taken = {name for _f, _l, name in seen.chain}
         try:
             copied = any(payload in _read.read_file(dir_fd, name)

@@ -549,6 +549,11 @@ class Snapshot:
     race: Vanished | None  # the transcript changed while it was read: read it again
     data: dict[str, bytes]  # the bytes read, by name (what was judged is what was returned)
 
+    def holding(self, payload: bytes) -> int | None:
+        """The last number of the file of the chain whose bytes hold ``payload`` (a
+        batch's bytes carry its nonce: its own), or None."""
+        return next((last for _f, last, name in self.chain if payload in self.data.get(name, b"")), None)
+
 
 def snapshot(
     dir_fd: int, path: str, operation: str, *, read: bool = True,
