@@ -96,7 +96,8 @@ def _merge_once(store: SyncStore, orphan: str, comps: list[Component], mark: str
             ident = os.stat(orphan, dir_fd=trash, follow_symlinks=False).st_ino
             target = (_layout.rel(comps), _layout.rel(comps[:4]))
             main = {"project_key": _part(comps[1]), "session_id": _part(comps[3])}
-            for key, names in _transcripts(store, trash, orphan, comps, mark):
+            transcripts = _transcripts(store, trash, orphan, comps, mark)
+            for key, names in transcripts:
                 stopped = _merge_transcript(store, rfd, trash, orphan, (ident, *target), names, mark,
                                             main, key, path)
                 if stopped is not None:
@@ -111,11 +112,46 @@ def _merge_once(store: SyncStore, orphan: str, comps: list[Component], mark: str
                         os.rename(orphan, done, src_dir_fd=trash, dst_dir_fd=trash)
                     except FileNotFoundError:
                         done, stopped = "", "done"  # another merger's, a step ahead
-                if done:
-                    _fsio.remove_tree(trash, done)
+                if done and stopped is None:
+                    _remove_merged(trash, done, orphan, [names for _key, names in transcripts])
+                elif done:
+                    _fsio.remove_tree(trash, done)  # claimed: all of it a delete's
         finally:
             os.close(trash)
     return stopped
+
+
+def _remove_merged(trash: int, done: str, orphan: str, merged: list[list[str]]) -> None:
+    """Remove ``.trash/<done>``, the orphan merged whole, by the transcripts merged
+    (``merged``: their directories below it): one this client did not see is never
+    removed unmerged. A GlusterFS client can show a directory another client moved as
+    empty, and not find a directory in it by name, for a minute (review 117: a session's
+    subagent transcript): the orphan, then not empty, goes back under its name, and
+    :class:`Vanished` has it read again (or by the next gc, on a host that sees it)."""
+    fd = os.open(done, _fsio.DIR_FLAGS, dir_fd=trash)
+    try:
+        for names in filter(None, merged):  # (none: the orphan is a subagent transcript itself)
+            parent = fd if len(names) == 1 else os.open(names[0], _fsio.DIR_FLAGS, dir_fd=fd)
+            try:
+                _fsio.remove_tree(parent, names[-1])
+            finally:
+                if parent != fd:
+                    os.close(parent)
+        with os.scandir(fd) as entries:  # what is left of it: its files (temp files, parts)...
+            for entry in entries:
+                if not entry.is_dir(follow_symlinks=False):
+                    _fsio.unlink_quiet(fd, entry.name)
+        with contextlib.suppress(OSError):  # (not empty: the rmdir after it says so)
+            os.rmdir(_layout.SUBKEYS, dir_fd=fd)  # ...and subkeys/, where it is empty now
+        os.rmdir(done, dir_fd=trash)
+    except OSError as exc:
+        # Not removed whole (ENOTEMPTY: a transcript not seen; or a failure): back under
+        # its name, where what it holds is merged, not taken for garbage.
+        os.rename(done, orphan, src_dir_fd=trash, dst_dir_fd=trash)
+        raise Vanished(f"{orphan}, merged, still holds what this client did not see in it "
+                       f"({exc.strerror})") from exc
+    finally:
+        os.close(fd)
 
 
 def _merge_transcript(

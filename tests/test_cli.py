@@ -1614,6 +1614,33 @@ def test_two_mergers_of_one_orphan_whose_locks_overlap_append_each_batch_once(
     assert SyncStore(root).load(KEY) == [entry(2), *(b[0] for b in batches)] and _orphans(root) == []
 
 
+def test_a_merge_never_removes_a_transcript_of_the_orphan_its_client_did_not_see(
+    root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Review 117 (GlusterFS, two clients): the client of the host that made the session
+    anew listed the directory the other host's delete moved into .trash as empty, and
+    did not find its ``subkeys/`` by name, for a minute. A merge there saw the main
+    transcript only, merged it, and removed the orphan whole: the subagent transcript's
+    acknowledged batches with it. Staged: the merger's view without that transcript. It
+    stays, under its orphan name, for a merge that sees it (gc)."""
+    sub = {**KEY, "subpath": "subagents/agent-0"}
+    SyncStore(root, create=True).append(sub, [{"type": "user", "n": "s"}])
+    batches = [[{"type": "user", "n": n}] for n in range(2)]
+    orphan = orphan_of(root, batches, compact_every=0)
+    real = _merge._transcripts
+    with monkeypatch.context() as m:
+        m.setattr(_merge, "_transcripts", lambda *args: [t for t in real(*args) if "subpath" not in t[0]])
+        m.setattr(_merge.time, "sleep", lambda _s: None)
+        comps = _layout.transcript_dirs(parse_key(KEY, "test"))[:4]
+        assert _merge.merge_back(SyncStore(root), orphan, comps, _layout.MAIN, "-") == "failed"
+    assert [p.name for p in _orphans(root)] == [orphan]
+    assert SyncStore(root).load(sub) is None  # in .trash still: merged by the next merge that sees it
+    gc = fsstore("gc", root, "--older-than", "0s")
+    assert gc.returncode == 0 and "merged" in gc.stdout, gc.stdout + gc.stderr
+    assert SyncStore(root).load(sub) == [{"type": "user", "n": "s"}] and _orphans(root) == []
+    assert SyncStore(root).load(KEY) == [entry(2), *(b[0] for b in batches)]
+
+
 def test_a_merge_appends_a_batch_without_a_nonce_whose_equal_the_session_holds(root: Path) -> None:
     """A merge leaves out a file whose bytes the session made since holds already (the
     test above), but only where those bytes carry a nonce: a batch written before nonces

@@ -33,6 +33,7 @@ from fsstore import (
     _delete,
     _fsio,
     _layout,
+    _merge,
     _read,
     _transcript,
     _views,
@@ -1653,7 +1654,7 @@ def test_a_batch_a_merge_copied_before_its_writer_took_it_back_is_there_once(
             with monkeypatch.context() as m:
                 m.setattr(_delete, "restore", lambda *args: False)  # its look came first
                 if not removed:
-                    m.setattr(_fsio, "remove_tree", lambda *args: None)  # (not yet)
+                    m.setattr(_merge, "_remove_merged", lambda *args: None)  # (not yet)
                 maker.append(KEY, [entry(2)])  # and merges what was moved, our part with it
         return real(dir_fd, seq, marker)
 
