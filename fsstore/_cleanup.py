@@ -188,10 +188,16 @@ def _remove_marked_tree(parent_fd: int, name: str, mark: str) -> None:
 
 def _remove_trash(w: Walker, g: Garbage, older_than: float, dry_run: bool,
                   homes: tuple[list[str], list[tuple[str, ...]]]) -> Action:
-    """:func:`_remove_garbage` for what a delete left in ``.trash``. ``ESTALE``: a
-    GlusterFS brick that handled a listing of the directory's old parent while it was
-    moved answers so until its old name is looked up (gluster#1411; review, stop 36:
-    every gc failing on the same tombs for minutes): looked up, and removed again."""
+    """:func:`_remove_garbage` for what a delete left in ``.trash``, judged again first:
+    an orphan (unmarked, with batches) is never removed, however it looked at the walk
+    (a GlusterFS client can list a directory another client moved as empty for a
+    minute: review 117). ``ESTALE``: a GlusterFS brick that handled a listing of the
+    directory's old parent while it was moved answers so until its old name is looked
+    up (gluster#1411; review, stop 36: every gc failing on the same tombs for minutes):
+    looked up, and removed again."""
+    if not dry_run and g.kind == "trash" and _orphan_now(w, g):
+        return Action("keep", g.path, "holds batches and no mark now (moved by mistake): "
+                      "merged by the next gc, not removed", False, g.age)
     act = _remove_garbage(w, g, older_than, dry_run)
     if act.code != "ESTALE":
         return act
@@ -203,6 +209,19 @@ def _remove_trash(w: Walker, g: Garbage, older_than: float, dry_run: bool,
             finally:
                 os.close(pfd)
     return _remove_garbage(w, g, older_than, dry_run)
+
+
+def _orphan_now(w: Walker, g: Garbage) -> bool:
+    """Whether ``g`` in .trash is an orphan as it is now (True where that cannot be told)."""
+    pfd = w.open(g.parent)
+    if pfd is None:
+        return False
+    try:
+        return _trash.orphan(pfd, g.name)
+    except OSError:
+        return True
+    finally:
+        os.close(pfd)
 
 
 def _break(lk: LockInfo, older_than: float, stale_lock_seconds: float, dry_run: bool) -> Action | None:

@@ -33,6 +33,8 @@ from fsstore import (
     _transfer,
     _trash,
     _views,
+    _walk,
+    cli,
 )
 from fsstore._keys import parse_key
 from fsstore._store import SyncStore
@@ -1639,6 +1641,27 @@ def test_a_merge_never_removes_a_transcript_of_the_orphan_its_client_did_not_see
     assert gc.returncode == 0 and "merged" in gc.stdout, gc.stdout + gc.stderr
     assert SyncStore(root).load(sub) == [{"type": "user", "n": "s"}] and _orphans(root) == []
     assert SyncStore(root).load(KEY) == [entry(2), *(b[0] for b in batches)]
+
+
+def test_gc_never_removes_an_orphan_its_walk_saw_no_batches_in(
+    root: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Review 117 (GlusterFS, two clients): gc on the host whose client listed the
+    directory another host's delete had moved by mistake as empty took it for a
+    leftover of a delete and removed it (it failed only because the removal's own
+    listing was empty too; a listing made afresh by then would have removed its
+    acknowledged batches). Staged: the walk's view with no batches in it. gc judges it
+    again before removing: it stays, and the next gc merges it."""
+    batches = [[{"type": "user", "n": n}] for n in range(2)]
+    orphan = orphan_of(root, batches, compact_every=0)
+    with monkeypatch.context() as m:
+        m.setattr(_walk, "_moved_by_mistake", lambda *args: False)
+        assert cli.main(["gc", str(root), "--older-than", "0s"]) == 0
+    assert "holds batches and no mark now" in capsys.readouterr().out
+    assert [p.name for p in _orphans(root)] == [orphan]
+    gc = fsstore("gc", root, "--older-than", "0s")
+    assert gc.returncode == 0 and "merged" in gc.stdout, gc.stdout + gc.stderr
+    assert SyncStore(root).load(KEY) == [entry(2), *(b[0] for b in batches)] and _orphans(root) == []
 
 
 def test_a_merge_appends_a_batch_without_a_nonce_whose_equal_the_session_holds(root: Path) -> None:
