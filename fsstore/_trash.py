@@ -118,13 +118,15 @@ def tags_of(name: str) -> list[str] | None:
     return None if m is None else [t for t in (m.group(1), m.group(2)) if t]
 
 
-def holds_batches(parent_fd: int, name: str) -> bool:
+def holds_batches(parent_fd: int, name: str, known: tuple[str, ...] = (_layout.MAIN, _layout.SUBKEYS)) -> bool:
     """Whether a part or segment is anywhere below ``parent/name``. Where that cannot
     be told (a directory this process may not read now), the OSError is raised: what
     decides whether gc may remove it, or move it back, must not take batches it could
     not see for none, nor a mark it could not see for none (found by review: an orphan
     whose ``main/`` was unreadable for a moment was removed as "a leftover of a
-    delete" once readable again, its batches lost)."""
+    delete" once readable again, its batches lost). A session's ``known`` directories
+    are looked up by name too: a GlusterFS client can list a directory another client
+    moved as empty, for a minute, and find its ``main/`` by name (review 117)."""
     try:
         fd = os.open(name, _fsio.DIR_FLAGS, dir_fd=parent_fd)
     except (FileNotFoundError, NotADirectoryError):
@@ -135,7 +137,8 @@ def holds_batches(parent_fd: int, name: str) -> bool:
         raise
     try:
         with os.scandir(fd) as entries:
-            return any(holds_batches(fd, e.name) if e.is_dir(follow_symlinks=False)
-                       else _layout.parse_item(e.name) is not None for e in entries)
+            listed = {e.name: e.is_dir(follow_symlinks=False) for e in entries}
+        return any(holds_batches(fd, n, ()) if is_dir else _layout.parse_item(n) is not None
+                   for n, is_dir in listed.items()) or any(holds_batches(fd, n, ()) for n in known if n not in listed)
     finally:
         os.close(fd)

@@ -1598,19 +1598,23 @@ def test_a_writer_finishing_a_delete_never_moves_the_session_made_anew(
     assert trash_left(root) == []
 
 
-@pytest.mark.parametrize("key", [KEY, SUB], ids=["session", "subagent transcript"])
+@pytest.mark.parametrize(("key", "listed_empty"), [(KEY, False), (SUB, False), (KEY, True)],
+                         ids=["session", "subagent transcript", "session listed as empty"])
 def test_a_transcript_made_anew_after_a_delete_moved_one_by_mistake_holds_its_batches_at_once(
-    root: Path, monkeypatch: pytest.MonkeyPatch, key: dict[str, Any]
+    root: Path, monkeypatch: pytest.MonkeyPatch, key: dict[str, Any], listed_empty: bool
 ) -> None:
     """Left by review 114: a delete moved a transcript made anew after its mark into
     .trash by mistake and stalled or died before moving it back, and a writer whose
     look in .trash came before that move (or through sshfs's cached listing) made the
     transcript anew at the name: the moved batch was in no load until gc merged it. The
     writer that makes it merges it at once. Staged: the other writer's batch and the
-    dead deleter's move between the writer's look in .trash and its making."""
+    dead deleter's move between the writer's look in .trash and its making.
+    ``listed_empty``: review 117 (GlusterFS, two clients): the maker's client listed the
+    moved directory as empty, for a minute, and found its ``main/`` by name; it took it
+    for no orphan. A session's directories are looked up by name too."""
     store = SyncStore(root, create=True)
     store.append({**KEY, "session_id": "another"}, [entry(0)])  # a store made
-    real, moved = _delete.restore, []
+    real, real_scandir, moved = _delete.restore, os.scandir, []
 
     def restore(*args: Any, **kwargs: Any) -> bool:
         if moved:
@@ -1621,7 +1625,14 @@ def test_a_transcript_made_anew_after_a_delete_moved_one_by_mistake_holds_its_ba
         moved[0] = moved_by_a_dead_deleter(root, key)  # and moved by mistake
         return looked
 
+    def scandir(path: Any = ".") -> Any:  # the moved directory, listed by this client
+        if isinstance(path, int) and os.readlink(f"/proc/self/fd/{path}").endswith(_delete.ASIDE_TAG):
+            return contextlib.nullcontext(iter(()))
+        return real_scandir(path)
+
     monkeypatch.setattr(_delete, "restore", restore)
+    if listed_empty:
+        monkeypatch.setattr(os, "scandir", scandir)
     store.append(key, [entry(2)])
     monkeypatch.undo()
     assert moved and not moved[0].exists()
