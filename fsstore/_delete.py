@@ -459,6 +459,13 @@ def _claim_moved(store: SyncStore, rfd: int, tags: list[str], ticket: str, path:
                                 extra={"code": "DELETE_RACED", "operation": "delete", "path": path})
                     # What another delete marked is its to take (or its own move, marked).
                     _take(trash, holder, what, taken, path)
+            except OSError as exc:
+                # Gone from .trash since the listing: moved back to the name (the caller
+                # looks there again) or merged by another process. This delete is
+                # committed: not its failure (review 117: ENOENT from a delete that had
+                # deleted, 1 of 262 on GlusterFS).
+                if exc.errno not in (errno.ENOENT, errno.ESTALE):
+                    raise
             finally:
                 os.close(holder)
     finally:

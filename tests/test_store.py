@@ -11,6 +11,7 @@ import logging
 import math
 import os
 import re
+import shutil
 import stat
 import subprocess
 import sys
@@ -44,6 +45,7 @@ from ._helpers import (
     SUB,
     fsstore,
     lock_file,
+    made_anew_blind,
     moved_by_a_dead_deleter,
     overtake_locks,
     parts_of,
@@ -1861,6 +1863,31 @@ def test_a_delete_whose_way_another_host_removed_meanwhile_starts_again_from_the
     reader = SyncStore(root)
     assert reader.load(SUB) is None  # the new one too: its append overlapped this delete
     assert trash_left(root) == []
+
+
+def test_a_delete_whose_claim_of_a_moved_directory_finds_it_gone_meanwhile_returns(
+    root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Review 117 (GlusterFS campaign, 1 of 262 deletes): a delete, its own move done
+    (committed), claims what another delete moved into .trash by mistake while it was
+    at the name (it holds the delete's ticket); between its look and its mark, that
+    directory went (merged and removed by another process, or moved back): the delete
+    raised ENOENT for a delete it had done. Staged: the directory removed right after
+    its mark's open of it."""
+    store = SyncStore(root, create=True)
+    store.append(KEY, [entry(1)])
+    moved = moved_by_a_dead_deleter(root, KEY)
+    made_anew_blind(monkeypatch, store, KEY, [entry(2)])  # the session at the name since
+    real, gone = store._fs.open_dir, []
+
+    def open_dir(base_fd: int, comps: Any, **kwargs: Any) -> Any:
+        if comps == [(_layout.MAIN, None)] and os.readlink(f"/proc/self/fd/{base_fd}") == str(moved):
+            gone.append(shutil.rmtree(moved))  # merged and removed, say, once the mark's look opened it
+        return real(base_fd, comps, **kwargs)
+
+    monkeypatch.setattr(store._fs, "open_dir", open_dir)
+    store.delete(KEY)
+    assert gone and store.load(KEY) is None
 
 
 def test_a_session_with_only_subagent_transcripts_is_deleted_whole(root: Path) -> None:
