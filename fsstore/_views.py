@@ -103,9 +103,14 @@ def forgot_stale_dir(parent: int, name: str) -> bool:
 
 
 def rename_onto(parent: int, name: str, rename: Callable[[], T]) -> T:
-    """``rename()``, a rename onto ``parent/name``; once more after ESTALE where this
-    client has dropped a directory another host moved away from that name
-    (:func:`forgot_stale_dir`)."""
+    """``rename()``, a rename onto ``parent/name``, this client's name for a directory
+    another host moved away from there dropped first (:func:`forgot_stale_dir`): to
+    the client's kernel a rename onto it replaces that directory, which it then takes
+    for destroyed wherever it is now (empty listings, ENOENT lookups in it, for as long
+    as anything keeps it cached: review 117, a GlusterFS client; a session a delete had
+    moved by mistake looked empty there, its batches in no load of that host, and a
+    delete there deleted nothing). Once more after ESTALE, where the client kept it."""
+    forgot_stale_dir(parent, name)
     try:
         return rename()
     except OSError as exc:

@@ -1176,6 +1176,44 @@ def test_a_session_made_anew_through_a_cached_listing_of_trash_holds_what_a_dele
     assert ids(FsSessionStore(root1).sync.load(key) or []) == [("h2", 0, 0), ("h1", 0, 0)]
 
 
+@pytest.mark.parametrize("kind", [pytest.param("gluster", id="gluster")])
+def test_a_session_made_anew_over_a_name_its_client_still_resolves_leaves_the_moved_one_readable(
+    request: pytest.FixtureRequest, kind: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Review 117 (two GlusterFS clients, 16 of 20 staged runs): a delete on host 1 moved
+    a session made anew after its mark into .trash by mistake and died; host 2, whose
+    client still resolved the session's name to it (a paused writer of it held a
+    directory of it open), made the session anew at that name. Its kernel took the
+    rename onto the name for the moved directory's replacement: with it still open, host
+    2 listed it as empty and did not find its main/, so nothing merged it (its batches
+    in no load); moved back later, host 2's loads of it were null for minutes and a
+    delete there deleted nothing. The writer now has its client drop the name first.
+    Staged: host 2's look in .trash before the move (as review 114's)."""
+    from fsstore import _delete
+
+    pair = pair_of(request, kind)
+    r1, r2 = pair.fresh("dead-view")
+    root1, root2 = str(r1 / "store"), str(r2 / "store")
+    key = {"project_key": "-net", "session_id": "dead"}
+    sub = {**key, "subpath": "subagents/agent-0"}
+    FsSessionStore(root2, create=True).sync.append(key, batch("h2", 0, 1))
+    FsSessionStore(root2).sync.append(sub, batch("h2", 1, 1))
+    held = os.open(tdir(Path(root2), sub), os.O_RDONLY | os.O_DIRECTORY)  # a paused writer's
+    try:
+        moved = moved_by_a_dead_deleter(Path(root1), key)
+        with monkeypatch.context() as m:
+            m.setattr(_delete, "restore", lambda *args: False)  # its look came first
+            FsSessionStore(root2).sync.append(key, batch("h2", 2, 1))
+        assert ids(FsSessionStore(root2).sync.load(key) or []) == [("h2", 2, 0), ("h2", 0, 0)]
+        assert ids(FsSessionStore(root2).sync.load(sub) or []) == [("h2", 1, 0)]
+    finally:
+        os.close(held)
+    assert not moved.exists()
+    time.sleep(pair.cache_window + 0.5)
+    assert ids(FsSessionStore(root1).sync.load(key) or []) == [("h2", 2, 0), ("h2", 0, 0)]
+    assert ids(FsSessionStore(root1).sync.load(sub) or []) == [("h2", 1, 0)]
+
+
 @pytest.mark.parametrize("kind", [pytest.param("sshfs", id="sshfs")])
 def test_a_batch_whose_directory_a_delete_moves_by_mistake_before_its_check_is_there_once(
     request: pytest.FixtureRequest, kind: str, monkeypatch: pytest.MonkeyPatch
