@@ -9,7 +9,7 @@ import errno
 import os
 import re
 
-from . import _fsio, _layout
+from . import _fsio, _layout, _views
 from ._layout import Component
 
 ASIDE_TAG = "-deleted"  # what a delete moved into .trash, until it is emptied or moved back
@@ -41,8 +41,12 @@ def orphan_target(name: str, transcripts: list[list[Component]]) -> tuple[list[C
 def moved_by_mistake(trash: int, comps: list[Component]) -> str | None:
     """The name of a directory in ``.trash`` of the session ``comps[:4]`` (or of one of
     its transcripts) that no delete marked: moved there by mistake, and not moved back
-    or merged yet (its batches are the session's); None if there is none."""
+    or merged yet (its batches are the session's); None if there is none. ``.trash``
+    is listed afresh: a client's cached listing can miss what another host moved there
+    (review 117, sshfs: a prune took the session for whole and deleted it, and the
+    moved part came back after it)."""
     tag = tags(comps)[0]
+    _views.refresh_listing(trash)
     return next((name for name in _fsio.listdir(trash)
                  if (tags_of(name) or [""])[0] == tag and surely_orphan(trash, name)), None)
 

@@ -1176,6 +1176,36 @@ def test_a_session_made_anew_through_a_cached_listing_of_trash_holds_what_a_dele
     assert ids(FsSessionStore(root1).sync.load(key) or []) == [("h2", 0, 0), ("h1", 0, 0)]
 
 
+@pytest.mark.parametrize("kind", [pytest.param("sshfs", id="sshfs")])
+def test_a_prune_through_a_cached_listing_of_trash_keeps_a_session_a_delete_moved_part_of(
+    request: pytest.FixtureRequest, kind: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Review 117 (cached sshfs, 2 of 2): a delete moved a session made anew into .trash
+    by mistake and died; host 1 made the session anew and died before its look in .trash;
+    a prune on host 2, whose client still had a listing of .trash from before the move,
+    did not see the moved part, deleted the session, and the moved batch came back at
+    the name after it. The prune lists .trash afresh, and keeps the session."""
+    from fsstore import _create, _delete, cli
+
+    pair = pair_of(request, kind)
+    r1, r2 = pair.fresh("cached-prune")
+    root1, root2 = str(r1 / "store"), str(r2 / "store")
+    key = {"project_key": "-net", "session_id": "pruned"}
+    FsSessionStore(root1, create=True).sync.append({**key, "project_key": "-other"}, batch("h1", 9, 1))
+    os.makedirs(f"{root1}/.trash", exist_ok=True)
+    FsSessionStore(root1).sync.append(key, batch("h1", 0, 1))
+    os.listdir(f"{root2}/.trash")  # host 2's client keeps this listing
+    moved = moved_by_a_dead_deleter(r1 / "store", key)
+    with monkeypatch.context() as m:  # made anew, its maker dead before its look in .trash
+        m.setattr(_delete, "restore", lambda *args: False)
+        m.setattr(_create, "_merge_what_was_moved", lambda *args: None)
+        FsSessionStore(root1).sync.append(key, batch("h1", 1, 1))
+    assert cli.main(["prune", root2, "--older-than", "0s", "--project", "-net"]) == 0
+    assert moved.exists()  # kept: merged by the next gc
+    assert cli.main(["gc", root1, "--older-than", "0s"]) == 0
+    assert ids(FsSessionStore(root1).sync.load(key) or []) == [("h1", 1, 0), ("h1", 0, 0)]
+
+
 @pytest.mark.parametrize("kind", [pytest.param("gluster", id="gluster")])
 def test_a_session_made_anew_over_a_name_its_client_still_resolves_leaves_the_moved_one_readable(
     request: pytest.FixtureRequest, kind: str, monkeypatch: pytest.MonkeyPatch
