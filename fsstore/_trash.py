@@ -122,7 +122,8 @@ def tags_of(name: str) -> list[str] | None:
     return None if m is None else [t for t in (m.group(1), m.group(2)) if t]
 
 
-def holds_batches(parent_fd: int, name: str, known: tuple[str, ...] = (_layout.MAIN, _layout.SUBKEYS)) -> bool:
+def holds_batches(parent_fd: int, name: str,
+                  known: tuple[str, ...] = (_layout.MAIN, _layout.SUBKEYS)) -> bool:
     """Whether a part or segment is anywhere below ``parent/name``. Where that cannot
     be told (a directory this process may not read now), the OSError is raised: what
     decides whether gc may remove it, or move it back, must not take batches it could
@@ -142,7 +143,8 @@ def holds_batches(parent_fd: int, name: str, known: tuple[str, ...] = (_layout.M
     try:
         with os.scandir(fd) as entries:
             listed = {e.name: e.is_dir(follow_symlinks=False) for e in entries}
-        return any(holds_batches(fd, n, ()) if is_dir else _layout.parse_item(n) is not None
-                   for n, is_dir in listed.items()) or any(holds_batches(fd, n, ()) for n in known if n not in listed)
+        seen = any(holds_batches(fd, n, ()) if is_dir else _layout.parse_item(n) is not None
+                   for n, is_dir in listed.items())
+        return seen or any(holds_batches(fd, n, ()) for n in known if n not in listed)
     finally:
         os.close(fd)
