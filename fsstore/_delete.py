@@ -439,6 +439,11 @@ def _claim_moved(store: SyncStore, rfd: int, tags: list[str], ticket: str, path:
         return
     base = f"{store.root}/{_layout.TRASH}"
     try:
+        # Listed afresh, marks confirmed by an open: a client's cache can hide what a
+        # stalled deleter moved here, or show a mark its rename carried along (review 118,
+        # sshfs: what was at the name as this delete began came back after it returned).
+        with contextlib.suppress(OSError):  # (committed: a probe left is gc's)
+            _views.refresh_listing(trash)
         for name in _fsio.listdir(trash):
             found = _trash.tags_of(name)
             if found is None or found[0] != tags[0]:
@@ -453,7 +458,7 @@ def _claim_moved(store: SyncStore, rfd: int, tags: list[str], ticket: str, path:
             if holder is None:
                 continue
             try:
-                if _holds(store, holder, what, mark, base, ticket) and not marked(holder, what, mark):
+                if _holds(store, holder, what, mark, base, ticket) and not marked(holder, what, mark, asked=True):
                     _mark(store, holder, what, f"{base}/{name}", mark, _layout.DELETED)
                     log.warning("marked what another delete had moved by mistake: deleted now",
                                 extra={"code": "DELETE_RACED", "operation": "delete", "path": path})

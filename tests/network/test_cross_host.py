@@ -1177,6 +1177,44 @@ def test_a_session_made_anew_through_a_cached_listing_of_trash_holds_what_a_dele
 
 
 @pytest.mark.parametrize("kind", [pytest.param("sshfs", id="sshfs")])
+def test_a_delete_through_a_cached_listing_of_trash_claims_what_a_stalled_deleter_moved_there(
+    request: pytest.FixtureRequest, kind: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Review 118 (cached sshfs): a delete on host 1 left its tickets in the session at
+    the name; a stalled deleter on host 2, its lock overtaken, then moved that session
+    into .trash by mistake; host 1's delete found nothing at the name and, through its
+    client's listing of .trash from before the move, nothing to claim there: it
+    returned, and the next append moved the session back, its acknowledged batch in
+    every load after the delete. The claim lists .trash afresh."""
+    from fsstore import _delete
+
+    pair = pair_of(request, kind)
+    r1, r2 = pair.fresh("cached-claim")
+    root1, root2 = str(r1 / "store"), str(r2 / "store")
+    key = {"project_key": "-net", "session_id": "claimed"}
+    FsSessionStore(root1, create=True).sync.append({**key, "session_id": "another"}, batch("h1", 9, 1))
+    FsSessionStore(root1).sync.delete({**key, "session_id": "another"})  # a .trash
+    FsSessionStore(root1).sync.append(key, batch("h1", 0, 1))
+    os.listdir(f"{root1}/.trash")  # host 1's client keeps this listing
+    real, moved = _delete._tickets, []
+
+    def tickets(*args: Any, **kwargs: Any) -> None:
+        real(*args, **kwargs)
+        if not kwargs.get("undo") and not moved:  # host 2's stalled deleter, after our tickets
+            moved.append(moved_by_a_dead_deleter(r2 / "store", key))
+
+    monkeypatch.setattr(_delete, "_tickets", tickets)
+    FsSessionStore(root1).sync.delete(key)
+    monkeypatch.undo()
+    assert moved and not moved[0].exists()
+    time.sleep(pair.cache_window + 0.5)
+    for root in (root1, root2):
+        assert FsSessionStore(root).sync.load(key) is None
+    FsSessionStore(root2).sync.append(key, batch("h2", 0, 1))  # (an append moved it back before)
+    assert ids(FsSessionStore(root2).sync.load(key) or []) == [("h2", 0, 0)]
+
+
+@pytest.mark.parametrize("kind", [pytest.param("sshfs", id="sshfs")])
 def test_a_prune_through_a_cached_listing_of_trash_keeps_a_session_a_delete_moved_part_of(
     request: pytest.FixtureRequest, kind: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
