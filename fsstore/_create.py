@@ -19,8 +19,6 @@ from ._transcript import Deleted, check_session_marker
 if TYPE_CHECKING:
     from ._store import SyncStore
 
-_STALE_VIEW_PAUSE = 1.1  # s: a GlusterFS client's cached lookups (1 s) lapse unused
-
 
 def first_commit(
     store: SyncStore, rfd: int, t: _commit.Appending, payload: bytes, into: Callable[[int], bool] | None,
@@ -87,7 +85,7 @@ def recreate(store: SyncStore, t: _commit.Appending, payload: bytes) -> bool:
                 # Another directory is there on the server, and this client reaches the
                 # old one: its view lapses once unused (GlusterFS: about 1 s). Not
                 # touching it meanwhile is what lets it lapse.
-                time.sleep(_STALE_VIEW_PAUSE)
+                time.sleep(_views.STALE_VIEW_PAUSE)
             return made
         finally:
             os.close(fd)

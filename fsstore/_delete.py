@@ -85,9 +85,9 @@ def remove(
     with store._open_root(create=False) as rfd:
         if rfd is None:
             return True
-        parent = store._open(rfd, comps[:-1], op)
+        parent = _open_parent(store, rfd, comps, op)
         if parent is None and claiming and restore(store, rfd, comps):
-            parent = store._open(rfd, comps[:-1], op)  # its session was hidden in .trash
+            parent = _open_parent(store, rfd, comps, op)  # its session was hidden in .trash
         if parent is None and not (claiming and not mark):
             return True
         # A subagent transcript with nothing at its name (its session holds no subagent
@@ -253,6 +253,25 @@ def marked(parent: int, name: str, below: str, *, asked: bool = False) -> bool:
         return seen and (not asked or _read.mark_there(parent, _trash.mark_path(name, below)))
     except OSError:
         return True
+
+
+_SESSION_VIEW_TRIES = 4  # pauses for a client's lookups of a session to lapse (_views.STALE_VIEW_PAUSE)
+
+
+def _open_parent(store: SyncStore, rfd: int, comps: list[Component], op: str) -> int | None:
+    """The directory holding ``comps``' last name; for a subagent transcript, in the
+    session at the name on the server: a client can resolve the session's name to one
+    deleted since, for a second (GlusterFS's cached lookups), and a delete there would
+    empty that one's copy in .trash and leave the transcript at the name (review 118:
+    4 of 4). Looked up again once the view lapses; ESTALE if it does not."""
+    for _try in range(_SESSION_VIEW_TRIES):
+        parent = store._open(rfd, comps[:-1], op)
+        if parent is None or len(comps) < 6 or _views.at_its_name(rfd, comps[:-1], parent, (3,)):
+            return parent
+        os.close(parent)
+        time.sleep(_views.STALE_VIEW_PAUSE)
+    raise OSError(errno.ESTALE, "this client keeps resolving the session's name to another "
+                  "directory than the server has", store._path(comps[:4]))
 
 
 def _move_to_trash(store: SyncStore, rfd: int, parent: int, name: str, path: str, mark: str,

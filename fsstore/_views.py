@@ -22,6 +22,8 @@ from ._layout import PROJECTS, Component
 
 T = TypeVar("T")
 
+STALE_VIEW_PAUSE = 1.1  # s: a GlusterFS client's cached lookups (1 s) lapse unused
+
 
 def refresh_listing(dir_fd: int) -> bool:
     """Make the client list the directory afresh; False if it is gone on the server.

@@ -1176,6 +1176,31 @@ def test_a_session_made_anew_through_a_cached_listing_of_trash_holds_what_a_dele
     assert ids(FsSessionStore(root1).sync.load(key) or []) == [("h2", 0, 0), ("h1", 0, 0)]
 
 
+@pytest.mark.parametrize("kind", [pytest.param("gluster", id="gluster")])
+def test_a_subagent_transcript_delete_through_a_stale_lookup_of_its_session_deletes_the_one_at_the_name(
+    request: pytest.FixtureRequest, kind: str
+) -> None:
+    """Review 118 (two GlusterFS clients, 4 of 4): host 1 deleted a session and appended
+    to a subagent transcript of it (the session made anew); host 2, whose client still
+    resolved the session's name to the deleted one (its cached lookups, about a second),
+    deleted that subagent transcript: it emptied the old copy in .trash and returned,
+    the acknowledged batch in every load after. The delete of a subagent transcript
+    makes sure the session it found is the one at the name."""
+    pair = pair_of(request, kind)
+    r1, r2 = pair.fresh("stale-subdel")
+    root1, root2 = str(r1 / "store"), str(r2 / "store")
+    key = {"project_key": "-net", "session_id": "subdel"}
+    sub = {**key, "subpath": "subagents/agent-1"}
+    FsSessionStore(root2, create=True).sync.append(sub, batch("h2", 0, 1))
+    assert FsSessionStore(root2).sync.load(sub)  # host 2 looked the session up
+    FsSessionStore(root1).sync.delete(key)
+    FsSessionStore(root1).sync.append(sub, batch("h1", 0, 1))  # the session made anew
+    FsSessionStore(root2).sync.delete(sub)
+    time.sleep(pair.cache_window + 0.5)
+    for root in (root1, root2):
+        assert FsSessionStore(root).sync.load(sub) is None
+
+
 @pytest.mark.parametrize("kind", [pytest.param("sshfs", id="sshfs")])
 def test_a_delete_through_a_cached_listing_of_trash_claims_what_a_stalled_deleter_moved_there(
     request: pytest.FixtureRequest, kind: str, monkeypatch: pytest.MonkeyPatch
